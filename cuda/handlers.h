@@ -1,0 +1,6 @@
+// Every XLA FFI handler symbol the extension exports; module.cc registers them by name.
+#pragma once
+
+#include "xla/ffi/api/api.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxsparseDecompress);

@@ -1,0 +1,78 @@
+"""The one place that chooses between the CUDA kernels and the pure-JAX reference.
+
+``JAXSPARSE_BACKEND`` (read at trace time):
+  * ``auto`` (default): the CUDA kernel when the extension is built, the program is lowered for a GPU
+    and the operands meet the kernel's constraints; the reference otherwise. The choice between GPU and
+    CPU is made per lowering platform with ``jax.lax.platform_dependent``, so one jitted function runs
+    on either.
+  * ``reference``: always the reference.
+  * ``cuda``: always the kernel; a missing extension, a missing GPU or operands the kernel cannot take
+    raise instead of falling back.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Callable, Optional
+
+import jax
+
+from jaxsparse import ffi
+
+__all__ = ["BACKENDS", "backend", "call"]
+
+BACKENDS = ("auto", "reference", "cuda")
+_warned: set[tuple[str, str]] = set()
+
+
+def backend() -> str:
+    """The backend ``JAXSPARSE_BACKEND`` asks for (``auto`` when unset)."""
+    mode = os.environ.get("JAXSPARSE_BACKEND", "auto").strip().lower() or "auto"
+    if mode not in BACKENDS:
+        raise ValueError(f"JAXSPARSE_BACKEND must be one of {BACKENDS}, got {mode!r}")
+    return mode
+
+
+def _has_gpu() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+def call(
+    op: str,
+    reference: Callable[..., Any],
+    cuda: Optional[Callable[..., Any]],
+    *operands: Any,
+    unsupported: Optional[str] = None,
+) -> Any:
+    """Runs ``op`` on ``operands`` through the kernel or the reference.
+
+    Args:
+      op: the op's name, for messages.
+      reference: the pure-JAX implementation.
+      cuda: the FFI implementation, or None while the op has no kernel (then the reference always runs).
+      *operands: arrays or pytrees of arrays, passed to either implementation.
+      unsupported: why the kernel cannot take these operands, or None when it can.
+    """
+    mode = backend()
+    if mode == "reference" or cuda is None:
+        return reference(*operands)
+    if mode == "cuda":
+        if not ffi.available():
+            raise RuntimeError(f"JAXSPARSE_BACKEND=cuda but {ffi.unavailable_reason()}")
+        if not _has_gpu():
+            raise RuntimeError("JAXSPARSE_BACKEND=cuda but JAX sees no GPU")
+        if unsupported:
+            raise ValueError(f"{op}: the CUDA kernel cannot take these operands: {unsupported}")
+        return cuda(*operands)
+    if not ffi.available():
+        return reference(*operands)
+    if unsupported:
+        if _has_gpu() and (op, unsupported) not in _warned:
+            _warned.add((op, unsupported))
+            warnings.warn(f"jaxsparse.{op} runs its pure-JAX reference on the GPU: {unsupported}", stacklevel=3)
+        return reference(*operands)
+    return jax.lax.platform_dependent(*operands, cuda=cuda, default=reference)

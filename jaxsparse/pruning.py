@@ -1,0 +1,332 @@
+"""Gradual magnitude pruning (GMP) through a ladder of V:N:M patterns, as an optax transform.
+
+**Where the mask lives.** The optimizer state of :func:`gmp_prune` is the single source of truth:
+``GMPState.masks`` is a params-shaped tree with a bool ``[K, R]`` mask at every pruned kernel (None
+elsewhere). The model reads it through :func:`model_variables` / :func:`sparsity_collection`, which
+build the ``"sparsity"`` collection of :class:`jaxsparse.nn.NMDense` from the state on every step; the
+model stores no copy. Checkpointing the optimizer state checkpoints the masks.
+
+**Schedule.** The cubic schedule of Zhu & Gupta (2017) gives a target sparsity
+``s(t) = s_f * (1 - (1 - (t - t0) / (t1 - t0))^3)`` for ``t0 <= t <= t1`` (0 before, ``s_f`` after), with
+``s_f`` the sparsity of the last ladder stage. Stage ``i`` of the ladder is entered at the first step of
+the pruning grid (``t0, t0 + frequency, ...``, and ``t1``) where ``s(t)`` reaches that stage's sparsity,
+so the realized sparsity is a staircase under the cubic curve. The entry steps are known when the
+transform is built; masks are recomputed (``jaxsparse.format.select_mask`` on ``|params + updates|``)
+only at those steps, inside ``lax.cond``.
+
+**Exact zeros.** Put ``gmp_prune`` last in the chain: it rewrites the update of every pruned weight to
+``-param``, so ``optax.apply_updates`` leaves exactly 0 there whatever the earlier transforms (momentum,
+weight decay) produced, and a newly pruned weight becomes 0 on the step its mask appears.
+
+Example::
+
+    tx = optax.chain(optax.adamw(1e-4), gmp_prune(ladder=("2:4", "64:2:8"), begin_step=0, end_step=1000))
+    state = tx.init(params)
+    logits = model.apply(model_variables(params, state), x)      # masks from the optimizer state
+    updates, state = tx.update(grads, state, params)             # params are required
+    params = optax.apply_updates(params, updates)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import traverse_util
+
+from jaxsparse import format as fmt
+from jaxsparse.nn import SPARSITY
+
+__all__ = [
+    "GMPSchedule",
+    "GMPState",
+    "gmp_prune",
+    "default_ladder",
+    "PUBLISHED_LADDER",
+    "path_filter",
+    "encoder_kernels",
+    "find_state",
+    "masks_of",
+    "sparsity_collection",
+    "model_variables",
+    "oneshot_masks",
+    "sparsity_of",
+]
+
+PUBLISHED_LADDER = ("64:6:8", "64:4:8", "64:2:8")
+"""The ladder of the published V:N:M GMP recipe (its N > 2 stages run masked-dense)."""
+
+FilterFn = Callable[[tuple[str, ...], jax.Array], bool]
+
+
+def default_ladder(final: str | fmt.VNM) -> tuple[fmt.VNM, ...]:
+    """A ladder whose every stage runs on the sparse kernels, ending at ``final``.
+
+    ``V:2:M`` gives ``2:4, V:2:8, V:2:16, ..., V:2:M`` (M doubling); ``2:4`` gives just ``(2:4,)``; an
+    ``N > 2`` target gives ``(final,)``.
+    """
+    final = fmt.VNM.parse(final)
+    if final.n != 2 or final.m == 4:
+        return (final,)
+    stages, m = [fmt.VNM(1, 2, 4)], 8
+    while m < final.m:
+        stages.append(fmt.VNM(final.v, 2, m))
+        m *= 2
+    return tuple(stages) + (final,)
+
+
+@dataclasses.dataclass(frozen=True)
+class GMPSchedule:
+    """When each ladder stage starts. Steps count optimizer updates from 0.
+
+    Attributes:
+      ladder: patterns of strictly decreasing density.
+      begin_step: first step of the cubic ramp ``t0``.
+      end_step: last step ``t1`` (>= ``begin_step``); the last stage is in place from then on.
+      frequency: spacing of the steps at which a stage may start.
+    """
+
+    ladder: tuple[fmt.VNM, ...]
+    begin_step: int
+    end_step: int
+    frequency: int = 1
+
+    def __post_init__(self) -> None:
+        ladder = tuple(fmt.VNM.parse(s) for s in self.ladder)
+        object.__setattr__(self, "ladder", ladder)
+        if not ladder:
+            raise ValueError("the GMP ladder needs at least one pattern")
+        dens = [s.density for s in ladder]
+        if any(b >= a for a, b in zip(dens, dens[1:])):
+            raise ValueError(f"ladder densities must strictly decrease, got {[str(s) for s in ladder]}")
+        if not 0 <= self.begin_step <= self.end_step:
+            raise ValueError(f"need 0 <= begin_step <= end_step, got {self.begin_step}, {self.end_step}")
+        if self.frequency < 1:
+            raise ValueError(f"frequency must be >= 1, got {self.frequency}")
+
+    @property
+    def final_sparsity(self) -> float:
+        return 1.0 - self.ladder[-1].density
+
+    def target_sparsity(self, step: int) -> float:
+        """The cubic target ``s(step)``."""
+        if step < self.begin_step:
+            return 0.0
+        if step >= self.end_step:
+            return self.final_sparsity
+        frac = (step - self.begin_step) / (self.end_step - self.begin_step)
+        return self.final_sparsity * (1.0 - (1.0 - frac) ** 3)
+
+    @property
+    def stage_steps(self) -> tuple[int, ...]:
+        """The step at which each ladder stage starts (non-decreasing; equal steps: the later stage wins)."""
+        grid = list(range(self.begin_step, self.end_step, self.frequency)) + [self.end_step]
+        out = []
+        for spec in self.ladder:
+            need = 1.0 - spec.density - 1e-9
+            out.append(next(t for t in grid if self.target_sparsity(t) >= need))
+        return tuple(out)
+
+    def stage_at(self, step: int) -> int:
+        """0 before the first stage, else ``i`` when ``ladder[i - 1]`` is in force at ``step``."""
+        return int(np.searchsorted(np.asarray(self.stage_steps), step, side="right"))
+
+    def sparsity_at(self, step: int) -> float:
+        """The sparsity the masks have after the update of ``step``."""
+        stage = self.stage_at(step)
+        return 0.0 if stage == 0 else 1.0 - self.ladder[stage - 1].density
+
+
+class GMPState(NamedTuple):
+    """State of :func:`gmp_prune`: the step count, the ladder stage (0 = dense) and the masks."""
+
+    count: jax.Array
+    stage: jax.Array
+    masks: Any
+
+
+def _path_names(path) -> tuple[str, ...]:
+    names = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                names.append(str(getattr(k, attr)))
+                break
+        else:
+            names.append(str(k))
+    return tuple(names)
+
+
+def path_filter(include: Sequence[str] = ("encoder",),
+                exclude: Sequence[str] = ("embed", "classifier", "pooler", "head"),
+                leaf: str = "kernel") -> FilterFn:
+    """A layer filter: 2-D leaves named ``leaf`` whose path has a component containing one of
+    ``include`` (all paths when empty) and none containing one of ``exclude``."""
+
+    def keep(path: tuple[str, ...], x) -> bool:
+        if not path or path[-1] != leaf or getattr(x, "ndim", 0) != 2:
+            return False
+        if any(e in p for p in path for e in exclude):
+            return False
+        return not include or any(i in p for p in path for i in include)
+
+    return keep
+
+
+encoder_kernels = path_filter()
+"""The default filter: kernels under an ``encoder`` module; not embeddings, pooler or classifier."""
+
+
+def _selected(params, filter_fn: FilterFn):
+    """A params-shaped tree of True (pruned) / None (left dense)."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: True if filter_fn(_path_names(p), x) else None, params)
+
+
+def _map_selected(fn, selected, *trees):
+    """``fn`` over the leaves of ``trees`` that ``selected`` marks; None elsewhere."""
+    return jax.tree_util.tree_map(lambda s, *xs: None if s is None else fn(*xs), selected, *trees,
+                                  is_leaf=lambda x: x is None)
+
+
+def _select_all(params, selected, spec: fmt.VNM):
+    return _map_selected(lambda p: fmt.select_mask(p, spec), selected, params)
+
+
+def gmp_prune(
+    ladder: Sequence[str | fmt.VNM] | str = "64:2:8",
+    begin_step: int = 0,
+    end_step: int = 1000,
+    frequency: int = 1,
+    filter_fn: FilterFn = encoder_kernels,
+) -> optax.GradientTransformationExtraArgs:
+    """Gradual magnitude pruning through ``ladder`` on the cubic schedule (see the module doc).
+
+    Args:
+      ladder: the patterns in order, or one final pattern string expanded by :func:`default_ladder`
+        (``"128:2:16"`` -> ``2:4, 128:2:8, 128:2:16``). Use :data:`PUBLISHED_LADDER` for the published one.
+      begin_step, end_step, frequency: see :class:`GMPSchedule`. ``begin_step == end_step`` prunes once
+        (one-shot) to the last stage at that step.
+      filter_fn: ``(path_names, leaf) -> bool`` choosing the kernels to prune.
+
+    Returns:
+      A transform whose ``update(updates, state, params)`` requires ``params``; chain it last.
+    """
+    if isinstance(ladder, (str, fmt.VNM)):
+        ladder = default_ladder(ladder)
+    schedule = GMPSchedule(tuple(ladder), begin_step, end_step, frequency)
+    entries = jnp.asarray(schedule.stage_steps, jnp.int32)
+
+    def init(params):
+        selected = _selected(params, filter_fn)
+        flat = jax.tree_util.tree_flatten_with_path(params)[0]
+        n_sel = 0
+        for (path, x), s in zip(flat, jax.tree_util.tree_leaves(selected, is_leaf=lambda x: x is None)):
+            if s is None:
+                continue
+            n_sel += 1
+            for spec in schedule.ladder:
+                try:
+                    fmt.validate_shape(x.shape, spec)
+                except ValueError as e:
+                    raise ValueError(f"gmp_prune: layer {'/'.join(_path_names(path))}: {e}") from None
+        if n_sel == 0:
+            raise ValueError("gmp_prune: filter_fn selected no 2-D kernel to prune")
+        masks = _map_selected(lambda p: jnp.ones(p.shape, jnp.bool_), selected, params)
+        return GMPState(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32), masks)
+
+    def update(updates, state: GMPState, params=None, **extra_args):
+        del extra_args
+        if params is None:
+            raise ValueError("gmp_prune needs params: call tx.update(grads, state, params)")
+        selected = _selected(params, filter_fn)
+        stage = jnp.sum(entries <= state.count).astype(jnp.int32)
+        new_params = _map_selected(lambda p, u: p + u, selected, params, updates)
+
+        def recompute(_):
+            branches = [lambda np_, spec=spec: _select_all(np_, selected, spec) for spec in schedule.ladder]
+            return jax.lax.switch(stage - 1, branches, new_params)
+
+        masks = jax.lax.cond(stage != state.stage, recompute, lambda _: state.masks, None)
+        updates = jax.tree_util.tree_map(
+            lambda s, u, p, m: u if s is None else jnp.where(m, u, -p).astype(u.dtype),
+            selected, updates, params, _fill(masks, selected), is_leaf=lambda x: x is None)
+        return updates, GMPState(state.count + 1, stage, masks)
+
+    tx = optax.GradientTransformationExtraArgs(init, update)
+    tx.schedule = schedule  # type: ignore[attr-defined]  # read by tests and the trainer
+    return tx
+
+
+def _fill(masks, selected):
+    """``masks`` with None leaves replaced by a placeholder so it zips with full params trees."""
+    return jax.tree_util.tree_map(lambda s, m: False if s is None else m, selected, masks,
+                                  is_leaf=lambda x: x is None)
+
+
+def find_state(opt_state) -> GMPState:
+    """The :class:`GMPState` inside a (possibly chained / nested) optimizer state."""
+    if isinstance(opt_state, GMPState):
+        return opt_state
+    if isinstance(opt_state, (tuple, list)):
+        for s in opt_state:
+            try:
+                return find_state(s)
+            except LookupError:
+                pass
+    if isinstance(opt_state, dict):
+        for s in opt_state.values():
+            try:
+                return find_state(s)
+            except LookupError:
+                pass
+    for field in ("inner_state", "inner_states"):
+        if hasattr(opt_state, field):
+            return find_state(getattr(opt_state, field))
+    raise LookupError("no GMPState in this optimizer state: was gmp_prune in the chain?")
+
+
+def masks_of(opt_state) -> Any:
+    """The params-shaped mask tree (None at unpruned leaves) held by the optimizer state."""
+    return find_state(opt_state).masks
+
+
+def sparsity_collection(masks) -> dict:
+    """The ``"sparsity"`` collection for :class:`~jaxsparse.nn.NMDense` from a params-shaped mask tree:
+    the mask of ``.../module/kernel`` becomes ``.../module/mask``."""
+    flat = traverse_util.flatten_dict(dict(masks))
+    out = {p[:-1] + ("mask",): m for p, m in flat.items() if m is not None}
+    return traverse_util.unflatten_dict(out)
+
+
+def model_variables(params, opt_state=None, masks=None, **collections) -> dict:
+    """``{"params": params, "sparsity": masks}`` for ``model.apply``, masks read from ``opt_state``
+    (or given directly as a params-shaped tree); extra collections are passed through."""
+    if masks is None and opt_state is not None:
+        masks = masks_of(opt_state)
+    out = {"params": params, **collections}
+    if masks is not None:
+        out[SPARSITY] = sparsity_collection(masks)
+    return out
+
+
+def oneshot_masks(params, spec: str | fmt.VNM, filter_fn: FilterFn = encoder_kernels) -> Any:
+    """Magnitude masks of pattern ``spec`` for the kernels ``filter_fn`` selects (None elsewhere)."""
+    spec = fmt.VNM.parse(spec)
+    return _select_all(params, _selected(params, filter_fn), spec)
+
+
+def sparsity_of(params, masks) -> float:
+    """Fraction of exact zeros over the masked kernels of ``params``."""
+    zeros = total = 0
+    for s, p in zip(jax.tree_util.tree_leaves(masks, is_leaf=lambda x: x is None),
+                    jax.tree_util.tree_leaves(params)):
+        if s is not None:
+            zeros += int((np.asarray(p) == 0).sum())
+            total += p.size
+    if total == 0:
+        raise ValueError("sparsity_of: no masked kernel")
+    return zeros / total

@@ -1,0 +1,46 @@
+"""Pure-JAX reference of every kernel: the CPU path, the test oracle and the definition.
+
+All products accumulate in float32 and return the input dtype unless said otherwise. Activations are
+``[T, K]`` (callers flatten leading dimensions); weights are ``SparseWeight`` with dense shape ``[K, R]``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxsparse.format import SparseWeight, compress_like, decompress
+
+__all__ = ["ACTIVATIONS", "spmm", "sddmm", "spmm_t", "bias_grad"]
+
+# Epilogue activations the kernels fuse; "gelu" is the tanh approximation.
+ACTIVATIONS = {
+    None: lambda y: y,
+    "gelu": lambda y: jax.nn.gelu(y, approximate=True),
+}
+
+
+def spmm(x: jax.Array, sw: SparseWeight, bias: Optional[jax.Array] = None, activation: Optional[str] = None) -> jax.Array:
+    """Forward product ``act(x @ W + bias)``: ``[T, K] -> [T, R]``."""
+    y = jnp.dot(x, decompress(sw).astype(x.dtype), preferred_element_type=jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return ACTIVATIONS[activation](y).astype(x.dtype)
+
+
+def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None) -> jax.Array:
+    """Weight gradient ``x^T dy`` sampled at ``sw``'s kept positions, in the layout of ``sw.values``."""
+    dense = jnp.dot(x.T, dy, preferred_element_type=jnp.float32)  # [K, R]
+    return compress_like(dense, sw).astype(out_dtype or sw.values.dtype)
+
+
+def spmm_t(dy: jax.Array, sw: SparseWeight) -> jax.Array:
+    """Input gradient ``dy @ W^T``: ``[T, R] -> [T, K]``."""
+    return jnp.dot(dy, decompress(sw).astype(dy.dtype).T, preferred_element_type=jnp.float32).astype(dy.dtype)
+
+
+def bias_grad(dy: jax.Array, dtype) -> jax.Array:
+    """Bias gradient: ``dy`` summed over tokens."""
+    return dy.sum(axis=0, dtype=jnp.float32).astype(dtype)

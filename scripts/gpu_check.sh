@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# On the GPU machine: build the extension, run every GPU test, then any extra commands given.
+#   bash scripts/gpu_check.sh                       # build + pytest -m gpu
+#   bash scripts/gpu_check.sh "python3 benchmarks/spmm.py --quick"
+# Writes logs under $OUT when that is set. Only sm_90a is built here unless JAXSPARSE_CUDA_GENCODE says
+# otherwise (the full sm_80 + sm_90a build is what `pip install .` does).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+repo=$(pwd)
+t0=$(date +%s)
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export JAXSPARSE_CUDA_GENCODE=${JAXSPARSE_CUDA_GENCODE:-"-gencode=arch=compute_90a,code=sm_90a"}
+python3 -m pip install --no-build-isolation --no-deps -v . >"$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
+grep -E "warning|spill|error" "$OUT/build.log" | grep -v "xla/ffi" | head -20
+echo "build: $(( $(date +%s) - t0 )) s"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import jax, jaxsparse.ffi as f; print('jax', jax.__version__, jax.devices(), 'targets', f.target_names())"
+cd /tmp && pytest -q -x -m gpu -p no:cacheprovider "$repo/tests" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+status=${PIPESTATUS[0]}
+cd "$repo"
+for cmd in "$@"; do echo "== $cmd"; bash -c "$cmd" || status=1; done
+exit $status
