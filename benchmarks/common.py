@@ -1,0 +1,121 @@
+"""Shared helpers for the benchmarks: timing, the H100 roofline, and result files.
+
+Timing: a batch of ``inner`` asynchronous calls is timed on the host between two device syncs, and the
+median over ``outer`` batches divided by ``inner`` is reported; inputs rotate among a few sets so that
+repeated calls do not all hit L2. JAX's dispatch of a jitted call (a few microseconds) overlaps with the
+previous kernel, so for kernels longer than that the number is device time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+# Measured on the H100 of this workplace (docs/kernel-notes.md): dense bf16 GEMM and device copy.
+DENSE_TFLOPS = 790.0
+SPARSE_TFLOPS = 2 * DENSE_TFLOPS
+HBM_TBPS = 3.0
+
+
+def time_jax(fn: Callable, arg_sets: Sequence[tuple], *, warmup: int = 5, inner: int = 20, outer: int = 15) -> float:
+    """Median milliseconds per call of ``fn(*args)`` (already jitted), rotating over ``arg_sets``."""
+    import jax
+
+    out = None
+    for i in range(warmup):
+        out = fn(*arg_sets[i % len(arg_sets)])
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(outer):
+        t0 = time.perf_counter()
+        for i in range(inner):
+            out = fn(*arg_sets[i % len(arg_sets)])
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / inner)
+    return 1e3 * statistics.median(times)
+
+
+def time_torch(fn: Callable[[int], Any], n_sets: int, *, warmup: int = 5, inner: int = 20, outer: int = 15) -> float:
+    """Median milliseconds per call of ``fn(i)`` with CUDA events around batches of ``inner`` calls."""
+    import torch
+
+    for i in range(warmup):
+        fn(i % n_sets)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(outer):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(inner):
+            fn(i % n_sets)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / inner)
+    return statistics.median(times)
+
+
+def spmm_floor_ms(tokens: int, k: int, n: int, m: int | None, v: int = 1, itemsize: int = 2) -> dict:
+    """Roofline floor of ``[T, K] @ [K, N]``: dense (m None) or V:2:M sparse (m = 4 for 2:4)."""
+    if m is None:
+        flops_time = 2.0 * tokens * k * n / (DENSE_TFLOPS * 1e12)
+        w_bytes = k * n * itemsize
+    else:
+        flops_time = 2.0 * tokens * n * (4 * k // m) / (SPARSE_TFLOPS * 1e12)
+        g = k // m
+        w_bytes = n * 2 * g * itemsize + n * (g // 8) * 4 + (0 if m == 4 else (n // v) * g * 4)
+    io_bytes = tokens * k * itemsize + tokens * n * itemsize + w_bytes
+    mem_time = io_bytes / (HBM_TBPS * 1e12)
+    return {
+        "floor_ms": 1e3 * max(flops_time, mem_time),
+        "compute_ms": 1e3 * flops_time,
+        "memory_ms": 1e3 * mem_time,
+        "bound": "compute" if flops_time >= mem_time else "memory",
+    }
+
+
+def gpu_name() -> str:
+    import jax
+
+    return jax.devices()[0].device_kind
+
+
+def gpu_slug(name: str | None = None) -> str:
+    name = name or gpu_name()
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for mod in ("jax", "jaxlib", "numpy", "torch"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - optional packages
+            pass
+    try:
+        import torch
+
+        out["torch_cuda"] = torch.version.cuda
+    except Exception:  # noqa: BLE001
+        pass
+    return out
+
+
+def write_json(path: str, payload: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1, sort_keys=False)
+    print(f"wrote {path}")
+
+
+def table(rows: list[dict], cols: list[str]) -> str:
+    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}
+    line = "  ".join(c.rjust(widths[c]) for c in cols)
+    out = [line, "-" * len(line)]
+    for r in rows:
+        out.append("  ".join(str(r.get(c, "")).rjust(widths[c]) for c in cols))
+    return "\n".join(out)

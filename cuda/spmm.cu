@@ -1,0 +1,468 @@
+// Forward SpMM  Y[T, R] = act(X[T, K] @ W[K, R] + bias[R])  with W a compressed V:2:M SparseWeight
+// (layout: docs/format.md).  Design notes and measurements: docs/kernel-notes.md.
+//
+// Math view: A = W^T [R, K] is the sparse row-major left operand of Y^T = A X^T; X [T, K] row-major is
+// already the K-contiguous ("col") B operand, so nothing is transposed.  For M > 4 every V-row block
+// keeps the same 4 columns of each M-group, so for a tile of rows inside one V block the B operand is a
+// gather of 4 columns per M-group of X; after the gather it is a plain 2:4 product over the condensed
+// reduction K' = 4G with the stored metadata, run on mma.sp.m16n8k32 (sm_80 and sm_90a).
+//
+// Tile: BM rows of A (output features) x BN tokens, 8 groups (32 condensed k, one metadata word per
+// row) per pipeline stage, STAGES-deep cp.async pipeline.  Per stage the block copies
+//   A values [BM, 16] (32 B per row), metadata [BM] words, the stage's 8 column words (M > 4), and the
+//   dense X slab [BN, 8M] (the gather happens from shared memory into registers).
+// Warps tile BM x BN as (BM/WM) x (BN/WN); a warp owns WM/16 x WN/8 m16n8 accumulator tiles.
+// Epilogue: + bias, optional GELU (tanh approximation, as jax.nn.gelu(approximate=True)), convert,
+// stage through shared memory as [BN, BM] and write Y with 16-byte row-contiguous stores (tails masked).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdlib>
+
+#include "common.cuh"
+#include "handlers.h"
+
+namespace jaxsparse {
+namespace {
+
+constexpr int kGroupsPerStage = 8;  // one uint32 metadata word per row: 32 condensed k = one mma.sp k-step
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy; src_bytes = 0 zero-fills the destination (token tails).
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void CpAsync4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ uint32_t LdsU16(uint32_t addr) {
+  unsigned short v;
+  asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ uint32_t LdsU32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+
+template <typename T>
+struct MmaSp;
+
+template <>
+struct MmaSp<__nv_bfloat16> {
+  __device__ __forceinline__ static void Run(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[4],
+                                             uint32_t e) {
+    asm volatile(
+        "mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9, %10, %11}, {%0, %1, %2, %3}, %12, 0x0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]), "r"(e));
+  }
+};
+
+template <>
+struct MmaSp<__half> {
+  __device__ __forceinline__ static void Run(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[4],
+                                             uint32_t e) {
+    asm volatile(
+        "mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9, %10, %11}, {%0, %1, %2, %3}, %12, 0x0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]), "r"(e));
+  }
+};
+
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float ToFloat(__half v) { return __half2float(v); }
+template <typename T>
+__device__ __forceinline__ T FromFloat(float v);
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half FromFloat<__half>(float v) {
+  return __float2half_rn(v);
+}
+
+__device__ __forceinline__ float GeluTanh(float x) {
+  const float k0 = 0.7978845608028654f;  // sqrt(2 / pi)
+  const float k1 = 0.044715f;
+  return 0.5f * x * (1.f + tanhf(k0 * (x + k1 * x * x * x)));
+}
+
+struct SpmmParams {
+  const void* x;          // [T, K]
+  const void* values;     // [R, 2G]
+  const uint8_t* cols;    // [R/V, G, 4] or null (M = 4)
+  const uint32_t* meta;   // [R, G/8]
+  const void* bias;       // [R] or null
+  void* y;                // [T, R]
+  int tokens, k, rows, groups, v;
+  int bias_f32;           // bias is float32 (else the input dtype)
+  int activation;         // 0 none, 1 gelu (tanh)
+  int meta_mode;          // metadata fragment layout: 0 = half-rows (default), 1 = whole rows (see MetaWord)
+};
+
+// Shared-memory geometry of one pipeline stage.
+template <int M, int BM, int BN>
+struct StageLayout {
+  static constexpr int kARowBytes = 48;                 // 16 values (32 B) + 16 B pad: conflict-free ldmatrix
+  static constexpr int kXRowBytes = 16 * M + 16;        // 8 groups of M values + 16 B pad
+  static constexpr int kABytes = BM * kARowBytes;
+  static constexpr int kEBytes = BM * 4;
+  static constexpr int kCBytes = 32;
+  static constexpr int kXBytes = BN * kXRowBytes;
+  static constexpr int kAOff = 0;
+  static constexpr int kEOff = kAOff + kABytes;
+  static constexpr int kCOff = kEOff + kEBytes;
+  static constexpr int kXOff = kCOff + kCBytes;
+  static constexpr int kBytes = kXOff + kXBytes;  // multiple of 16
+  static_assert(kBytes % 16 == 0, "stage must keep 16-byte alignment");
+};
+
+template <int M, int BM, int BN, int STAGES>
+constexpr int SmemBytes() {
+  using L = StageLayout<M, BM, BN>;
+  constexpr int pipe = STAGES * L::kBytes;
+  constexpr int epi = BN * (BM * 2 + 16);
+  return pipe > epi ? pipe : epi;
+}
+
+// The per-thread metadata operand of mma.sp m16n8k32 (16-bit types, sparsity selector 0) from the two
+// stored row words of rows gid and gid + 8 (stored word = 8 groups of one row, group j in bits 4j..4j+3).
+//   mode 0: thread 4*gid + 0 holds groups 0-3 of row gid (bits 0-15) and of row gid+8 (bits 16-31),
+//           thread 4*gid + 1 holds groups 4-7 of the two rows likewise;
+//   mode 1: thread 4*gid + 0 holds row gid whole, thread 4*gid + 1 row gid + 8 whole.
+// Threads 2 and 3 of a quad mirror 0 and 1 (they are not read with selector 0).
+__device__ __forceinline__ uint32_t MetaWord(uint32_t w_lo_row, uint32_t w_hi_row, int tig, int mode) {
+  if (mode == 0) return (tig & 1) ? __byte_perm(w_lo_row, w_hi_row, 0x7632) : __byte_perm(w_lo_row, w_hi_row, 0x5410);
+  return (tig & 1) ? w_hi_row : w_lo_row;
+}
+
+template <typename T, int M, int BM, int BN, int WM, int WN, int STAGES>
+__global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32)
+    SpmmKernel(const SpmmParams p) {
+  using L = StageLayout<M, BM, BN>;
+  constexpr int kWarpsM = BM / WM, kWarpsN = BN / WN;
+  constexpr int kThreads = kWarpsM * kWarpsN * 32;
+  constexpr int MI = WM / 16, NI = WN / 8;
+  static_assert(WM % 16 == 0 && WN % 8 == 0, "warp tile");
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  const uint32_t smem_base = SmemAddr(smem);
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int warp_m = warp % kWarpsM, warp_n = warp / kWarpsM;
+  const int gid = lane >> 2, tig = lane & 3;
+
+  const int row0 = blockIdx.x * BM;    // first output feature of the tile
+  const int tok0 = blockIdx.y * BN;    // first token of the tile
+  const int groups = p.groups;
+  const int num_kt = groups / kGroupsPerStage;
+
+  const T* __restrict__ x = static_cast<const T*>(p.x);
+  const T* __restrict__ values = static_cast<const T*>(p.values);
+  const int64_t x_stride = p.k;                 // elements per token row
+  const int64_t val_stride = 2 * groups;        // elements per weight row
+  const int meta_stride = groups / kGroupsPerStage;
+  const uint8_t* cols_blk = (M > 4) ? p.cols + static_cast<int64_t>(row0 / p.v) * groups * 4 : nullptr;
+
+  auto load_stage = [&](int buf, int kt) {
+    const uint32_t base = smem_base + buf * L::kBytes;
+    const int g0 = kt * kGroupsPerStage;
+    // A values: BM rows x 2 chunks of 16 B.
+    for (int i = tid; i < BM * 2; i += kThreads) {
+      const int r = i >> 1, c = i & 1;
+      const T* src = values + (row0 + r) * val_stride + 2 * g0 + c * 8;
+      CpAsync16(base + L::kAOff + r * L::kARowBytes + c * 16, src, 16);
+    }
+    // Metadata: one word per row.
+    for (int r = tid; r < BM; r += kThreads) {
+      CpAsync4(base + L::kEOff + r * 4, p.meta + static_cast<int64_t>(row0 + r) * meta_stride + kt);
+    }
+    if (M > 4 && tid < 2) {
+      CpAsync16(base + L::kCOff + tid * 16, cols_blk + g0 * 4 + tid * 16, 16);
+    }
+    // X slab: BN tokens x 8M values = M chunks of 16 B per token; tokens past the end are zero-filled.
+    constexpr int kChunks = BN * M;
+    for (int i = tid; i < kChunks; i += kThreads) {
+      const int t = i / M, c = i % M;
+      const int tok = tok0 + t;
+      const bool ok = tok < p.tokens;
+      const T* src = x + static_cast<int64_t>(ok ? tok : 0) * x_stride + g0 * M + c * 8;
+      CpAsync16(base + L::kXOff + t * L::kXRowBytes + c * 16, src, ok ? 16 : 0);
+    }
+  };
+
+  float acc[MI][NI][4];
+#pragma unroll
+  for (int i = 0; i < MI; ++i)
+#pragma unroll
+    for (int j = 0; j < NI; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < num_kt) load_stage(s, s);
+    CpAsyncCommit();
+  }
+
+  // Per-lane ldmatrix row/column for A (16 x 16 compressed: matrices rows 0-7/8-15 x cols 0-7/8-15).
+  const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8;
+  const int a_col_bytes = (lane >> 4) * 16;
+  // Per-lane ldmatrix row/k-chunk for B when M == 4 (matrix j = k chunk 8j..8j+7 of 8 tokens).
+  const int b_row = lane & 7;
+  const int b_chunk = lane >> 3;
+
+  for (int kt = 0; kt < num_kt; ++kt) {
+    CpAsyncWait<STAGES - 2>();
+    __syncthreads();
+    {
+      const int next = kt + STAGES - 1;
+      if (next < num_kt) load_stage(next % STAGES, next);
+      CpAsyncCommit();
+    }
+    const uint32_t base = smem_base + (kt % STAGES) * L::kBytes;
+
+    // A fragments and metadata.
+    uint32_t a[MI][4];
+    uint32_t e[MI];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) {
+      const int r = warp_m * WM + mi * 16;
+      LdMatrixX4(a[mi], base + L::kAOff + (r + a_row) * L::kARowBytes + a_col_bytes);
+      const uint32_t w0 = LdsU32(base + L::kEOff + (r + gid) * 4);
+      const uint32_t w1 = LdsU32(base + L::kEOff + (r + gid + 8) * 4);
+      e[mi] = MetaWord(w0, w1, tig, p.meta_mode);
+    }
+
+    // B fragments: condensed k = 8j + 2*tig + {0, 1} of token gid.
+    uint32_t b[NI][4];
+    if constexpr (M == 4) {
+#pragma unroll
+      for (int ni = 0; ni < NI; ++ni) {
+        const int t = warp_n * WN + ni * 8 + b_row;
+        LdMatrixX4(b[ni], base + L::kXOff + t * L::kXRowBytes + b_chunk * 16);
+      }
+    } else {
+      // Byte offsets (within a token row of the slab) of the two dense columns behind each register.
+      uint32_t off0[4], off1[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int g = 2 * j + (tig >> 1);
+        const uint32_t cw = LdsU32(base + L::kCOff + g * 4);  // 4 ascending column bytes of group g
+        const int p0 = 2 * (tig & 1);
+        const uint32_t c0 = (cw >> (8 * p0)) & 0xFF, c1 = (cw >> (8 * p0 + 8)) & 0xFF;
+        off0[j] = (g * M + c0) * 2;
+        off1[j] = (g * M + c1) * 2;
+      }
+#pragma unroll
+      for (int ni = 0; ni < NI; ++ni) {
+        const uint32_t rowp = base + L::kXOff + (warp_n * WN + ni * 8 + gid) * L::kXRowBytes;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t lo = LdsU16(rowp + off0[j]);
+          const uint32_t hi = LdsU16(rowp + off1[j]);
+          b[ni][j] = lo | (hi << 16);
+        }
+      }
+    }
+
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < NI; ++ni) MmaSp<T>::Run(acc[mi][ni], a[mi], b[ni], e[mi]);
+  }
+
+  // ---------------------------------------------------------------- epilogue
+  CpAsyncWait<0>();
+  __syncthreads();  // every warp is done with the pipeline buffers: reuse them as the output tile
+  constexpr int kYRowBytes = BM * 2 + 16;  // [BN tokens][BM features] + pad
+  T* sy = reinterpret_cast<T*>(smem);
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi) {
+    const int r_lo = warp_m * WM + mi * 16 + gid;  // tile-local feature rows r_lo, r_lo + 8
+    float bias_lo = 0.f, bias_hi = 0.f;
+    if (p.bias != nullptr) {
+      if (p.bias_f32) {
+        bias_lo = static_cast<const float*>(p.bias)[row0 + r_lo];
+        bias_hi = static_cast<const float*>(p.bias)[row0 + r_lo + 8];
+      } else {
+        bias_lo = ToFloat(static_cast<const T*>(p.bias)[row0 + r_lo]);
+        bias_hi = ToFloat(static_cast<const T*>(p.bias)[row0 + r_lo + 8]);
+      }
+    }
+#pragma unroll
+    for (int ni = 0; ni < NI; ++ni) {
+      const int t = warp_n * WN + ni * 8 + 2 * tig;  // tile-local tokens t, t + 1
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int rr = r_lo + (q >> 1) * 8;
+        const int tt = t + (q & 1);
+        float vq = acc[mi][ni][q] + ((q >> 1) ? bias_hi : bias_lo);
+        if (p.activation == 1) vq = GeluTanh(vq);
+        reinterpret_cast<T*>(smem + tt * kYRowBytes)[rr] = FromFloat<T>(vq);
+      }
+    }
+  }
+  __syncthreads();
+  T* __restrict__ y = static_cast<T*>(p.y);
+  constexpr int kRowChunks = BM / 8;  // 16-byte chunks per token row of the tile
+  for (int i = tid; i < BN * kRowChunks; i += kThreads) {
+    const int t = i / kRowChunks, c = i % kRowChunks;
+    const int tok = tok0 + t;
+    if (tok < p.tokens) {
+      const uint4 v4 = *reinterpret_cast<const uint4*>(smem + t * kYRowBytes + c * 16);
+      *reinterpret_cast<uint4*>(y + static_cast<int64_t>(tok) * p.rows + row0 + c * 8) = v4;
+    }
+  }
+  (void)sy;
+}
+
+// ---------------------------------------------------------------- host side
+
+template <typename T, int M, int BM, int BN, int WM, int WN, int STAGES>
+ffi::Error LaunchConfig(cudaStream_t stream, const SpmmParams& p) {
+  constexpr int kThreads = (BM / WM) * (BN / WN) * 32;
+  constexpr int kSmem = SmemBytes<M, BM, BN, STAGES>();
+  auto kernel = SpmmKernel<T, M, BM, BN, WM, WN, STAGES>;
+  static bool attr_set = false;  // per instantiation; benign race (idempotent)
+  if (!attr_set) {
+    cudaError_t st = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (st != cudaSuccess) return CudaError(st, "cudaFuncSetAttribute(SpmmKernel)");
+    attr_set = true;
+  }
+  dim3 grid(p.rows / BM, (p.tokens + BN - 1) / BN);
+  kernel<<<grid, kThreads, kSmem, stream>>>(p);
+  return LastLaunchError("SpmmKernel");
+}
+
+// Tile table.  BM must divide V for M > 4 (one column set per tile); BN shrinks for M = 32, whose dense
+// X slab (8 groups x 32 columns per token) would otherwise not fit several stages.
+template <typename T>
+ffi::Error Dispatch(cudaStream_t stream, const SpmmParams& p, int m, int sm_count) {
+  const int64_t tiles_n = (p.tokens + 127) / 128;
+  // BM = 128 when the rows and V allow it and it still fills the GPU; else BM = 64.
+  const bool can128 = (p.rows % 128 == 0) && (m == 4 || p.v % 128 == 0);
+  const bool use128 = can128 && (static_cast<int64_t>(p.rows / 128) * tiles_n >= sm_count);
+  switch (m) {
+    case 4:
+      return use128 ? LaunchConfig<T, 4, 128, 128, 64, 32, 4>(stream, p)
+                    : LaunchConfig<T, 4, 64, 128, 64, 32, 4>(stream, p);
+    case 8:
+      return use128 ? LaunchConfig<T, 8, 128, 128, 64, 32, 4>(stream, p)
+                    : LaunchConfig<T, 8, 64, 128, 64, 32, 4>(stream, p);
+    case 16:
+      return use128 ? LaunchConfig<T, 16, 128, 128, 64, 32, 3>(stream, p)
+                    : LaunchConfig<T, 16, 64, 128, 64, 32, 3>(stream, p);
+    case 32:
+      return use128 ? LaunchConfig<T, 32, 128, 64, 64, 16, 3>(stream, p)
+                    : LaunchConfig<T, 32, 64, 64, 64, 16, 3>(stream, p);
+    default:
+      return ffi::Error::InvalidArgument("jaxsparse_spmm: M must be 4, 8, 16 or 32, got " + std::to_string(m));
+  }
+}
+
+int SmCount() {
+  static int count = [] {
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return 132;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 132;
+    return n;
+  }();
+  return count;
+}
+
+int MetaMode() {
+  static int mode = [] {
+    const char* s = std::getenv("JAXSPARSE_SPMM_META_MODE");
+    return (s != nullptr && s[0] == '1') ? 1 : 0;
+  }();
+  return mode;
+}
+
+ffi::Error SpmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values, ffi::Buffer<ffi::U8> columns,
+                    ffi::Buffer<ffi::U32> metadata, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out, int32_t v,
+                    int32_t m, int32_t activation) {
+  if (x.dimensions().size() != 2 || values.dimensions().size() != 2 || metadata.dimensions().size() != 2 ||
+      out->dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm: x, values, metadata and output must be 2-D");
+  const int64_t tokens = Dim(x, 0), k = Dim(x, 1), rows = Dim(values, 0), groups = Dim(values, 1) / 2;
+  if (m != 4 && m != 8 && m != 16 && m != 32)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm: M must be 4, 8, 16 or 32, got " + std::to_string(m));
+  if (m == 4 ? v != 1 : (v != 64 && v != 128))
+    return ffi::Error::InvalidArgument("jaxsparse_spmm: V must be 1 for M = 4 and 64 or 128 for M > 4");
+  if (k != groups * m || groups % 8 || metadata.dimensions()[0] != rows || metadata.dimensions()[1] != groups / 8 ||
+      out->dimensions()[0] != tokens || out->dimensions()[1] != rows || rows % 64 || rows % v)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm: inconsistent shapes: x " + ShapeString(x) + ", values " +
+                                       ShapeString(values) + ", metadata " + ShapeString(metadata) + ", out " +
+                                       ShapeString(*out));
+  if (m > 4 && columns.element_count() != static_cast<size_t>(rows / v * groups * 4))
+    return ffi::Error::InvalidArgument("jaxsparse_spmm: columns must be [R/V, G, 4], got " + ShapeString(columns));
+  const auto dt = x.element_type();
+  if (values.element_type() != dt || out->element_type() != dt)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm: x, values and output must share one dtype");
+  const bool has_bias = bias.element_count() > 0;
+  if (has_bias && (bias.element_count() != static_cast<size_t>(rows) ||
+                   (bias.element_type() != dt && bias.element_type() != ffi::F32)))
+    return ffi::Error::InvalidArgument("jaxsparse_spmm: bias must be [R] in the input dtype or float32");
+  if (activation != 0 && activation != 1)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm: activation must be 0 (none) or 1 (gelu)");
+  if (tokens == 0 || rows == 0) return ffi::Error::Success();
+  if (tokens > static_cast<int64_t>(65535) * 64 || k >= (int64_t(1) << 30) || rows >= (int64_t(1) << 30))
+    return ffi::Error::InvalidArgument("jaxsparse_spmm: shape too large");
+
+  SpmmParams p;
+  p.x = x.untyped_data();
+  p.values = values.untyped_data();
+  p.cols = m > 4 ? columns.typed_data() : nullptr;
+  p.meta = metadata.typed_data();
+  p.bias = has_bias ? bias.untyped_data() : nullptr;
+  p.y = out->untyped_data();
+  p.tokens = static_cast<int>(tokens);
+  p.k = static_cast<int>(k);
+  p.rows = static_cast<int>(rows);
+  p.groups = static_cast<int>(groups);
+  p.v = v;
+  p.bias_f32 = has_bias && bias.element_type() == ffi::F32;
+  p.activation = activation;
+  p.meta_mode = MetaMode();
+  if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, m, SmCount());
+  if (dt == ffi::F16) return Dispatch<__half>(stream, p, m, SmCount());
+  return ffi::Error::InvalidArgument("jaxsparse_spmm: x must be bfloat16 or float16");
+}
+
+}  // namespace
+}  // namespace jaxsparse
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSpmm, jaxsparse::SpmmImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()               // x [T, K]
+                                  .Arg<xla::ffi::AnyBuffer>()               // values [R, 2G]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // columns [R/V, G, 4] or [0]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // metadata [R, G/8]
+                                  .Arg<xla::ffi::AnyBuffer>()               // bias [R] or [0]
+                                  .Ret<xla::ffi::AnyBuffer>()               // y [T, R]
+                                  .Attr<int32_t>("v")
+                                  .Attr<int32_t>("m")
+                                  .Attr<int32_t>("activation"));
