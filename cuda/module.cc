@@ -19,6 +19,7 @@ NB_MODULE(_jaxsparse_cuda, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["jaxsparse_decompress"] = Capsule(JaxsparseDecompress);
+    d["jaxsparse_spmm"] = Capsule(JaxsparseSpmm);
     return d;
   });
 }

@@ -25,3 +25,44 @@ def decompress(sw: SparseWeight) -> jax.Array:
         "jaxsparse_decompress", jax.ShapeDtypeStruct(sw.shape, sw.values.dtype), vmap_method=_VMAP
     )
     return call(sw.values, _columns_operand(sw), sw.metadata, v=np.int32(sw.spec.v), m=np.int32(sw.spec.m))
+
+
+def spmm(x: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activation: str | None = None) -> jax.Array:
+    """``act(x @ W + bias)`` by the CUDA handler ``jaxsparse_spmm``: ``x [T, K] -> [T, R]`` in ``x.dtype``.
+
+    Kernel constraints (``ValueError`` here, before anything is launched): ``x`` 2-D bf16/fp16 with the
+    dtype of ``sw.values``; ``K`` equal to ``sw.shape[0]``; spec ``2:4`` (V = 1) or ``V:2:M`` with
+    ``V`` in {64, 128} and ``M`` in {8, 16, 32}; ``R % 64 == 0``; ``K % (8*M) == 0``; ``bias`` ``[R]`` in
+    the input dtype or float32; ``activation`` None or ``"gelu"`` (tanh approximation). Any ``T``.
+    """
+    if x.ndim != 2:
+        raise ValueError(f"spmm: x must be 2-D [T, K], got shape {x.shape}")
+    k, r = sw.shape
+    spec = sw.spec
+    if x.shape[1] != k:
+        raise ValueError(f"spmm: x has K = {x.shape[1]} but the weight has K = {k}")
+    if x.dtype not in (jnp.bfloat16, jnp.float16) or sw.values.dtype != x.dtype:
+        raise ValueError(f"spmm kernel needs bf16 or fp16 x and values of the same dtype, got {x.dtype} and {sw.values.dtype}")
+    if spec.n != 2 or spec.m not in (4, 8, 16, 32) or (spec.m == 4) != (spec.v == 1) or (spec.m > 4 and spec.v not in (64, 128)):
+        raise ValueError(f"spmm kernel supports 2:4 and V:2:M with V in (64, 128), M in (8, 16, 32); got {spec}")
+    if r % 64:
+        raise ValueError(f"spmm kernel needs R (output features) % 64 == 0, got R = {r}")
+    if k % (8 * spec.m):
+        raise ValueError(f"spmm kernel needs K % (8*M) == 0, got K = {k}, M = {spec.m}")
+    if bias is not None and (bias.shape != (r,) or bias.dtype not in (x.dtype, jnp.float32)):
+        raise ValueError(f"spmm: bias must be [R] = [{r}] in {x.dtype} or float32, got {bias.shape} {bias.dtype}")
+    if activation not in (None, "gelu"):
+        raise ValueError(f"spmm: activation must be None or 'gelu', got {activation!r}")
+    register()
+    b = bias if bias is not None else jnp.zeros((0,), x.dtype)
+    call = jax.ffi.ffi_call("jaxsparse_spmm", jax.ShapeDtypeStruct((x.shape[0], r), x.dtype), vmap_method=_VMAP)
+    return call(
+        x,
+        sw.values,
+        _columns_operand(sw),
+        sw.metadata,
+        b,
+        v=np.int32(spec.v),
+        m=np.int32(spec.m),
+        activation=np.int32(0 if activation is None else 1),
+    )
