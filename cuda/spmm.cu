@@ -25,7 +25,6 @@
 namespace jaxsparse {
 namespace {
 
-constexpr int kGroupsPerStage = 8;  // one uint32 metadata word per row: 32 condensed k = one mma.sp k-step
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -48,17 +47,6 @@ __device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
-}
-
-__device__ __forceinline__ uint32_t LdsU16(uint32_t addr) {
-  unsigned short v;
-  asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(addr));
-  return v;
-}
-__device__ __forceinline__ uint32_t LdsU32(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr));
-  return v;
 }
 
 template <typename T>
@@ -121,13 +109,13 @@ struct SpmmParams {
 };
 
 // Shared-memory geometry of one pipeline stage.
-template <int M, int BM, int BN>
+template <int M, int BM, int BN, int GS>
 struct StageLayout {
-  static constexpr int kARowBytes = 48;                 // 16 values (32 B) + 16 B pad: conflict-free ldmatrix
-  static constexpr int kXRowBytes = 16 * M + 16;        // 8 groups of M values + 16 B pad
+  static constexpr int kARowBytes = 4 * GS + 16;        // 2 values per group + 16 B pad: conflict-free ldmatrix
+  static constexpr int kXRowBytes = 2 * GS * M + 16;    // GS groups of M values + 16 B pad
   static constexpr int kABytes = BM * kARowBytes;
-  static constexpr int kEBytes = BM * 4;
-  static constexpr int kCBytes = 32;
+  static constexpr int kEBytes = BM * 4 * (GS / 8);     // [BM][GS/8] metadata words
+  static constexpr int kCBytes = 4 * GS;
   static constexpr int kXBytes = BN * kXRowBytes;
   static constexpr int kAOff = 0;
   static constexpr int kEOff = kAOff + kABytes;
@@ -137,9 +125,9 @@ struct StageLayout {
   static_assert(kBytes % 16 == 0, "stage must keep 16-byte alignment");
 };
 
-template <int M, int BM, int BN, int STAGES>
+template <int M, int BM, int BN, int GS, int STAGES>
 constexpr int SmemBytes() {
-  using L = StageLayout<M, BM, BN>;
+  using L = StageLayout<M, BM, BN, GS>;
   constexpr int pipe = STAGES * L::kBytes;
   constexpr int epi = BN * (BM * 2 + 16);
   return pipe > epi ? pipe : epi;
@@ -156,14 +144,15 @@ __device__ __forceinline__ uint32_t MetaWord(uint32_t w_lo_row, uint32_t w_hi_ro
   return (tig & 1) ? w_hi_row : w_lo_row;
 }
 
-template <typename T, int M, int BM, int BN, int WM, int WN, int STAGES>
-__global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32)
+template <typename T, int M, int BM, int BN, int WM, int WN, int GS, int STAGES, int MIN_BLOCKS>
+__global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MIN_BLOCKS)
     SpmmKernel(const SpmmParams p) {
-  using L = StageLayout<M, BM, BN>;
+  using L = StageLayout<M, BM, BN, GS>;
   constexpr int kWarpsM = BM / WM, kWarpsN = BN / WN;
   constexpr int kThreads = kWarpsM * kWarpsN * 32;
   constexpr int MI = WM / 16, NI = WN / 8;
-  static_assert(WM % 16 == 0 && WN % 8 == 0, "warp tile");
+  constexpr int KS = GS / 8;  // mma k-steps (32 condensed k, one metadata word) per stage
+  static_assert(WM % 16 == 0 && WN % 8 == 0 && GS % 8 == 0, "tile");
 
   extern __shared__ __align__(16) unsigned char smem[];
   const uint32_t smem_base = SmemAddr(smem);
@@ -176,39 +165,70 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32)
   const int row0 = blockIdx.x * BM;    // first output feature of the tile
   const int tok0 = blockIdx.y * BN;    // first token of the tile
   const int groups = p.groups;
-  const int num_kt = groups / kGroupsPerStage;
+  const int num_kt = (groups + GS - 1) / GS;  // the last stage may hold fewer than GS groups (8-group steps)
 
   const T* __restrict__ x = static_cast<const T*>(p.x);
   const T* __restrict__ values = static_cast<const T*>(p.values);
-  const int64_t x_stride = p.k;                 // elements per token row
-  const int64_t val_stride = 2 * groups;        // elements per weight row
-  const int meta_stride = groups / kGroupsPerStage;
-  const uint8_t* cols_blk = (M > 4) ? p.cols + static_cast<int64_t>(row0 / p.v) * groups * 4 : nullptr;
+  const int meta_stride = groups / 8;
+
+  // ---- per-thread copy assignments, fixed across stages (only the k offset moves).
+  // X slab: BN rows x kXCpr 16-byte chunks; kThreads is a multiple of kXCpr, so a thread keeps its chunk
+  // column and walks rows with a fixed stride.
+  constexpr int kXCpr = 2 * GS * M / 16;
+  static_assert(kThreads % kXCpr == 0 && (BN * kXCpr) % kThreads == 0, "X copy split");
+  constexpr int kXIters = BN * kXCpr / kThreads, kXRowStep = kThreads / kXCpr;
+  const int x_c = tid % kXCpr, x_t = tid / kXCpr;
+  const T* x_src0 = x + static_cast<int64_t>(min(tok0 + x_t, p.tokens - 1)) * p.k + x_c * 8;
+  const int64_t x_step = static_cast<int64_t>(kXRowStep) * p.k;
+  uint32_t x_valid = 0;
+#pragma unroll
+  for (int it = 0; it < kXIters; ++it) x_valid |= (tok0 + x_t + it * kXRowStep < p.tokens ? 1u : 0u) << it;
+  const uint32_t x_dst0 = L::kXOff + x_t * L::kXRowBytes + x_c * 16;
+  // A values: BM rows x kACpr chunks (8 values = 4 groups each).
+  constexpr int kACpr = GS / 4;
+  constexpr int kAChunks = BM * kACpr;
+  constexpr int kAIters = (kAChunks + kThreads - 1) / kThreads;
+  static_assert(kThreads % kACpr == 0, "A copy split");
+  const int a_c = tid % kACpr, a_r = tid / kACpr;
+  const T* a_src0 = values + static_cast<int64_t>(row0 + a_r) * (2 * groups) + a_c * 8;
+  const int64_t a_step = static_cast<int64_t>(kThreads / kACpr) * (2 * groups);
+  const uint32_t a_dst0 = L::kAOff + a_r * L::kARowBytes + a_c * 16;
+  // Metadata: BM rows x KS words.
+  constexpr int kEWords = BM * KS;
+  constexpr int kEIters = (kEWords + kThreads - 1) / kThreads;
+  const int e_c = tid % KS, e_r = tid / KS;
+  const uint32_t* e_src0 = p.meta + static_cast<int64_t>(row0 + e_r) * meta_stride + e_c;
+  const int64_t e_step = static_cast<int64_t>(kThreads / KS) * meta_stride;
+  const uint32_t e_dst0 = L::kEOff + (e_r * KS + e_c) * 4;
+  const uint8_t* c_src0 = (M > 4) ? p.cols + static_cast<int64_t>(row0 / p.v) * groups * 4 + tid * 16 : nullptr;
 
   auto load_stage = [&](int buf, int kt) {
     const uint32_t base = smem_base + buf * L::kBytes;
-    const int g0 = kt * kGroupsPerStage;
-    // A values: BM rows x 2 chunks of 16 B.
-    for (int i = tid; i < BM * 2; i += kThreads) {
-      const int r = i >> 1, c = i & 1;
-      const T* src = values + (row0 + r) * val_stride + 2 * g0 + c * 8;
-      CpAsync16(base + L::kAOff + r * L::kARowBytes + c * 16, src, 16);
+    const int g0 = kt * GS;
+    const int steps_valid = min(KS, (groups - g0) / 8);
+#pragma unroll
+    for (int it = 0; it < kAIters; ++it) {
+      if (kAChunks % kThreads == 0 || it * kThreads + tid < kAChunks) {
+        if (a_c / 2 < steps_valid)
+          CpAsync16(base + a_dst0 + it * (kThreads / kACpr) * L::kARowBytes, a_src0 + it * a_step + 2 * g0, 16);
+      }
     }
-    // Metadata: one word per row.
-    for (int r = tid; r < BM; r += kThreads) {
-      CpAsync4(base + L::kEOff + r * 4, p.meta + static_cast<int64_t>(row0 + r) * meta_stride + kt);
+#pragma unroll
+    for (int it = 0; it < kEIters; ++it) {
+      if (kEWords % kThreads == 0 || it * kThreads + tid < kEWords) {
+        if (e_c < steps_valid)
+          CpAsync4(base + e_dst0 + it * (kThreads / KS) * KS * 4, e_src0 + it * e_step + g0 / 8);
+      }
     }
-    if (M > 4 && tid < 2) {
-      CpAsync16(base + L::kCOff + tid * 16, cols_blk + g0 * 4 + tid * 16, 16);
-    }
-    // X slab: BN tokens x 8M values = M chunks of 16 B per token; tokens past the end are zero-filled.
-    constexpr int kChunks = BN * M;
-    for (int i = tid; i < kChunks; i += kThreads) {
-      const int t = i / M, c = i % M;
-      const int tok = tok0 + t;
-      const bool ok = tok < p.tokens;
-      const T* src = x + static_cast<int64_t>(ok ? tok : 0) * x_stride + g0 * M + c * 8;
-      CpAsync16(base + L::kXOff + t * L::kXRowBytes + c * 16, src, ok ? 16 : 0);
+    if (M > 4 && tid < GS / 4 && tid / 2 < steps_valid) CpAsync16(base + L::kCOff + tid * 16, c_src0 + g0 * 4, 16);
+#pragma unroll
+    for (int it = 0; it < kXIters; ++it) {
+      // chunk x_c covers groups (x_c*8)/M ..: valid while inside the stage's valid k-steps
+      if ((x_c * 8) / (8 * M) < steps_valid)
+      {
+        const bool ok = (x_valid >> it) & 1;  // token tail: zero-fill from a safe address
+        CpAsync16(base + x_dst0 + it * kXRowStep * L::kXRowBytes, ok ? x_src0 + it * x_step + g0 * M : x, ok ? 16 : 0);
+      }
     }
   };
 
@@ -232,6 +252,7 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32)
   // Per-lane ldmatrix row/k-chunk for B when M == 4 (matrix j = k chunk 8j..8j+7 of 8 tokens).
   const int b_row = lane & 7;
   const int b_chunk = lane >> 3;
+  const int p0 = 2 * (tig & 1);  // gather: positions p0, p0 + 1 of group 2j + tig/2 in register j
 
   for (int kt = 0; kt < num_kt; ++kt) {
     CpAsyncWait<STAGES - 2>();
@@ -242,55 +263,56 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32)
       CpAsyncCommit();
     }
     const uint32_t base = smem_base + (kt % STAGES) * L::kBytes;
+    const unsigned char* sbase = smem + (kt % STAGES) * L::kBytes;
+    const int steps_valid = min(KS, (groups - kt * GS) / 8);
 
-    // A fragments and metadata.
-    uint32_t a[MI][4];
-    uint32_t e[MI];
 #pragma unroll
-    for (int mi = 0; mi < MI; ++mi) {
-      const int r = warp_m * WM + mi * 16;
-      LdMatrixX4(a[mi], base + L::kAOff + (r + a_row) * L::kARowBytes + a_col_bytes);
-      const uint32_t w0 = LdsU32(base + L::kEOff + (r + gid) * 4);
-      const uint32_t w1 = LdsU32(base + L::kEOff + (r + gid + 8) * 4);
-      e[mi] = MetaWord(w0, w1, tig, p.meta_mode);
-    }
+    for (int ks = 0; ks < KS; ++ks) {
+      if (KS > 1 && ks >= steps_valid) break;
+      // A fragments and metadata.
+      uint32_t a[MI][4];
+      uint32_t e[MI];
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+        const int r = warp_m * WM + mi * 16;
+        LdMatrixX4(a[mi], base + L::kAOff + (r + a_row) * L::kARowBytes + ks * 32 + a_col_bytes);
+        const uint32_t* ew = reinterpret_cast<const uint32_t*>(sbase + L::kEOff);
+        e[mi] = MetaWord(ew[(r + gid) * KS + ks], ew[(r + gid + 8) * KS + ks], tig, p.meta_mode);
+      }
 
-    // B fragments: condensed k = 8j + 2*tig + {0, 1} of token gid.
-    uint32_t b[NI][4];
-    if constexpr (M == 4) {
+      // B fragments: condensed k = 8j + 2*tig + {0, 1} of token gid.
+      uint32_t b[NI][4];
+      if constexpr (M == 4) {
 #pragma unroll
-      for (int ni = 0; ni < NI; ++ni) {
-        const int t = warp_n * WN + ni * 8 + b_row;
-        LdMatrixX4(b[ni], base + L::kXOff + t * L::kXRowBytes + b_chunk * 16);
-      }
-    } else {
-      // Byte offsets (within a token row of the slab) of the two dense columns behind each register.
-      uint32_t off0[4], off1[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int g = 2 * j + (tig >> 1);
-        const uint32_t cw = LdsU32(base + L::kCOff + g * 4);  // 4 ascending column bytes of group g
-        const int p0 = 2 * (tig & 1);
-        const uint32_t c0 = (cw >> (8 * p0)) & 0xFF, c1 = (cw >> (8 * p0 + 8)) & 0xFF;
-        off0[j] = (g * M + c0) * 2;
-        off1[j] = (g * M + c1) * 2;
-      }
-#pragma unroll
-      for (int ni = 0; ni < NI; ++ni) {
-        const uint32_t rowp = base + L::kXOff + (warp_n * WN + ni * 8 + gid) * L::kXRowBytes;
+        for (int ni = 0; ni < NI; ++ni) {
+          const int t = warp_n * WN + ni * 8 + b_row;
+          LdMatrixX4(b[ni], base + L::kXOff + t * L::kXRowBytes + ks * 64 + b_chunk * 16);
+        }
+      } else {
+        // Element offsets (within a token row of the slab) of the two dense columns behind each register.
+        const uint32_t* cw = reinterpret_cast<const uint32_t*>(sbase + L::kCOff);
+        uint32_t off0[4], off1[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const uint32_t lo = LdsU16(rowp + off0[j]);
-          const uint32_t hi = LdsU16(rowp + off1[j]);
-          b[ni][j] = lo | (hi << 16);
+          const int g = ks * 8 + 2 * j + (tig >> 1);
+          const uint32_t w = cw[g] >> (8 * p0);  // 4 ascending column bytes of group g
+          off0[j] = g * M + (w & 0xFF);
+          off1[j] = g * M + ((w >> 8) & 0xFF);
+        }
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) {
+          const uint16_t* rowp =
+              reinterpret_cast<const uint16_t*>(sbase + L::kXOff + (warp_n * WN + ni * 8 + gid) * L::kXRowBytes);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) b[ni][j] = static_cast<uint32_t>(rowp[off0[j]]) | (static_cast<uint32_t>(rowp[off1[j]]) << 16);
         }
       }
-    }
 
 #pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
+      for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-      for (int ni = 0; ni < NI; ++ni) MmaSp<T>::Run(acc[mi][ni], a[mi], b[ni], e[mi]);
+        for (int ni = 0; ni < NI; ++ni) MmaSp<T>::Run(acc[mi][ni], a[mi], b[ni], e[mi]);
+    }
   }
 
   // ---------------------------------------------------------------- epilogue
@@ -340,11 +362,11 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32)
 
 // ---------------------------------------------------------------- host side
 
-template <typename T, int M, int BM, int BN, int WM, int WN, int STAGES>
+template <typename T, int M, int BM, int BN, int WM, int WN, int GS, int STAGES, int MIN_BLOCKS>
 ffi::Error LaunchConfig(cudaStream_t stream, const SpmmParams& p) {
   constexpr int kThreads = (BM / WM) * (BN / WN) * 32;
-  constexpr int kSmem = SmemBytes<M, BM, BN, STAGES>();
-  auto kernel = SpmmKernel<T, M, BM, BN, WM, WN, STAGES>;
+  constexpr int kSmem = SmemBytes<M, BM, BN, GS, STAGES>();
+  auto kernel = SpmmKernel<T, M, BM, BN, WM, WN, GS, STAGES, MIN_BLOCKS>;
   static bool attr_set = false;  // per instantiation; benign race (idempotent)
   if (!attr_set) {
     cudaError_t st = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
@@ -364,19 +386,20 @@ ffi::Error Dispatch(cudaStream_t stream, const SpmmParams& p, int m, int sm_coun
   // BM = 128 when the rows and V allow it and it still fills the GPU; else BM = 64.
   const bool can128 = (p.rows % 128 == 0) && (m == 4 || p.v % 128 == 0);
   const bool use128 = can128 && (static_cast<int64_t>(p.rows / 128) * tiles_n >= sm_count);
+  // <T, M, BM, BN, WM, WN, groups per stage, stages, min blocks per SM>: two blocks per SM everywhere.
   switch (m) {
     case 4:
-      return use128 ? LaunchConfig<T, 4, 128, 128, 64, 32, 4>(stream, p)
-                    : LaunchConfig<T, 4, 64, 128, 64, 32, 4>(stream, p);
+      return use128 ? LaunchConfig<T, 4, 128, 128, 64, 32, 16, 3, 2>(stream, p)
+                    : LaunchConfig<T, 4, 64, 128, 64, 32, 16, 3, 2>(stream, p);
     case 8:
-      return use128 ? LaunchConfig<T, 8, 128, 128, 64, 32, 4>(stream, p)
-                    : LaunchConfig<T, 8, 64, 128, 64, 32, 4>(stream, p);
+      return use128 ? LaunchConfig<T, 8, 128, 128, 64, 32, 8, 4, 2>(stream, p)
+                    : LaunchConfig<T, 8, 64, 128, 64, 32, 8, 4, 2>(stream, p);
     case 16:
-      return use128 ? LaunchConfig<T, 16, 128, 128, 64, 32, 3>(stream, p)
-                    : LaunchConfig<T, 16, 64, 128, 64, 32, 3>(stream, p);
+      return use128 ? LaunchConfig<T, 16, 128, 64, 64, 16, 8, 3, 2>(stream, p)
+                    : LaunchConfig<T, 16, 64, 64, 64, 16, 8, 3, 2>(stream, p);
     case 32:
-      return use128 ? LaunchConfig<T, 32, 128, 64, 64, 16, 3>(stream, p)
-                    : LaunchConfig<T, 32, 64, 64, 64, 16, 3>(stream, p);
+      return use128 ? LaunchConfig<T, 32, 128, 64, 64, 16, 8, 2, 2>(stream, p)
+                    : LaunchConfig<T, 32, 64, 64, 64, 16, 8, 2, 2>(stream, p);
     default:
       return ffi::Error::InvalidArgument("jaxsparse_spmm: M must be 4, 8, 16 or 32, got " + std::to_string(m));
   }

@@ -41,6 +41,9 @@ DTYPES = [jnp.bfloat16, jnp.float16]
 TOL = {jnp.bfloat16: 1e-2, jnp.float16: 3e-3}
 
 
+_select = jax.jit(F.select_mask, static_argnums=1)
+
+
 def _key(*parts) -> jax.Array:
     return jax.random.PRNGKey(zlib.crc32(repr(parts).encode()))
 
@@ -49,7 +52,7 @@ def _make(key, t, k, r, spec, dtype, with_bias):
     kx, kw, kb = jax.random.split(key, 3)
     x = jax.random.normal(kx, (t, k), jnp.float32).astype(dtype)
     w = (jax.random.normal(kw, (k, r), jnp.float32) / np.sqrt(k / 4)).astype(dtype)
-    mask = F.select_mask(w, spec)
+    mask = _select(w, F.VNM.parse(spec))
     sw = F.compress(w, mask, spec)
     bias = jax.random.normal(kb, (r,), jnp.float32).astype(dtype) if with_bias else None
     return x, sw, bias
