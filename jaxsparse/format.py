@@ -8,6 +8,7 @@ groups of ``M`` run along ``K`` and a V-block is ``V`` consecutive output featur
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import re
 from typing import Union
@@ -223,6 +224,13 @@ def select_mask(scores: jax.Array, spec: Union[str, VNM], *, method: str = "auto
     """
     spec = VNM.parse(spec)
     validate_shape(scores.shape, spec)
+    if method not in ("auto", "exact", "greedy"):
+        raise ValueError(f"column search method must be 'auto', 'exact' or 'greedy', got {method!r}")
+    return _select_mask(scores, spec, method)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _select_mask(scores: jax.Array, spec: VNM, method: str) -> jax.Array:
     k, r = scores.shape
     g = k // spec.m
     a = jnp.abs(scores.astype(jnp.float32)).T  # [R, K]
@@ -243,6 +251,11 @@ def mask_is_valid(mask: jax.Array, spec: Union[str, VNM]) -> jax.Array:
     """A boolean scalar: does ``mask`` (``[K, R]``) obey ``spec``? Jit-able."""
     spec = VNM.parse(spec)
     validate_shape(mask.shape, spec)
+    return _mask_is_valid(mask, spec)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _mask_is_valid(mask: jax.Array, spec: VNM) -> jax.Array:
     k, r = mask.shape
     g = k // spec.m
     rows = mask.astype(jnp.int32).T.reshape(r, g, spec.m)
@@ -300,6 +313,11 @@ def compress(w: jax.Array, mask: jax.Array, spec: Union[str, VNM]) -> SparseWeig
         raise ValueError(f"mask shape {mask.shape} must equal the kernel shape {w.shape}")
     if not isinstance(mask, jax.core.Tracer) and not check_mask(mask, spec):
         raise ValueError(f"mask does not obey {spec}: more than 2 per row per group or more than 4 columns per block")
+    return _compress(w, mask, spec)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _compress(w: jax.Array, mask: jax.Array, spec: VNM) -> SparseWeight:
     k, r = w.shape
     g = k // spec.m
     a = w.T.reshape(r // spec.v, spec.v, g, spec.m)
@@ -327,6 +345,7 @@ def compress(w: jax.Array, mask: jax.Array, spec: Union[str, VNM]) -> SparseWeig
     )
 
 
+@jax.jit
 def decompress(sw: SparseWeight) -> jax.Array:
     """The dense ``[K, R]`` kernel of ``sw`` (pure JAX; ``jaxsparse.ops.decompress`` dispatches)."""
     k, r = sw.shape

@@ -1,0 +1,193 @@
+"""Reference ops and sparse_linear against the masked dense product; dispatch; bad input."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsparse import dispatch, ffi, ops, reference
+from jaxsparse import format as F
+
+SPECS = ["2:4", "64:2:8", "64:2:16", "128:2:16", "64:2:32"]
+
+
+def make(seed: int, spec: str, k: int = 256, r: int = 128, tokens=(3, 7), dtype=jnp.float32):
+    kw, kx, kb = jax.random.split(jax.random.PRNGKey(seed), 3)
+    w = jax.random.normal(kw, (k, r), jnp.float32)
+    mask = F.select_mask(w, spec)
+    sw = F.compress(w.astype(dtype), mask, spec)
+    x = jax.random.normal(kx, (*tokens, k), jnp.float32).astype(dtype)
+    bias = jax.random.normal(kb, (r,), jnp.float32).astype(dtype)
+    dense = jnp.where(mask, w.astype(dtype), 0).astype(jnp.float32)
+    return x, sw, bias, dense
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.isfinite(a).all(), "non-finite output"
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2), (jnp.float16, 2e-3)])
+def test_reference_products(spec, dtype, tol):
+    x, sw, bias, dense = make(1, spec, dtype=dtype)
+    x32 = x.astype(jnp.float32)
+    x2 = x.reshape(-1, x.shape[-1])
+    dy = jax.random.normal(jax.random.PRNGKey(9), (x2.shape[0], sw.shape[1])).astype(dtype)
+    y = reference.spmm(x2, sw, bias, "gelu")
+    assert y.dtype == dtype
+    assert rel_err(y, jax.nn.gelu(x32.reshape(x2.shape) @ dense + bias.astype(jnp.float32), approximate=True)) < tol
+    assert rel_err(reference.spmm_t(dy, sw), dy.astype(jnp.float32) @ dense.T) < tol
+    dvals = reference.sddmm(x2, dy, sw, jnp.float32)
+    expect = F.compress_like(x32.reshape(x2.shape).T @ dy.astype(jnp.float32), sw)
+    assert dvals.dtype == jnp.float32 and rel_err(dvals, expect) < tol
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_sparse_linear_matches_masked_dense(spec):
+    x, sw, bias, dense = make(2, spec)
+    y = jax.jit(ops.sparse_linear)(x, sw, bias)
+    assert y.shape == (*x.shape[:-1], sw.shape[1])
+    assert rel_err(y, x @ dense + bias) < 1e-6
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_sparse_linear_gradients(spec, use_bias):
+    """The gradient w.r.t. the compressed values is the masked dense gradient, gathered."""
+    x, sw, bias, dense = make(3, spec)
+    bias = bias if use_bias else None
+    target = jax.random.normal(jax.random.PRNGKey(5), (*x.shape[:-1], sw.shape[1]))
+
+    def sparse_loss(x, values, bias):
+        return jnp.sum(jnp.tanh(ops.sparse_linear(x, sw.replace(values=values), bias)) * target)
+
+    def dense_loss(x, w, bias):
+        y = x @ w + (0 if bias is None else bias)
+        return jnp.sum(jnp.tanh(y) * target)
+
+    mask = F.decompress(sw) != 0
+    gx, gv, gb = jax.jit(jax.grad(sparse_loss, argnums=(0, 1, 2)))(x, sw.values, bias)
+    dx, dw, db = jax.grad(dense_loss, argnums=(0, 1, 2))(x, dense, bias)
+    assert rel_err(gx, dx) < 1e-5
+    assert rel_err(gv, F.compress_like(jnp.where(mask, dw, 0), sw)) < 1e-5
+    if use_bias:
+        assert rel_err(gb, db) < 1e-5
+    else:
+        assert gb is None
+
+
+def test_sparse_linear_numerical_gradient():
+    """Finite differences in float64-free form: directional derivative along a random direction."""
+    x, sw, bias, _ = make(4, "64:2:8", tokens=(5,))
+    f = lambda v: jnp.sum(jnp.sin(ops.sparse_linear(x, sw.replace(values=v), bias)))
+    direction = jax.random.normal(jax.random.PRNGKey(6), sw.values.shape)
+    eps = 1e-3
+    numeric = (f(sw.values + eps * direction) - f(sw.values - eps * direction)) / (2 * eps)
+    analytic = jnp.vdot(jax.grad(f)(sw.values), direction)
+    assert float(numeric) == pytest.approx(float(analytic), rel=1e-2)
+
+
+def test_grad_of_whole_sparse_weight_gives_float0_for_indices():
+    x, sw, bias, _ = make(5, "64:2:16")
+    g = jax.grad(lambda s: ops.sparse_linear(x, s, bias).sum(), allow_int=True)(sw)
+    assert g.values.shape == sw.values.shape
+    assert g.metadata.dtype == jax.dtypes.float0 and g.columns.dtype == jax.dtypes.float0
+
+
+def test_vmap_over_stacked_weights():
+    xs, sws = [], []
+    for seed in range(3):
+        x, sw, _, _ = make(10 + seed, "64:2:8", tokens=(4,))
+        xs.append(x)
+        sws.append(sw)
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *sws)
+    y = jax.vmap(ops.sparse_linear)(jnp.stack(xs), stacked)
+    for i in range(3):
+        np.testing.assert_allclose(y[i], ops.sparse_linear(xs[i], sws[i]), rtol=1e-6, atol=1e-6)
+
+
+def test_ops_decompress_matches_format():
+    _, sw, _, dense = make(6, "128:2:16")
+    np.testing.assert_array_equal(np.asarray(ops.decompress(sw)), np.asarray(dense))
+
+
+def test_masked_linear():
+    x, _, bias, dense = make(7, "64:2:8")
+    w = jax.random.normal(jax.random.PRNGKey(8), dense.shape)
+    mask = dense != 0
+    y = ops.masked_linear(x, w, mask, bias)
+    assert rel_err(y, x @ jnp.where(mask, w, 0) + bias) < 1e-6
+    gw = jax.grad(lambda w: ops.masked_linear(x, w, mask).sum())(w)
+    assert not np.asarray(gw)[~np.asarray(mask)].any()
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_operands():
+    x, sw, bias, _ = make(0, "64:2:8")
+    with pytest.raises(ValueError, match="last dimension must be 256"):
+        ops.sparse_linear(x[..., :128], sw)
+    with pytest.raises(ValueError, match="dtype"):
+        ops.sparse_linear(x.astype(jnp.bfloat16), sw)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        ops.sparse_linear(x, sw, bias[:10])
+    with pytest.raises(ValueError, match="SparseWeight"):
+        ops.sparse_linear(x, jnp.ones((256, 128)))
+    with pytest.raises(ValueError, match="activation"):
+        ops.spmm(x, sw, activation="relu6")
+    with pytest.raises(ValueError, match="bfloat16, float16 or float32"):
+        ops.spmm(x.astype(jnp.int32), sw.replace(values=sw.values.astype(jnp.int32)))
+    with pytest.raises(ValueError, match="leading dimensions"):
+        ops.sddmm(x, jnp.ones((2, 2, 128)), sw)
+
+
+def test_kernel_constraints_are_named():
+    _, sw, _, _ = make(0, "64:2:8")
+    assert "bfloat16 or float16" in ops.spmm_unsupported(sw)
+    _, sw16, _, _ = make(0, "64:2:8", dtype=jnp.bfloat16)
+    assert ops.spmm_unsupported(sw16) is None
+    _, sw_v, _, _ = make(0, "32:2:8", dtype=jnp.bfloat16)
+    assert "V in" in ops.spmm_unsupported(sw_v)
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def test_backend_env(monkeypatch):
+    monkeypatch.setenv("JAXSPARSE_BACKEND", "reference")
+    assert dispatch.backend() == "reference"
+    monkeypatch.setenv("JAXSPARSE_BACKEND", "tpu")
+    with pytest.raises(ValueError, match="JAXSPARSE_BACKEND"):
+        dispatch.backend()
+    monkeypatch.delenv("JAXSPARSE_BACKEND")
+    assert dispatch.backend() == "auto"
+
+
+def test_forced_reference_matches_auto(monkeypatch):
+    x, sw, bias, _ = make(1, "2:4", dtype=jnp.bfloat16)
+    auto = ops.spmm(x, sw, bias)
+    monkeypatch.setenv("JAXSPARSE_BACKEND", "reference")
+    np.testing.assert_array_equal(np.asarray(ops.spmm(x, sw, bias)), np.asarray(auto))
+
+
+def test_forced_cuda_without_gpu_is_a_clear_error(monkeypatch):
+    if dispatch._has_gpu() and ffi.available():
+        pytest.skip("a GPU and the extension are present: forcing cuda is valid here")
+    monkeypatch.setenv("JAXSPARSE_BACKEND", "cuda")
+    x, sw, bias, _ = make(1, "2:4", dtype=jnp.bfloat16)
+    with pytest.raises(RuntimeError, match="JAXSPARSE_BACKEND=cuda"):
+        ops.spmm(x, sw, bias)
+
+
+def test_forced_cuda_rejects_unsupported_operands(monkeypatch):
+    monkeypatch.setattr(ffi, "available", lambda: True)
+    monkeypatch.setattr(dispatch, "_has_gpu", lambda: True)
+    monkeypatch.setenv("JAXSPARSE_BACKEND", "cuda")
+    x, sw, _, _ = make(1, "64:2:8")  # float32: the kernels take bf16/fp16 only
+    with pytest.raises(ValueError, match="cannot take these operands: the kernels take bfloat16"):
+        ops.spmm(x, sw)
