@@ -23,6 +23,7 @@ FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.f
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 KERNEL_M = (4, 8, 16, 32)
 KERNEL_V = (64, 128)
+KERNEL_ROW_TILE = 64  # output features per kernel tile (cuda/spmm.cu)
 
 
 def _cuda_calls():
@@ -62,6 +63,8 @@ def spmm_unsupported(sw: SparseWeight) -> Optional[str]:
         return f"the kernels take M in {KERNEL_M}, got {spec}"
     if spec.m > 4 and spec.v not in KERNEL_V:
         return f"the kernels take V in {KERNEL_V} for M > 4, got {spec}"
+    if sw.shape[1] % KERNEL_ROW_TILE:
+        return f"the kernels need R (output features) to be a multiple of {KERNEL_ROW_TILE}, got {sw.shape[1]}"
     return None
 
 

@@ -153,6 +153,8 @@ def test_kernel_constraints_are_named():
     assert ops.spmm_unsupported(sw16) is None
     _, sw_v, _, _ = make(0, "32:2:8", dtype=jnp.bfloat16)
     assert "V in" in ops.spmm_unsupported(sw_v)
+    _, sw_r, _, _ = make(0, "2:4", r=96, dtype=jnp.bfloat16)
+    assert "multiple of 64" in ops.spmm_unsupported(sw_r)
 
 
 # ----------------------------------------------------------------------------- dispatch
