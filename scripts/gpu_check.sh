@@ -19,7 +19,7 @@ grep -E "warning|spill|error" "$OUT/build.log" | grep -v "xla/ffi" | head -20
 echo "build: $(( $(date +%s) - t0 )) s"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import jax, jaxsparse.ffi as f; print('jax', jax.__version__, jax.devices(), 'targets', f.target_names())"
-cd /tmp && pytest -q -x -m gpu -p no:cacheprovider "$repo/tests" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+cd /tmp && pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-"$repo/tests"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
 status=${PIPESTATUS[0]}
 cd "$repo"
 for cmd in "$@"; do echo "== $cmd"; bash -c "$cmd" || status=1; done
