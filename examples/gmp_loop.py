@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import optax
 
 from jaxsparse import format as fmt
-from jaxsparse.nn import NMDense, compress_tree, compress_variables
-from jaxsparse.pruning import gmp_prune, masks_of, model_variables, sparsity_collection, sparsity_of
+from jaxsparse.nn import NMDense
+from jaxsparse.pruning import gmp_prune, masks_of, model_variables, sparsity_of, to_compressed
 
 
 class MLP(nn.Module):
@@ -48,7 +48,8 @@ def main(steps: int = 300, begin: int = 30, end: int = 180) -> dict:
     model = MLP()
     params = model.init(jax.random.key(1), x[:1])["params"]
     prune = gmp_prune("32:2:16", begin_step=begin, end_step=end, frequency=10)
-    tx = optax.chain(optax.adamw(3e-3, weight_decay=1e-4), prune)
+    adamw = optax.adamw(3e-3, weight_decay=1e-4)
+    tx = optax.chain(adamw, prune)
     opt_state = tx.init(params)
     print("ladder", [str(s) for s in prune.schedule.ladder], "starts at steps", prune.schedule.stage_steps)
 
@@ -76,13 +77,9 @@ def main(steps: int = 300, begin: int = 30, end: int = 180) -> dict:
 
     # Final N = 2 pattern reached: switch to compressed training.
     final = prune.schedule.ladder[-1]
-    masks = sparsity_collection(masks_of(opt_state))
-    c_params, pattern = compress_variables(params, masks, final)
-    adam = opt_state[0][0]  # chain -> adamw chain -> ScaleByAdamState
-    c_tx = optax.adamw(3e-3, weight_decay=1e-4)
-    c_state = c_tx.init(c_params)
-    c_state = (c_state[0]._replace(mu=compress_tree(adam.mu, masks, final),
-                                   nu=compress_tree(adam.nu, masks, final), count=adam.count),) + c_state[1:]
+    # opt_state[0] is adamw's state: its moments are gathered into the values layout too.
+    c_params, pattern, c_state = to_compressed(params, masks_of(opt_state), final, opt_state[0])
+    c_tx = adamw  # the same optimizer, now over the compressed values
     c_model = MLP(compressed=True)
 
     @jax.jit

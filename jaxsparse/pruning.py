@@ -39,7 +39,7 @@ import optax
 from flax import traverse_util
 
 from jaxsparse import format as fmt
-from jaxsparse.nn import SPARSITY
+from jaxsparse.nn import SPARSITY, compress_tree, compress_variables
 
 __all__ = [
     "GMPSchedule",
@@ -55,6 +55,7 @@ __all__ = [
     "model_variables",
     "oneshot_masks",
     "sparsity_of",
+    "to_compressed",
 ]
 
 PUBLISHED_LADDER = ("64:6:8", "64:4:8", "64:2:8")
@@ -330,3 +331,34 @@ def sparsity_of(params, masks) -> float:
     if total == 0:
         raise ValueError("sparsity_of: no masked kernel")
     return zeros / total
+
+
+def to_compressed(params, masks, spec: str | fmt.VNM, opt_state=None):
+    """Switch training to compressed mode once the final N = 2 masks are in place.
+
+    Args:
+      params: master-mode params (dense kernels).
+      masks: a params-shaped mask tree (:func:`masks_of`) or a ``"sparsity"`` collection.
+      spec: the N = 2 pattern the masks obey.
+      opt_state: optional state of the optimizer *without* ``gmp_prune`` (e.g. ``opt_state[0]`` of
+        ``optax.chain(adamw, gmp_prune(...))``); every params-shaped subtree in it (Adam's ``mu``,
+        ``nu``, ...) is gathered into the values layout, so the same optimizer continues seamlessly.
+
+    Returns:
+      ``(params, sparsity)`` -- or ``(params, sparsity, opt_state)`` when ``opt_state`` is given -- for
+      the model built with ``compressed=True``.
+    """
+    flat = traverse_util.flatten_dict(dict(masks))
+    if any(p[-1] == "kernel" for p in flat):  # a params-shaped mask tree
+        masks = sparsity_collection(masks)
+    c_params, pattern = compress_variables(params, masks, spec)
+    if opt_state is None:
+        return c_params, pattern
+    structure = jax.tree_util.tree_structure(params)
+
+    def params_like(node) -> bool:
+        return jax.tree_util.tree_structure(node) == structure
+
+    c_state = jax.tree_util.tree_map(lambda n: compress_tree(n, masks, spec) if params_like(n) else n,
+                                     opt_state, is_leaf=params_like)
+    return c_params, pattern, c_state

@@ -1,0 +1,316 @@
+"""``jaxsparse-train``: fine-tune a (sparse) BERT on Rotten Tomatoes or TREC-6.
+
+The default (``jaxsparse-train``) fine-tunes pretrained MiniLM-L6 on a 2,000-sentence Rotten Tomatoes
+subset, pruned one-shot to 2:4, for one epoch, and reports dev/test accuracy: a few minutes on a 2-core
+CPU. Full runs: ``jaxsparse-train --max-train 0 --max-eval 0 --epochs 5 --prune gmp --sparsity 64:2:8
+--dtype bfloat16`` on a GPU.
+
+Writes ``<out>/metrics.json`` and an orbax checkpoint ``<out>/checkpoint`` (params and the
+``"sparsity"`` collection: masks in master mode, the fixed pattern in compressed mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxsparse import data as data_lib
+from jaxsparse import format as fmt
+from jaxsparse import pruning
+from jaxsparse.models import bert
+
+__all__ = ["main", "parse_args", "run"]
+
+MODELS = ("minilm",) + tuple(n for n in bert.PRESETS if n != "minilm")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the command line (see ``jaxsparse-train --help``)."""
+    p = argparse.ArgumentParser(prog="jaxsparse-train", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="minilm", choices=MODELS,
+                   help="minilm = pretrained all-MiniLM-L6-v2; the others are randomly initialised sizes")
+    p.add_argument("--task", default="rt", choices=sorted(data_lib.TASKS))
+    p.add_argument("--sparsity", default="2:4", help="'dense' or a final pattern: 2:4, 64:2:8, 128:2:16, 64:2:8 ...")
+    p.add_argument("--prune", default=None, choices=("gmp", "oneshot", "none"),
+                   help="how masks are reached (default: oneshot when sparse, none when dense)")
+    p.add_argument("--ladder", default=None,
+                   help="comma-separated GMP stages, e.g. 64:6:8,64:4:8,64:2:8 (default: kernel-eligible ladder)")
+    p.add_argument("--prune-begin", type=float, default=0.0, help="GMP ramp start, fraction of all steps")
+    p.add_argument("--prune-end", type=float, default=0.5, help="GMP ramp end, fraction of all steps")
+    p.add_argument("--compress", default="auto", choices=("auto", "on", "off"),
+                   help="after the final N=2 mask: train the compressed values (auto: on when the CUDA kernels run)")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--warmup", type=float, default=0.1, help="linear warm-up, fraction of all steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-train", type=int, default=2000, help="training examples (0 = all)")
+    p.add_argument("--max-eval", type=int, default=0, help="dev/test examples (0 = all)")
+    p.add_argument("--max-len", type=int, default=48, help="tokens per example, [CLS] and [SEP] included")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="compute dtype (params stay float32)")
+    p.add_argument("--out", default="runs/latest", help="output folder (metrics.json, checkpoint/)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if args.sparsity != "dense":
+        fmt.VNM.parse(args.sparsity)  # ValueError naming the format
+    if args.prune is None:
+        args.prune = "none" if args.sparsity == "dense" else "oneshot"
+    if args.sparsity == "dense" and args.prune != "none":
+        p.error(f"--prune {args.prune} needs a --sparsity pattern, not dense")
+    if args.sparsity != "dense" and args.prune == "none":
+        p.error("--prune none trains dense: use --sparsity dense")
+    for name in ("epochs", "batch_size", "max_len"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0.0 <= args.prune_begin <= args.prune_end <= 1.0:
+        p.error("need 0 <= --prune-begin <= --prune-end <= 1")
+    return args
+
+
+def _batches(n: int, size: int, rng: np.random.Generator | None):
+    order = rng.permutation(n) if rng is not None else np.arange(n)
+    for lo in range(0, n - size + 1, size):
+        yield order[lo:lo + size]
+
+
+def _kernel_path() -> bool:
+    from jaxsparse import ffi
+
+    return jax.default_backend() == "gpu" and ffi.available()
+
+
+def _use_compressed(mode: str, spec: fmt.VNM | None, cfg: bert.BertConfig) -> bool:
+    """Whether to switch to compressed training after the final mask (``--compress``)."""
+    if mode == "off" or spec is None:
+        return False
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    try:
+        for shape in ((h, h), (h, f), (f, h)):
+            fmt.validate_shape(shape, spec, compressed=True)
+    except ValueError as e:
+        if mode == "on":
+            raise ValueError(f"--compress on: {e}") from None
+        return False
+    return mode == "on" or _kernel_path()
+
+
+def _arrays(b: data_lib.Batch, idx) -> tuple:
+    return b.input_ids[idx], b.token_type_ids[idx], b.attention_mask[idx], b.labels[idx]
+
+
+class _Evaluator:
+    """Accuracy and loss on a tokenized split; examples sorted by length, batches cut to 16-token buckets."""
+
+    def __init__(self, batch: data_lib.Batch, size: int):
+        self.batch, self.size = batch, size
+        lengths = batch.attention_mask.sum(1)
+        self.order = np.argsort(lengths, kind="stable")
+        self.lengths = lengths[self.order]
+
+    def __call__(self, logits_fn, variables) -> dict[str, float]:
+        correct, loss, n = 0, 0.0, len(self.batch)
+        for lo in range(0, n, self.size):
+            idx = self.order[lo:lo + self.size]
+            t = min(self.batch.input_ids.shape[1], int(math.ceil(self.lengths[lo:lo + self.size].max() / 16) * 16))
+            pad = self.size - len(idx)
+            ids, types, mask, labels = (np.pad(a[idx][:, :t] if a.ndim == 2 else a[idx], [(0, pad)] + [(0, 0)] * (a.ndim - 1))
+                                        for a in (self.batch.input_ids, self.batch.token_type_ids,
+                                                  self.batch.attention_mask, self.batch.labels))
+            logits = np.asarray(logits_fn(variables, ids, types, mask))[: len(idx)]
+            labels = labels[: len(idx)]
+            correct += int((logits.argmax(-1) == labels).sum())
+            shifted = logits - logits.max(-1, keepdims=True)
+            logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+            loss -= float(logp[np.arange(len(idx)), labels].sum())
+        return {"accuracy": correct / n, "loss": loss / n}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Train and evaluate as ``args`` says; returns the metrics that are also written to ``metrics.json``."""
+    t_start = time.time()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    task = data_lib.load_task(args.task)
+    tok = data_lib.load_tokenizer()
+    take = lambda s, n: s.take(n or None)  # noqa: E731
+    train = data_lib.tokenize(tok, take(task.train, args.max_train), args.max_len)
+    dev = data_lib.tokenize(tok, take(task.dev, args.max_eval), args.max_len)
+    test = data_lib.tokenize(tok, take(task.test, args.max_eval), args.max_len)
+    if len(train) < args.batch_size:
+        raise ValueError(f"--batch-size {args.batch_size} exceeds the {len(train)} training examples")
+
+    dtype = jnp.dtype(args.dtype)
+    sparse = args.sparsity != "dense"
+    spec = fmt.VNM.parse(args.sparsity) if sparse else None
+    if args.model == "minilm":
+        cfg, pretrained = bert.load_minilm()
+    else:
+        cfg, pretrained = bert.BertConfig.preset(args.model), None
+    make_model = lambda compressed: bert.BertForSequenceClassification(  # noqa: E731
+        cfg, sparsity=args.sparsity if sparse else None, compressed=compressed, dtype=dtype,
+        num_labels=task.num_labels)
+    model = make_model(False)
+    key = jax.random.key(args.seed)
+    key, k_init = jax.random.split(key)
+    params = jax.jit(model.init)(k_init, *(a[:1] for a in _arrays(train, slice(None))[:3]))["params"]
+    if pretrained is not None:
+        params = bert.merge_params(params, pretrained)
+
+    steps_per_epoch = len(train) // args.batch_size
+    total = steps_per_epoch * args.epochs
+    lr = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, int(args.warmup * total)), max(total, 2), 0.0)
+    base = optax.adamw(lr, weight_decay=args.weight_decay, mask=lambda p: jax.tree_util.tree_map(lambda x: x.ndim > 1, p))
+    prune = None
+    if args.prune == "gmp":
+        ladder = args.ladder.split(",") if args.ladder else args.sparsity
+        begin, end = int(args.prune_begin * total), int(args.prune_end * total)
+        prune = pruning.gmp_prune(ladder, begin, end, frequency=max(1, (end - begin) // 20))
+    elif args.prune == "oneshot":
+        prune = pruning.gmp_prune([spec], 0, 0)
+    if prune is not None and str(prune.schedule.ladder[-1]) != str(spec):
+        raise ValueError(f"the ladder must end at --sparsity {spec}, got {prune.schedule.ladder[-1]}")
+    tx = optax.chain(base, prune) if prune is not None else base
+    opt_state = tx.init(params)
+    compress = _use_compressed(args.compress, spec, cfg)
+    switch_step = prune.schedule.stage_steps[-1] + 1 if prune is not None else None
+
+    def make_step(model, tx, with_masks: bool):
+        @jax.jit
+        def step(params, opt_state, extra, batch, rng):
+            variables = pruning.model_variables(params, opt_state) if with_masks else dict(extra)
+            variables = {k: v for k, v in variables.items() if k != "params"}
+
+            def lf(p):
+                logits = model.apply({**variables, "params": p}, *batch[:3], deterministic=False,
+                                     rngs={"dropout": rng})
+                return optax.softmax_cross_entropy_with_integer_labels(logits, batch[3]).mean()
+
+            loss, grads = jax.value_and_grad(lf)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        return step
+
+    def make_logits(model):
+        return jax.jit(lambda variables, *a: model.apply(variables, *a))
+
+    step = make_step(model, tx, prune is not None)
+    logits_fn = make_logits(model)
+    extra: dict = {}
+    evaluate_dev, evaluate_test = _Evaluator(dev, args.batch_size), _Evaluator(test, args.batch_size)
+
+    def variables_now():
+        if "sparsity" in extra:
+            return {"params": params, **extra}
+        return pruning.model_variables(params, opt_state) if (prune is not None and not compressed) else {"params": params}
+
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        tqdm = None
+    history, compressed, global_step = [], False, 0
+    # Dropout masks from the RngBitGenerator: about 3x cheaper than threefry on a CPU, same on a GPU.
+    drop_key = jax.random.key(args.seed + 1, impl="rbg")
+    data_rng = np.random.default_rng(args.seed)
+    print(data_lib.describe(task), file=sys.stderr)
+    for epoch in range(args.epochs):
+        t0, losses = time.time(), []
+        batches = _batches(len(train), args.batch_size, data_rng)
+        bar = tqdm(batches, total=steps_per_epoch, desc=f"epoch {epoch + 1}/{args.epochs}",
+                   disable=args.no_progress or tqdm is None, file=sys.stderr) if tqdm else batches
+        for idx in bar:
+            if compress and not compressed and global_step == switch_step:
+                params, pattern, base_state = pruning.to_compressed(params, pruning.masks_of(opt_state), spec, opt_state[0])
+                opt_state, extra, compressed = base_state, {"sparsity": pattern}, True
+                model = make_model(True)
+                step, logits_fn = make_step(model, base, False), make_logits(model)
+            drop_key, k_drop = jax.random.split(drop_key)
+            params, opt_state, loss = step(params, opt_state, extra, _arrays(train, idx), k_drop)
+            losses.append(loss)
+            global_step += 1
+            if global_step % 10 == 0 and tqdm is not None and not args.no_progress:
+                bar.set_postfix(loss=f"{float(np.mean(jax.device_get(losses[-10:]))):.3f}")
+        train_loss = float(np.mean(jax.device_get(losses))) if losses else float("nan")
+        dev_metrics = evaluate_dev(logits_fn, variables_now())
+        history.append({"epoch": epoch + 1, "train_loss": train_loss, "first_loss": float(losses[0]),
+                        "dev_accuracy": dev_metrics["accuracy"], "dev_loss": dev_metrics["loss"],
+                        "seconds": time.time() - t0})
+        print(f"epoch {epoch + 1}: train loss {train_loss:.4f}  dev acc {dev_metrics['accuracy']:.4f}  "
+              f"({time.time() - t0:.0f} s)", file=sys.stderr)
+
+    test_metrics = evaluate_test(logits_fn, variables_now())
+    final = variables_now()
+    if prune is not None and not compressed:
+        achieved = pruning.sparsity_of(params, pruning.masks_of(opt_state))
+    elif compressed:  # a values array [R, 2K/M] stands for a dense [K, R] kernel
+        vals = [np.asarray(v) for p, v in _flat(params) if p[-1] == "values"]
+        achieved = 1.0 - sum(np.count_nonzero(v) for v in vals) / sum(v.size * spec.m / 2 for v in vals)
+    else:
+        achieved = 0.0
+    metrics = {
+        "model": args.model, "task": args.task, "sparsity": args.sparsity, "prune": args.prune,
+        "ladder": [str(s) for s in prune.schedule.ladder] if prune is not None else [],
+        "stage_steps": list(prune.schedule.stage_steps) if prune is not None else [],
+        "compressed_training": compressed, "seed": args.seed, "epochs": args.epochs,
+        "batch_size": args.batch_size, "lr": args.lr, "max_len": args.max_len, "dtype": args.dtype,
+        "train_examples": len(train), "dev_examples": len(dev), "test_examples": len(test), "steps": global_step,
+        "history": history, "dev_accuracy": history[-1]["dev_accuracy"], "test_accuracy": test_metrics["accuracy"],
+        "test_loss": test_metrics["loss"], "weight_sparsity": achieved,
+        "device": str(jax.devices()[0].device_kind), "seconds": time.time() - t_start,
+    }
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    save_checkpoint(out / "checkpoint", final)
+    print(f"jaxsparse-train: {args.model} {args.task} {args.sparsity} ({args.prune}) | "
+          f"dev acc {metrics['dev_accuracy']:.4f} | test acc {metrics['test_accuracy']:.4f} | "
+          f"sparsity {achieved:.3f} | {global_step} steps | {metrics['seconds']:.0f} s | {out}")
+    return metrics
+
+
+def _flat(tree: dict):
+    from flax import traverse_util
+
+    return traverse_util.flatten_dict(dict(tree)).items()
+
+
+def save_checkpoint(path: Path, variables: dict) -> None:
+    """Save ``{"params": ..., "sparsity": ...}`` with orbax (overwrites ``path``)."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    if path.exists():
+        import shutil
+
+        shutil.rmtree(path)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path, jax.device_get(variables))
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """Restore what :func:`save_checkpoint` wrote (as numpy arrays)."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckptr:
+        return ckptr.restore(Path(path).absolute())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point ``jaxsparse-train``."""
+    run(parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""gmp_prune: the cubic schedule, ladder stages, mask validity, exact zeros, one source of truth."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxsparse import format as fmt
+from jaxsparse import pruning
+from jaxsparse.nn import NMDense
+
+
+def _params(seed=0, k=128, r=128):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    return {
+        "embeddings": {"embedding": jax.random.normal(keys[0], (50, k))},
+        "encoder_layer_0": {"query": {"kernel": jax.random.normal(keys[1], (k, r)), "bias": jnp.zeros(r)},
+                            "output": {"kernel": jax.random.normal(keys[2], (r, k)), "bias": jnp.zeros(k)}},
+        "classifier": {"kernel": jax.random.normal(keys[3], (k, 4)), "bias": jnp.zeros(4)},
+    }
+
+
+def _cubic(step, s_f, t0, t1):
+    """Zhu & Gupta, written out independently of the module."""
+    if step >= t1:
+        return s_f
+    if step <= t0:
+        return 0.0
+    return s_f + (0.0 - s_f) * (1 - (step - t0) / (t1 - t0)) ** 3
+
+
+def test_default_and_published_ladders():
+    assert [str(s) for s in pruning.default_ladder("128:2:16")] == ["2:4", "128:2:8", "128:2:16"]
+    assert [str(s) for s in pruning.default_ladder("64:2:8")] == ["2:4", "64:2:8"]
+    assert [str(s) for s in pruning.default_ladder("2:4")] == ["2:4"]
+    assert all(s.n == 2 for s in pruning.default_ladder("128:2:32"))
+    assert [fmt.VNM.parse(s).n for s in pruning.PUBLISHED_LADDER] == [6, 4, 2]
+
+
+@pytest.mark.parametrize("t0,t1,freq", [(0, 100, 1), (10, 90, 10), (5, 5, 1)])
+def test_schedule_sparsity_at_chosen_steps(t0, t1, freq):
+    sched = pruning.GMPSchedule(pruning.default_ladder("128:2:16"), t0, t1, freq)
+    s_f = 1 - 2 / 16
+    grid = sorted(set(range(t0, t1, freq)) | {t1})
+    for step in (0, t0, (t0 + t1) // 2, t1 - 1, t1, t1 + 50):
+        assert sched.target_sparsity(step) == pytest.approx(_cubic(step, s_f, t0, t1))
+    for spec, start in zip(sched.ladder, sched.stage_steps):
+        need = 1 - spec.density
+        expected = min(t for t in grid if _cubic(t, s_f, t0, t1) >= need - 1e-9)
+        assert start == expected
+        assert sched.sparsity_at(start) >= need
+    if t0 > 0:
+        assert sched.sparsity_at(t0 - 1) == 0.0
+    assert sched.sparsity_at(t1) == pytest.approx(s_f)
+    assert list(sched.stage_steps) == sorted(sched.stage_steps)
+
+
+def test_schedule_known_stage_steps():
+    # s(t) = 0.875 (1 - (1 - t/100)^3) crosses 0.5 between t = 24 and 25, 0.75 between 47 and 48.
+    sched = pruning.GMPSchedule(pruning.default_ladder("128:2:16"), 0, 100)
+    assert sched.stage_steps == (25, 48, 100)
+    assert [sched.sparsity_at(t) for t in (24, 25, 47, 48, 99, 100)] == [0, 0.5, 0.5, 0.75, 0.75, 0.875]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(ladder=("64:2:8", "2:4"), begin_step=0, end_step=10), "strictly decrease"),
+    (dict(ladder=("2:4",), begin_step=10, end_step=5), "begin_step <= end_step"),
+    (dict(ladder=("2:4",), begin_step=0, end_step=5, frequency=0), "frequency"),
+    (dict(ladder=(), begin_step=0, end_step=5), "at least one"),
+])
+def test_schedule_rejects_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        pruning.GMPSchedule(**kwargs)
+
+
+def test_init_rejects_incompatible_layers_and_empty_filter():
+    params = _params(k=128, r=96)  # R = 96 is not a multiple of V = 64
+    with pytest.raises(ValueError, match="encoder_layer_0/query/kernel.*multiple of V"):
+        pruning.gmp_prune("64:2:8").init(params)
+    with pytest.raises(ValueError, match="selected no"):
+        pruning.gmp_prune("2:4", filter_fn=lambda path, x: False).init(params)
+    tx = pruning.gmp_prune("2:4")
+    state = tx.init(params)
+    with pytest.raises(ValueError, match="needs params"):
+        tx.update(params, state)
+
+
+def test_default_filter_selects_encoder_kernels_only():
+    masks = pruning.gmp_prune("2:4").init(_params()).masks
+    assert masks["embeddings"]["embedding"] is None and masks["classifier"]["kernel"] is None
+    assert masks["encoder_layer_0"]["query"]["bias"] is None
+    assert masks["encoder_layer_0"]["query"]["kernel"].shape == (128, 128)
+
+
+@pytest.mark.parametrize("ladder", ["128:2:16", pruning.PUBLISHED_LADDER])
+def test_ladder_run_masks_valid_zeros_exact_and_changes_only_at_stage_steps(ladder):
+    params = _params()
+    prune = pruning.gmp_prune(ladder, begin_step=2, end_step=12, frequency=2)
+    sched = prune.schedule
+    tx = optax.chain(optax.adamw(0.05, weight_decay=0.1), prune)  # momentum + decay try to revive weights
+    state = tx.init(params)
+    update = jax.jit(lambda g, s, p: tx.update(g, s, p))
+    prev = pruning.masks_of(state)
+    seen = set()
+    for step in range(16):
+        grads = jax.tree_util.tree_map(lambda p: jax.random.normal(jax.random.key(step), p.shape), params)
+        updates, state = update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        masks = pruning.masks_of(state)
+        stage = sched.stage_at(step)
+        assert int(pruning.find_state(state).stage) == stage
+        changed = any(not np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(prev), jax.tree_util.tree_leaves(masks)))
+        assert changed == (step in sched.stage_steps), f"step {step}: mask changed={changed}"
+        if stage:
+            spec = sched.ladder[stage - 1]
+            seen.add(str(spec))
+            for name in ("query", "output"):
+                m = np.asarray(masks["encoder_layer_0"][name]["kernel"])
+                k = np.asarray(params["encoder_layer_0"][name]["kernel"])
+                assert fmt.check_mask(m, spec)
+                assert m.mean() == pytest.approx(spec.density)
+                assert (k[~m] == 0).all(), "pruned weights must be exactly zero"
+            assert pruning.sparsity_of(params, masks) >= 1 - spec.density
+        # unpruned leaves move freely
+        assert np.count_nonzero(np.asarray(params["classifier"]["kernel"])) == params["classifier"]["kernel"].size
+        prev = masks
+    assert seen == {str(s) for s in sched.ladder}
+
+
+def test_oneshot_and_model_reads_the_optimizer_masks():
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.relu(NMDense(128, sparsity="2:4", name="encoder_in")(x))
+            return nn.Dense(3, name="classifier")(h)
+
+    net = Net()
+    x = jax.random.normal(jax.random.key(0), (8, 64))
+    params = net.init(jax.random.key(1), x)["params"]
+    tx = optax.chain(optax.sgd(0.1), pruning.gmp_prune(["2:4"], 0, 0))
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state):
+        grads = jax.grad(lambda p: net.apply(pruning.model_variables(p, state), x).sum())(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    params, state = step(params, state)
+    mask = pruning.masks_of(state)["encoder_in"]["kernel"]
+    assert fmt.check_mask(mask, "2:4") and int(pruning.find_state(state).stage) == 1
+    variables = pruning.model_variables(params, state)
+    assert variables["sparsity"]["encoder_in"]["mask"] is mask  # the model's mask *is* the optimizer's
+    assert "classifier" not in variables["sparsity"]
+    kernel = params["encoder_in"]["kernel"]
+    np.testing.assert_array_equal(np.asarray(kernel)[~np.asarray(mask)], 0)
+    # a mask that disagrees with the weights shows in the output: the model really applies the state's mask
+    other = fmt.select_mask(jax.random.normal(jax.random.key(5), kernel.shape), "2:4")
+    h = jax.nn.relu(x @ jnp.where(other, kernel, 0) + params["encoder_in"]["bias"])
+    expected = h @ params["classifier"]["kernel"] + params["classifier"]["bias"]
+    got = net.apply(pruning.model_variables(params, masks={"encoder_in": {"kernel": other, "bias": None},
+                                                           "classifier": {"kernel": None, "bias": None}}), x)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    masks_direct = pruning.oneshot_masks(params, "2:4", pruning.path_filter(include=()))
+    assert masks_direct["classifier"]["kernel"] is None  # excluded by name
+
+
+def test_to_compressed_converts_params_and_adam_moments():
+    class Net(nn.Module):
+        compressed: bool = False
+
+        @nn.compact
+        def __call__(self, x):
+            return NMDense(64, sparsity="16:2:8", compressed=self.compressed, name="encoder_in")(x)
+
+    x = jax.random.normal(jax.random.key(0), (8, 64))
+    params = Net().init(jax.random.key(1), x)["params"]
+    base = optax.adam(1e-2)
+    tx = optax.chain(base, pruning.gmp_prune("16:2:8", 0, 0))
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state):
+        grads = jax.grad(lambda p: (Net().apply(pruning.model_variables(p, state), x) ** 2).sum())(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    for _ in range(3):
+        params, state = step(params, state)
+    masks = pruning.masks_of(state)
+    c_params, pattern, c_state = pruning.to_compressed(params, masks, "16:2:8", state[0])
+    y_master = Net().apply(pruning.model_variables(params, state), x)
+    y_c = Net(compressed=True).apply({"params": c_params, "sparsity": pattern}, x)
+    np.testing.assert_allclose(y_c, y_master, rtol=1e-5, atol=1e-5)
+    mu = c_state[0].mu["encoder_in"]
+    assert set(mu) == {"values", "bias"} and mu["values"].shape == c_params["encoder_in"]["values"].shape
+    sw = fmt.compress(params["encoder_in"]["kernel"], masks["encoder_in"]["kernel"], "16:2:8")
+    np.testing.assert_allclose(mu["values"], fmt.compress_like(state[0][0].mu["encoder_in"]["kernel"], sw))
+    # the same optimizer continues on the compressed tree
+    g = jax.grad(lambda p: (Net(compressed=True).apply({"params": p, "sparsity": pattern}, x) ** 2).sum())(c_params)
+    updates, _ = base.update(g, c_state, c_params)
+    assert updates["encoder_in"]["values"].shape == c_params["encoder_in"]["values"].shape
