@@ -18,7 +18,7 @@ python3 -m pip install --no-build-isolation --no-deps -v . >"$OUT/build.log" 2>&
 grep -E "warning|spill|error" "$OUT/build.log" | grep -v "xla/ffi" | head -20
 echo "build: $(( $(date +%s) - t0 )) s"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python3 -c "import jax, jaxsparse.ffi as f; print('jax', jax.__version__, jax.devices(), 'targets', f.target_names())"
+(cd /tmp && python3 -c "import jax, jaxsparse.ffi as f; print('jax', jax.__version__, jax.devices(), 'targets', f.target_names())")
 cd /tmp && pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-"$repo/tests"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
 status=${PIPESTATUS[0]}
 cd "$repo"

@@ -18,13 +18,38 @@ def _columns_operand(sw: SparseWeight) -> jax.Array:
     return sw.columns if sw.columns is not None else jnp.zeros((0,), jnp.uint8)
 
 
+def _varying_axes(a: jax.Array) -> frozenset:
+    """Manual mesh axes ``a`` varies over inside ``shard_map`` (empty outside it)."""
+    aval = jax.typeof(a)
+    mat = getattr(aval, "mat", None)  # JAX 0.10: ManualAxisType; later versions may expose .vma
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def _call(target: str, shape: tuple[int, ...], dtype, *operands: jax.Array, **attrs) -> jax.Array:
+    """One ``ffi_call`` with a single result.
+
+    Inside ``shard_map`` the operands may vary over different mesh axes (tokens sharded, weights
+    replicated); XLA custom calls need them to agree, so every operand is cast to vary over the union,
+    and the result varies over it too. The call itself runs per shard: nothing is gathered.
+    """
+    register()
+    axes = frozenset().union(*(_varying_axes(a) for a in operands))
+    result = jax.ShapeDtypeStruct(shape, dtype)
+    if axes:
+        operands = tuple(
+            a if _varying_axes(a) == axes else jax.lax.pcast(a, tuple(sorted(axes - _varying_axes(a))), to="varying")
+            for a in operands
+        )
+        result = jax.typeof(operands[0]).update(shape=shape, dtype=jnp.dtype(dtype))
+    return jax.ffi.ffi_call(target, result, vmap_method=_VMAP)(*operands, **attrs)
+
+
 def decompress(sw: SparseWeight) -> jax.Array:
     """Dense ``[K, R]`` kernel of ``sw`` by the CUDA handler ``jaxsparse_decompress``."""
-    register()
-    call = jax.ffi.ffi_call(
-        "jaxsparse_decompress", jax.ShapeDtypeStruct(sw.shape, sw.values.dtype), vmap_method=_VMAP
+    return _call(
+        "jaxsparse_decompress", sw.shape, sw.values.dtype, sw.values, _columns_operand(sw), sw.metadata,
+        v=np.int32(sw.spec.v), m=np.int32(sw.spec.m),
     )
-    return call(sw.values, _columns_operand(sw), sw.metadata, v=np.int32(sw.spec.v), m=np.int32(sw.spec.m))
 
 
 def spmm(x: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activation: str | None = None) -> jax.Array:
@@ -53,10 +78,11 @@ def spmm(x: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activati
         raise ValueError(f"spmm: bias must be [R] = [{r}] in {x.dtype} or float32, got {bias.shape} {bias.dtype}")
     if activation not in (None, "gelu"):
         raise ValueError(f"spmm: activation must be None or 'gelu', got {activation!r}")
-    register()
     b = bias if bias is not None else jnp.zeros((0,), x.dtype)
-    call = jax.ffi.ffi_call("jaxsparse_spmm", jax.ShapeDtypeStruct((x.shape[0], r), x.dtype), vmap_method=_VMAP)
-    return call(
+    return _call(
+        "jaxsparse_spmm",
+        (x.shape[0], r),
+        x.dtype,
         x,
         sw.values,
         _columns_operand(sw),
