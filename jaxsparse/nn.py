@@ -85,17 +85,15 @@ class NMDense(nn.Module):
 
         kernel = self.param("kernel", self.kernel_init, (k, r), self.param_dtype)
         x, kernel, bias = dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
-        if spec is None or not self.has_variable(SPARSITY, "mask"):
-            y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision)
-            return y if bias is None else y + bias
-        mask = self.get_variable(SPARSITY, "mask")
-        if mask.shape != kernel.shape:
-            raise ValueError(f"{self.name}: mask shape {mask.shape} must equal the kernel shape {kernel.shape}")
-        if self.precision is not None:
+        if self.has_variable(SPARSITY, "mask"):
+            mask = self.get_variable(SPARSITY, "mask")
+            if mask.shape != kernel.shape:
+                raise ValueError(f"{self.name}: mask shape {mask.shape} must equal the kernel shape {kernel.shape}")
+            if self.precision is None:
+                return ops.masked_linear(x, kernel, mask, bias)
             kernel = jnp.where(mask, kernel, jnp.zeros((), kernel.dtype))
-            y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision)
-            return y if bias is None else y + bias
-        return ops.masked_linear(x, kernel, mask, bias)
+        y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision)
+        return y if bias is None else y + bias
 
     def _compressed(self, x: Array, bias: Array | None, spec: fmt.VNM) -> Array:
         k, r = x.shape[-1], self.features

@@ -187,3 +187,13 @@ def test_masks_through_pmap_two_host_devices(tmp_path):
     script.write_text(PMAP_SCRIPT)
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "PMAP-OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_precision_and_spec_free_layers_apply_the_mask():
+    x = _x()
+    for layer in (NMDense(R, sparsity="2:4", precision=jax.lax.Precision.HIGHEST), NMDense(R)):
+        variables = layer.init(jax.random.key(1), x)
+        mask = fmt.select_mask(variables["params"]["kernel"], "2:4")
+        y = layer.apply({**variables, "sparsity": {"mask": mask}}, x)
+        expected = x @ (variables["params"]["kernel"] * mask) + variables["params"]["bias"]
+        np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
