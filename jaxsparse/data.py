@@ -34,6 +34,7 @@ __all__ = [
     "load_tokenizer",
     "tokenize",
     "TASKS",
+    "describe",
 ]
 
 SPLIT_SEED = 20240617

@@ -284,7 +284,7 @@ def find_state(opt_state) -> GMPState:
                 return find_state(s)
             except LookupError:
                 pass
-    for field in ("inner_state", "inner_states"):
+    for field in ("inner_state", "inner_states", "inner_opt_state"):
         if hasattr(opt_state, field):
             return find_state(getattr(opt_state, field))
     raise LookupError("no GMPState in this optimizer state: was gmp_prune in the chain?")
