@@ -15,21 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsparse import dispatch, reference
+from jaxsparse.ffi import calls as cuda_calls
+from jaxsparse.ffi.calls import spmm_unsupported
 from jaxsparse.format import SparseWeight, decompress as _reference_decompress
 
 __all__ = ["decompress", "spmm", "sddmm", "spmm_t", "sparse_linear", "masked_linear", "spmm_unsupported"]
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-KERNEL_M = (4, 8, 16, 32)
-KERNEL_V = (64, 128)
-KERNEL_ROW_TILE = 64  # output features per kernel tile (cuda/spmm.cu)
-
-
-def _cuda_calls():
-    from jaxsparse.ffi import calls  # imported lazily: jaxsparse works without the extension
-
-    return calls
 
 
 # ----------------------------------------------------------------------------- validation
@@ -54,20 +46,6 @@ def _check_bias(bias: Optional[jax.Array], sw: SparseWeight) -> None:
         raise ValueError(f"bias must have shape ({sw.shape[1]},), got {bias.shape}")
 
 
-def spmm_unsupported(sw: SparseWeight) -> Optional[str]:
-    """Why the CUDA SpMM cannot take ``sw`` (None when it can)."""
-    spec = sw.spec
-    if jnp.dtype(sw.values.dtype) not in KERNEL_DTYPES:
-        return f"the kernels take bfloat16 or float16, got {sw.values.dtype}"
-    if spec.m not in KERNEL_M:
-        return f"the kernels take M in {KERNEL_M}, got {spec}"
-    if spec.m > 4 and spec.v not in KERNEL_V:
-        return f"the kernels take V in {KERNEL_V} for M > 4, got {spec}"
-    if sw.shape[1] % KERNEL_ROW_TILE:
-        return f"the kernels need R (output features) to be a multiple of {KERNEL_ROW_TILE}, got {sw.shape[1]}"
-    return None
-
-
 def _flatten(x: jax.Array) -> jax.Array:
     return x.reshape(-1, x.shape[-1])
 
@@ -78,8 +56,7 @@ def _flatten(x: jax.Array) -> jax.Array:
 def decompress(sw: SparseWeight) -> jax.Array:
     """The dense ``[K, R]`` kernel of ``sw``."""
     _check_weight(sw)
-    cuda = lambda s: _cuda_calls().decompress(s)
-    return dispatch.call("decompress", _reference_decompress, cuda, sw, unsupported=None)
+    return dispatch.call("decompress", _reference_decompress, cuda_calls.decompress, sw)
 
 
 def spmm(x: jax.Array, sw: SparseWeight, bias: Optional[jax.Array] = None, activation: Optional[str] = None) -> jax.Array:
@@ -90,7 +67,7 @@ def spmm(x: jax.Array, sw: SparseWeight, bias: Optional[jax.Array] = None, activ
     if activation not in reference.ACTIVATIONS:
         raise ValueError(f"activation must be one of {list(reference.ACTIVATIONS)}, got {activation!r}")
     ref = lambda x2, s, b: reference.spmm(x2, s, b, activation)
-    cuda = lambda x2, s, b: _cuda_calls().spmm(x2, s, b, activation)
+    cuda = lambda x2, s, b: cuda_calls.spmm(x2, s, b, activation)
     y = dispatch.call("spmm", ref, cuda, _flatten(x), sw, bias, unsupported=spmm_unsupported(sw))
     return y.reshape(*x.shape[:-1], sw.shape[1])
 

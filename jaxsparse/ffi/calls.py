@@ -13,6 +13,30 @@ from jaxsparse.format import SparseWeight
 _VMAP = "sequential"
 
 
+KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+KERNEL_M = (4, 8, 16, 32)
+KERNEL_V = (64, 128)
+KERNEL_ROW_TILE = 64  # output features per kernel tile (cuda/spmm.cu)
+
+
+def spmm_unsupported(sw: SparseWeight) -> str | None:
+    """Why the CUDA SpMM cannot take ``sw`` (None when it can): the kernels' one list of constraints."""
+    spec = sw.spec
+    if jnp.dtype(sw.values.dtype) not in KERNEL_DTYPES:
+        return f"the kernels take bfloat16 or float16, got {sw.values.dtype}"
+    if spec.n != 2 or spec.m not in KERNEL_M:
+        return f"the kernels take 2:4 and V:2:M with M in {KERNEL_M}, got {spec}"
+    if spec.m == 4 and spec.v != 1:
+        return f"the kernels take M = 4 as plain 2:4 (V = 1), got {spec}"
+    if spec.m > 4 and spec.v not in KERNEL_V:
+        return f"the kernels take V in {KERNEL_V} for M > 4, got {spec}"
+    if sw.shape[1] % KERNEL_ROW_TILE:
+        return f"the kernels need R (output features) to be a multiple of {KERNEL_ROW_TILE}, got {sw.shape[1]}"
+    if sw.shape[0] % (8 * spec.m):
+        return f"the kernels need K % (8*M) == 0, got K = {sw.shape[0]}, M = {spec.m}"
+    return None
+
+
 def _columns_operand(sw: SparseWeight) -> jax.Array:
     """The columns array, or an empty placeholder for M = 4 (the kernels ignore it then)."""
     return sw.columns if sw.columns is not None else jnp.zeros((0,), jnp.uint8)
@@ -66,14 +90,11 @@ def spmm(x: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activati
     spec = sw.spec
     if x.shape[1] != k:
         raise ValueError(f"spmm: x has K = {x.shape[1]} but the weight has K = {k}")
-    if x.dtype not in (jnp.bfloat16, jnp.float16) or sw.values.dtype != x.dtype:
-        raise ValueError(f"spmm kernel needs bf16 or fp16 x and values of the same dtype, got {x.dtype} and {sw.values.dtype}")
-    if spec.n != 2 or spec.m not in (4, 8, 16, 32) or (spec.m == 4) != (spec.v == 1) or (spec.m > 4 and spec.v not in (64, 128)):
-        raise ValueError(f"spmm kernel supports 2:4 and V:2:M with V in (64, 128), M in (8, 16, 32); got {spec}")
-    if r % 64:
-        raise ValueError(f"spmm kernel needs R (output features) % 64 == 0, got R = {r}")
-    if k % (8 * spec.m):
-        raise ValueError(f"spmm kernel needs K % (8*M) == 0, got K = {k}, M = {spec.m}")
+    if sw.values.dtype != x.dtype:
+        raise ValueError(f"spmm: x dtype {x.dtype} must equal the values dtype {sw.values.dtype}")
+    problem = spmm_unsupported(sw)
+    if problem:
+        raise ValueError(f"spmm: {problem}")
     if bias is not None and (bias.shape != (r,) or bias.dtype not in (x.dtype, jnp.float32)):
         raise ValueError(f"spmm: bias must be [R] = [{r}] in {x.dtype} or float32, got {bias.shape} {bias.dtype}")
     if activation not in (None, "gelu"):
