@@ -1,0 +1,527 @@
+"""``jaxsparse-profile``: where the time of a jitted BERT training step goes, by kernel class.
+
+The step (:mod:`jaxsparse.trainstep`) is compiled once; a few steps run under ``jax.profiler.trace``;
+the trace's XSpace is read back with ``jax.profiler.ProfileData`` and every device event is put in one
+bucket (:data:`BUCKETS`). On a GPU the events are the kernels on the device plane's stream lines; on a
+CPU there is no device plane, and the events are the XLA CPU runtime's op executions on the host plane
+(``/host:CPU``), which run on several threads and may overlap. The output says which plane was read.
+
+How an event is classified (:func:`classify`): by its kernel name (jaxsparse kernels, cuBLAS/CUTLASS
+GEMMs, flash attention, NCCL, memcpy) and by what the compiled HLO says about the instruction the event
+ran (the ``hlo_op`` stat of the event): its opcode, whether it is or fuses a dot, and its ``op_name``
+metadata, which carries the named scopes: ``optimizer`` (the AdamW update), the Flax module path, and
+``<layer>._compressed`` for the compressed ``NMDense`` product (forward under ``jvp(...)``, its
+backward under ``transpose(jvp(...))``, where the SDDMM is the dot contracting over tokens and the input
+gradient the other). The Amdahl bound is the step time minus the time of every sparse-layer kernel.
+
+Example::
+
+    jaxsparse-profile --model base --sparsity 64:2:8 --batch-size 32 --seq-len 512 --json prof.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any, Iterable, Mapping, Sequence
+
+__all__ = [
+    "BUCKETS",
+    "SPARSE_BUCKETS",
+    "OpInfo",
+    "DeviceEvent",
+    "Profile",
+    "parse_hlo",
+    "classify",
+    "device_events",
+    "summarize",
+    "profile_step",
+    "format_table",
+    "main",
+]
+
+BUCKETS = ("sparse_fwd", "sddmm", "sparse_dx", "dense_gemm", "attention", "elementwise_norm", "transpose_copy",
+           "optimizer", "collective", "other")
+"""Kernel classes, in table order."""
+
+SPARSE_BUCKETS = ("sparse_fwd", "sddmm", "sparse_dx")
+"""The classes that sparse kernels replace (the Amdahl bound removes them)."""
+
+LABELS = {
+    "sparse_fwd": "sparse forward (SpMM)",
+    "sddmm": "SDDMM (sparse dW)",
+    "sparse_dx": "sparse dX",
+    "dense_gemm": "dense GEMM",
+    "attention": "attention",
+    "elementwise_norm": "elementwise and norms",
+    "transpose_copy": "transposes and copies",
+    "optimizer": "optimizer",
+    "collective": "collectives",
+    "other": "other",
+}
+
+# ----------------------------------------------------------------------------- the compiled HLO
+
+
+@dataclasses.dataclass(frozen=True)
+class OpInfo:
+    """What the compiled HLO module says about one instruction.
+
+    Attributes:
+      opcode: ``fusion``, ``dot``, ``custom-call``, ``copy``, ...
+      op_name: its ``metadata={op_name=...}`` (named scopes and transformations), "" when absent.
+      has_dot: it is, or fuses, a dot / convolution / GEMM custom call.
+      dot_lhs_contracting: the lhs contracting dimensions of that dot (empty when none or unknown).
+      fused_opcodes: the opcodes inside a fusion (the instruction's own opcode otherwise).
+      custom_call_target: the target of a custom call ("" otherwise).
+    """
+
+    opcode: str
+    op_name: str = ""
+    has_dot: bool = False
+    dot_lhs_contracting: tuple[int, ...] = ()
+    fused_opcodes: frozenset = frozenset()
+    custom_call_target: str = ""
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\([^=]*?\)|\S+)\s+(?P<op>[\w\-]+)\((?P<rest>.*)$")
+_COMP = re.compile(r"^\s*(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
+_GEMM_TARGET = re.compile(r"gemm|matmul|cublas|cutlass", re.I)
+_DATA_MOVE = {"transpose", "copy", "bitcast", "reshape", "parameter", "slice", "concatenate", "pad", "dynamic-slice",
+              "dynamic-update-slice", "reverse", "tuple", "get-tuple-element", "constant", "copy-start", "copy-done"}
+
+
+def _dims(text: str, key: str) -> tuple[int, ...]:
+    m = re.search(key + r"=\{([\d,\s]*)\}", text)
+    if m:
+        return tuple(int(d) for d in m.group(1).split(",") if d.strip())
+    m = re.search(r'"' + key.replace("dims", "dimensions") + r'"\s*:\s*\[([^\]]*)\]', text)  # cuBLAS backend_config
+    if m:
+        return tuple(int(d.strip().strip('"')) for d in m.group(1).split(",") if d.strip())
+    return ()
+
+
+def parse_hlo(text: str) -> dict[str, OpInfo]:
+    """``{instruction name: OpInfo}`` for every instruction of an HLO module's text (``compiled.as_text()``)."""
+    comps: dict[str, list[tuple[str, str, str]]] = {}
+    current = None
+    for line in text.splitlines():
+        m = _INSTR.match(line)
+        if m and current is not None:
+            comps[current].append((m.group("name"), m.group("op"), m.group("rest")))
+            continue
+        c = _COMP.match(line)
+        if c and "=" not in line.split("{")[0].split("(")[0]:
+            current = c.group("name")
+            comps.setdefault(current, [])
+
+    memo: dict[str, tuple[bool, tuple[int, ...], frozenset]] = {}
+
+    def callees(rest: str) -> list[str]:
+        return re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", rest)
+
+    def summarize_comp(name: str, depth: int = 0) -> tuple[bool, tuple[int, ...], frozenset]:
+        if name in memo:
+            return memo[name]
+        memo[name] = (False, (), frozenset())  # cycles cannot happen, but be safe
+        has, contracting, ops = False, (), set()
+        for _, op, rest in comps.get(name, []):
+            ops.add(op)
+            d, c, o = _instr_summary(op, rest, depth)
+            if d and not has:
+                has, contracting = True, c
+            ops |= o
+        memo[name] = (has, contracting, frozenset(ops))
+        return memo[name]
+
+    def _instr_summary(op: str, rest: str, depth: int) -> tuple[bool, tuple[int, ...], frozenset]:
+        if op in ("dot", "convolution"):
+            return True, _dims(rest, "lhs_contracting_dims"), frozenset({op})
+        if op == "custom-call":
+            target = re.search(r'custom_call_target="([^"]*)"', rest)
+            if target and _GEMM_TARGET.search(target.group(1)):
+                return True, _dims(rest, "lhs_contracting_dims"), frozenset({op})
+            return False, (), frozenset({op})
+        if depth < 8 and op in ("fusion", "call", "async-start", "while", "conditional"):
+            has, contracting, ops = False, (), set()
+            for callee in callees(rest):
+                d, c, o = summarize_comp(callee, depth + 1)
+                if d and not has:
+                    has, contracting = True, c
+                ops |= o
+            return has, contracting, frozenset(ops)
+        return False, (), frozenset({op})
+
+    out: dict[str, OpInfo] = {}
+    for instrs in comps.values():
+        for name, op, rest in instrs:
+            has, contracting, ops = _instr_summary(op, rest, 0)
+            op_name = re.search(r'op_name="((?:[^"\\]|\\.)*)"', rest)
+            target = re.search(r'custom_call_target="([^"]*)"', rest)
+            out[name] = OpInfo(op, op_name.group(1) if op_name else "", has, contracting,
+                               ops if op in ("fusion", "call") else frozenset({op}),
+                               target.group(1) if target else "")
+    return out
+
+
+# ----------------------------------------------------------------------------- classification
+
+_COLLECTIVE = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|all[-_]?to[-_]?all|"
+                         r"collective[-_]?permute|allreduce|allgather|reducescatter", re.I)
+_SDDMM_NAME = re.compile(r"sddmm", re.I)
+_DX_NAME = re.compile(r"spmm_?t(?![a-z])|spmmt|spmm_?dx|sparse_?dx|spmm_?transpose|spmm_?bwd", re.I)
+_SPMM_NAME = re.compile(r"spmm|jaxsparse_decompress|decompresskernel", re.I)
+_GEMM_NAME = re.compile(r"gemm|cublas|cutlass|nvjet|xmma|wgmma|hmma|s16816|tensorop|matmul|__dot|triton_dot", re.I)
+_ATTN_NAME = re.compile(r"flash|fmha|mha_|sdpa|attention", re.I)
+_MOVE_NAME = re.compile(r"memcpy|memset|transpose|^(?:loop_|input_|wrapped_)?copy(?:_fusion)?(?:[._]\d+)*$", re.I)
+_ATTN_CHILDREN = {"query", "key", "value", "output", "LayerNorm"}
+
+
+def _scopes(op_name: str) -> list[str]:
+    return [s for s in op_name.split(";")[0].split("/") if s]
+
+
+def _sparse_scope(scopes: Sequence[str]) -> str | None:
+    """``fwd``/``bwd`` when the op belongs to a compressed sparse layer's product, else None."""
+    for s in scopes:
+        if s.endswith("._compressed") or s in ("sparse_linear", "jaxsparse"):
+            return "bwd" if any(x.startswith("transpose(") for x in scopes) else "fwd"
+    return None
+
+
+def _in_attention_core(scopes: Sequence[str]) -> bool:
+    """The op sits in the attention module itself (scores, softmax, context), not in one of its layers."""
+    for i in range(len(scopes) - 1, -1, -1):
+        if scopes[i] == "attention" or scopes[i].endswith("Attention"):
+            nxt = scopes[i + 1] if i + 1 < len(scopes) else ""
+            return nxt.split(".")[0] not in _ATTN_CHILDREN
+    return False
+
+
+def classify(name: str, info: OpInfo | None = None) -> str:
+    """The bucket (one of :data:`BUCKETS`) of a device event.
+
+    Args:
+      name: the event name: a GPU kernel name or an XLA CPU op (the HLO instruction) name.
+      info: what the compiled HLO says about the event's instruction, when known.
+    """
+    opcode = info.opcode if info else ""
+    op_name = info.op_name if info else ""
+    target = info.custom_call_target if info else ""
+    scopes = _scopes(op_name)
+    if _COLLECTIVE.search(name) or _COLLECTIVE.search(opcode):
+        return "collective"
+    # jaxsparse kernels, by kernel name or custom-call target
+    for text in (name, target):
+        if text and ("jaxsparse" in text.lower() or "spmm" in text.lower() or "sddmm" in text.lower()
+                     or "decompresskernel" in text.lower()):
+            if _SDDMM_NAME.search(text):
+                return "sddmm"
+            if _DX_NAME.search(text):
+                return "sparse_dx"
+            if _SPMM_NAME.search(text):
+                return "sparse_fwd"
+    if OPTIMIZER_SCOPE_NAME in scopes:
+        return "optimizer"
+    for s in scopes:  # explicit named scopes, should the ops carry them
+        if s in ("sddmm", "jaxsparse_sddmm"):
+            return "sddmm"
+        if s in ("spmm_t", "sparse_dx", "jaxsparse_spmm_t"):
+            return "sparse_dx"
+    side = _sparse_scope(scopes)
+    if side == "fwd" and (info and info.has_dot or "decompress" in op_name):
+        return "sparse_fwd"
+    if side == "bwd":
+        if "take_along_axis" in op_name or "compress_like" in op_name:
+            return "sddmm"
+        if info and info.has_dot:
+            return "sddmm" if info.dot_lhs_contracting == (0,) else "sparse_dx"
+    if _ATTN_NAME.search(name) or (scopes and _in_attention_core(scopes) and (not info or opcode != "copy")):
+        if not (info and info.fused_opcodes and info.fused_opcodes <= _DATA_MOVE):
+            return "attention"
+    if (info and info.has_dot) or _GEMM_NAME.search(name):
+        return "dense_gemm"
+    if info and info.fused_opcodes:
+        if info.fused_opcodes <= _DATA_MOVE and info.fused_opcodes & {"transpose", "copy", "copy-start", "copy-done"}:
+            return "transpose_copy"
+        if info.fused_opcodes & {"gather", "scatter"}:
+            return "other"
+        if opcode in ("custom-call",):
+            return "other"
+        return "elementwise_norm"
+    if _MOVE_NAME.search(name):
+        return "transpose_copy"
+    if info is None and re.search(r"fusion|^wrapped_|^loop_|^input_|reduce|convert|elementwise|broadcast", name, re.I):
+        return "elementwise_norm"
+    return "other"
+
+
+OPTIMIZER_SCOPE_NAME = "optimizer"
+
+# ----------------------------------------------------------------------------- reading the trace
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceEvent:
+    """One kernel (GPU) or XLA op execution (CPU) read from the trace."""
+
+    name: str
+    hlo_op: str
+    duration_ns: float
+    line: str
+
+
+def _stats(obj) -> dict:
+    try:
+        return dict(obj.stats)
+    except Exception:  # noqa: BLE001 - stats may hold values the binding cannot convert
+        return {}
+
+
+_DERIVED_LINES = ("xla ops", "xla modules", "steps", "framework", "source", "launch", "tensorflow", "task environment",
+                  "host threads", "sparsecore")
+
+
+def device_events(xspace_path: str, module: str | None = None) -> tuple[list[DeviceEvent], dict]:
+    """Device events of an ``.xplane.pb`` and a description of what was read.
+
+    On a GPU: the events of the ``/device:GPU:*`` planes' stream lines (kernels, memcpy). Without a GPU
+    plane: the XLA op events on the ``/host:CPU`` plane (those with an ``hlo_op`` stat). With ``module``,
+    only events whose ``hlo_module`` stat names it (events without that stat are kept).
+    """
+    from jax.profiler import ProfileData
+
+    data = ProfileData.from_file(xspace_path)
+    planes = list(data.planes)
+    gpu = [p for p in planes if p.name.startswith("/device:GPU")]
+    out: list[DeviceEvent] = []
+    lines_read: list[str] = []
+
+    def keep(stats: Mapping) -> bool:
+        return module is None or "hlo_module" not in stats or str(stats["hlo_module"]) == module
+
+    if gpu:
+        for plane in gpu:
+            for line in plane.lines:
+                lname = line.name
+                if any(lname.lower().startswith(d) for d in _DERIVED_LINES):
+                    continue
+                lines_read.append(f"{plane.name}:{lname}")
+                for ev in line.events:
+                    st = _stats(ev)
+                    if keep(st):
+                        out.append(DeviceEvent(ev.name, str(st.get("hlo_op", "")), float(ev.duration_ns), lname))
+        desc = {"plane": ", ".join(p.name for p in gpu), "kind": "gpu",
+                "note": "GPU kernels and memory operations on the device streams"}
+    else:
+        host = [p for p in planes if p.name == "/host:CPU"]
+        if not host:
+            raise RuntimeError(f"the trace has neither a GPU plane nor /host:CPU: planes {[p.name for p in planes]}")
+        for line in host[0].lines:
+            n0 = len(out)
+            for ev in line.events:
+                st = _stats(ev)
+                if "hlo_op" in st and keep(st):
+                    out.append(DeviceEvent(ev.name, str(st["hlo_op"]), float(ev.duration_ns), line.name))
+            if len(out) > n0:
+                lines_read.append(line.name)
+        desc = {"plane": "/host:CPU", "kind": "cpu",
+                "note": "no device plane: XLA CPU op executions on the host, not GPU kernels; ops run on "
+                        f"{len(lines_read)} threads and may overlap, so their sum can exceed the step time"}
+    desc["lines"] = lines_read
+    return out, desc
+
+
+# ----------------------------------------------------------------------------- the summary
+
+
+@dataclasses.dataclass
+class Profile:
+    """A step's breakdown. Times are per step, in milliseconds."""
+
+    buckets: dict[str, dict[str, float]]
+    busy_ms: float
+    step_ms: float
+    steps: int
+    device: dict
+    top: list[dict]
+    meta: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def sparse_ms(self) -> float:
+        return sum(self.buckets[b]["ms"] for b in SPARSE_BUCKETS)
+
+    @property
+    def amdahl_bound_ms(self) -> float:
+        """The step time if every sparse kernel took no time."""
+        return max(self.step_ms - self.sparse_ms, 0.0)
+
+    def to_json(self) -> dict:
+        return {**self.meta, "device": self.device, "steps_traced": self.steps, "step_ms": self.step_ms,
+                "busy_ms": self.busy_ms, "sparse_ms": self.sparse_ms, "amdahl_bound_ms": self.amdahl_bound_ms,
+                "amdahl_max_speedup": self.step_ms / self.amdahl_bound_ms if self.amdahl_bound_ms > 0 else None,
+                "buckets": self.buckets, "top_ops": self.top}
+
+
+def summarize(events: Iterable[DeviceEvent], hlo: Mapping[str, OpInfo], steps: int, step_ms: float,
+              device: dict | None = None, top: int = 25) -> Profile:
+    """Bucket ``events`` (from ``steps`` steps) with :func:`classify`; per-step ms, % of step, counts."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    sums = {b: 0.0 for b in BUCKETS}
+    counts = {b: 0 for b in BUCKETS}
+    per_op: dict[tuple[str, str], list] = {}
+    for ev in events:
+        info = hlo.get(ev.hlo_op) if ev.hlo_op else None
+        b = classify(ev.name, info)
+        sums[b] += ev.duration_ns
+        counts[b] += 1
+        rec = per_op.setdefault((ev.name, b), [0.0, 0, info.op_name if info else ""])
+        rec[0] += ev.duration_ns
+        rec[1] += 1
+    busy_ms = sum(sums.values()) / 1e6 / steps
+    buckets = {b: {"ms": sums[b] / 1e6 / steps, "pct_step": 100.0 * sums[b] / 1e6 / steps / step_ms if step_ms > 0 else 0.0,
+                   "pct_busy": 100.0 * sums[b] / sum(sums.values()) if sum(sums.values()) else 0.0,
+                   "count": counts[b] / steps} for b in BUCKETS}
+    ranked = sorted(per_op.items(), key=lambda kv: -kv[1][0])[:top]
+    top_ops = [{"name": n, "bucket": b, "ms": v[0] / 1e6 / steps, "count": v[1] / steps, "op_name": v[2]}
+               for (n, b), v in ranked]
+    return Profile(buckets, busy_ms, step_ms, steps, device or {}, top_ops)
+
+
+def format_table(p: Profile, top: int = 0) -> str:
+    """The printed breakdown: one row per bucket, the totals, the step time and the Amdahl bound."""
+    w = max(len(v) for v in LABELS.values())
+    rows = [f"{'class':<{w}}  {'ms/step':>9}  {'% step':>7}  {'% busy':>7}  {'count':>7}", "-" * (w + 40)]
+    for b in BUCKETS:
+        r = p.buckets[b]
+        rows.append(f"{LABELS[b]:<{w}}  {r['ms']:9.3f}  {r['pct_step']:7.1f}  {r['pct_busy']:7.1f}  {r['count']:7.0f}")
+    rows.append("-" * (w + 40))
+    n = sum(r["count"] for r in p.buckets.values())
+    rows.append(f"{'total busy':<{w}}  {p.busy_ms:9.3f}  {100 * p.busy_ms / p.step_ms if p.step_ms else 0:7.1f}  "
+                f"{100.0:7.1f}  {n:7.0f}")
+    dev = p.device
+    lines = [f"device: {dev.get('device', '?')}; plane read: {dev.get('plane', '?')} ({dev.get('note', '')})",
+             *rows,
+             f"step time (median wall, synced): {p.step_ms:.3f} ms; busy - step = {p.busy_ms - p.step_ms:+.3f} ms",
+             f"sparse kernels (SpMM + SDDMM + dX): {p.sparse_ms:.3f} ms = {100 * p.sparse_ms / p.step_ms if p.step_ms else 0:.1f} % of step",
+             f"Amdahl bound (step - sparse): {p.amdahl_bound_ms:.3f} ms"
+             + (f" -> at most {p.step_ms / p.amdahl_bound_ms:.2f}x from faster sparse kernels" if p.amdahl_bound_ms > 0 else "")]
+    if top:
+        lines.append(f"top {min(top, len(p.top))} ops by time:")
+        for t in p.top[:top]:
+            lines.append(f"  {t['ms']:8.3f} ms  x{t['count']:<4.0f} {t['bucket']:<16} {t['name'][:70]}  {t['op_name'][-70:]}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- profiling a step
+
+
+def _median_step_ms(compiled, args: tuple, steps: int) -> tuple[float, tuple]:
+    import jax
+
+    times = []
+    params, state, *rest = args
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        params, state, loss = compiled(params, state, *rest)
+        jax.block_until_ready((params, state, loss))
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times), (params, state, *rest)
+
+
+def profile_step(config, steps: int = 5, warmup: int = 2, trace_dir: str | None = None, top: int = 25) -> Profile:
+    """Compile the step of ``config`` (a :class:`jaxsparse.trainstep.StepConfig`), time it, trace
+    ``steps`` steps and return the breakdown."""
+    import jax
+
+    from jaxsparse import trainstep
+
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*donated buffers.*")
+        ts = trainstep.build_step(config)
+        compiled = ts.fn.lower(*ts.args).compile()
+        hlo_text = compiled.as_text()
+        module = re.search(r"^HloModule\s+([\w.\-]+)", hlo_text, re.M)
+        hlo = parse_hlo(hlo_text)
+        args = ts.args
+        _, args = _median_step_ms(compiled, args, max(warmup, 1))
+        step_ms, args = _median_step_ms(compiled, args, max(steps, 3))
+        tmp = trace_dir or tempfile.mkdtemp(prefix="jaxsparse-profile-")
+        params, state, *rest = args
+        with jax.profiler.trace(tmp):
+            for _ in range(steps):
+                params, state, loss = compiled(params, state, *rest)
+            jax.block_until_ready((params, state, loss))
+    files = sorted(glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+    if not files:
+        raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {tmp}")
+    events, desc = device_events(files[-1], module.group(1) if module else None)
+    if not events:
+        raise RuntimeError(f"no device events of module {module.group(1) if module else '?'} in {files[-1]}")
+    dev = jax.devices()[0]
+    desc = {"device": f"{dev.platform}:{dev.device_kind}", **desc, "xplane": files[-1]}
+    prof = summarize(events, hlo, steps, step_ms, desc, top)
+    prof.meta = {"model": config.model, "sparsity": config.sparsity, "mode": ts.mode, "mode_reason": ts.reason,
+                 "batch_size": config.batch_size, "seq_len": config.seq_len, "tokens": ts.tokens,
+                 "dtype": config.dtype, "jax": jax.__version__, "hlo_module": module.group(1) if module else None}
+    return prof
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the command line (``jaxsparse-profile --help``)."""
+    from jaxsparse.trainstep import MODELS
+
+    p = argparse.ArgumentParser(prog="jaxsparse-profile", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="tiny", choices=MODELS)
+    p.add_argument("--sparsity", default="64:2:8", help="'dense' or a V:N:M pattern (2:4, 64:2:8, 128:2:16, ...)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=5, help="steps traced (and timed)")
+    p.add_argument("--warmup", type=int, default=2)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--compressed", dest="compressed", action="store_true", default=None,
+                      help="train the compressed values (error if the shapes do not allow it)")
+    mode.add_argument("--masked", dest="compressed", action="store_false",
+                      help="masked-dense sparse layers (default: compressed where the shapes allow it)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--top", type=int, default=10, help="list the N most expensive ops (0: none)")
+    p.add_argument("--trace-dir", default=None, help="keep the trace here (TensorBoard/xprof can open it)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the breakdown as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point ``jaxsparse-profile``."""
+    from jaxsparse.trainstep import StepConfig
+
+    args = parse_args(argv)
+    config = StepConfig(args.model, args.sparsity, args.batch_size, args.seq_len, args.dtype, args.compressed)
+    prof = profile_step(config, args.steps, args.warmup, args.trace_dir, top=max(args.top, 25))
+    m = prof.meta
+    print(f"jaxsparse-profile: BERT-{m['model']} {m['sparsity']} ({m['mode']}{': ' + m['mode_reason'] if m['mode_reason'] else ''}), "
+          f"batch {m['batch_size']} x seq {m['seq_len']} = {m['tokens']} tokens, {m['dtype']} compute, "
+          f"AdamW, {prof.steps} steps traced")
+    print(format_table(prof, args.top))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(prof.to_json(), f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

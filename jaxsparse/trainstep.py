@@ -1,0 +1,180 @@
+"""One jitted BERT training step (forward, backward, AdamW) for the profiler and the step benchmark.
+
+Mixed precision as in training: float32 master parameters and AdamW moments, computation in ``dtype``
+(bf16 on a GPU). Sparse layers run in one of two modes:
+
+* ``compressed``: the model is built with ``NMDense(compressed=True)``; its parameters are the
+  compressed values (reached from magnitude masks through :func:`jaxsparse.pruning.to_compressed`),
+  the fixed pattern is passed as the ``"sparsity"`` collection, and the optimizer is plain AdamW.
+* ``masked``: dense kernels, masks in the optimizer state (``optax.chain(adamw, gmp_prune(...))``,
+  one-shot at step 0), the masked-dense product: what the format cannot compress runs this way.
+
+The AdamW update runs inside ``jax.named_scope("optimizer")`` so that the profiler can attribute its
+fusions (their HLO ``op_name`` metadata starts with ``jit(step)/optimizer/``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxsparse import format as fmt
+from jaxsparse import pruning
+from jaxsparse.models import bert
+
+__all__ = ["StepConfig", "TrainStep", "MODELS", "OPTIMIZER_SCOPE", "sparse_mode", "build_step", "adamw"]
+
+MODELS = tuple(bert.PRESETS)
+OPTIMIZER_SCOPE = "optimizer"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """What to build.
+
+    Attributes:
+      model: a BERT preset (``tiny``, ``mini``, ``minilm``, ``base``, ``large``, ...).
+      sparsity: ``"dense"`` or a V:N:M pattern of the encoder projections.
+      batch_size, seq_len: the batch (tokens = batch_size * seq_len).
+      dtype: computation dtype; parameters and optimizer state stay float32.
+      compressed: True = compressed mode (``ValueError`` if the shapes do not allow it), False = masked
+        dense, None = compressed where the format allows it, masked-dense otherwise.
+      seed: parameter and data seed.
+    """
+
+    model: str = "tiny"
+    sparsity: str = "dense"
+    batch_size: int = 8
+    seq_len: int = 128
+    dtype: str = "bfloat16"
+    compressed: bool | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.model not in bert.PRESETS:
+            raise ValueError(f"model must be one of {sorted(bert.PRESETS)}, got {self.model!r}")
+        if self.sparsity != "dense":
+            fmt.VNM.parse(self.sparsity)  # ValueError naming the format
+        if self.batch_size < 1 or self.seq_len < 1:
+            raise ValueError(f"batch_size and seq_len must be >= 1, got {self.batch_size}, {self.seq_len}")
+        jnp.dtype(self.dtype)
+
+
+@dataclasses.dataclass
+class TrainStep:
+    """A built step: ``params, opt_state, loss = fn(*args)``; feed the outputs back as the next inputs.
+
+    Attributes:
+      fn: the jitted step ``(params, opt_state, extra, batch, rng) -> (params, opt_state, loss)``
+        (params and opt_state donated).
+      args: its first arguments.
+      mode: ``dense``, ``compressed`` or ``masked``.
+      reason: why masked-dense was used ("" otherwise).
+      config: the :class:`StepConfig`.
+      bert_config: the model's :class:`~jaxsparse.models.bert.BertConfig`.
+    """
+
+    fn: Callable
+    args: tuple
+    mode: str
+    reason: str
+    config: StepConfig
+    bert_config: bert.BertConfig
+
+    @property
+    def tokens(self) -> int:
+        return self.config.batch_size * self.config.seq_len
+
+    def run(self, steps: int = 1) -> jax.Array:
+        """Run ``steps`` steps, carrying params and optimizer state; returns the last loss (not synced)."""
+        params, state, *rest = self.args
+        loss = None
+        for _ in range(steps):
+            params, state, loss = self.fn(params, state, *rest)
+        self.args = (params, state, *rest)
+        return loss
+
+
+def adamw() -> optax.GradientTransformation:
+    """AdamW as ``jaxsparse-train`` uses it (no decay on vectors)."""
+    return optax.adamw(1e-4, weight_decay=0.01, mask=lambda p: jax.tree_util.tree_map(lambda x: x.ndim > 1, p))
+
+
+def sparse_mode(cfg: bert.BertConfig, sparsity: str, compressed: bool | None = None) -> tuple[str, str]:
+    """``(mode, reason)`` for ``sparsity`` on a BERT of ``cfg``: see :class:`StepConfig.compressed`."""
+    if sparsity == "dense":
+        return "dense", ""
+    spec = fmt.VNM.parse(sparsity)
+    if compressed is False:
+        return "masked", "asked for masked-dense"
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    try:
+        for shape in ((h, h), (h, f), (f, h)):
+            fmt.validate_shape(shape, spec, compressed=True)
+    except ValueError as e:
+        if compressed:
+            raise ValueError(f"compressed mode impossible for {sparsity} on hidden {h}: {e}") from None
+        return "masked", str(e)
+    return "compressed", ""
+
+
+def build_step(config: StepConfig) -> TrainStep:
+    """Build the model, its parameters, optimizer state and a random batch, and jit the step."""
+    cfg = bert.BertConfig.preset(config.model)
+    mode, reason = sparse_mode(cfg, config.sparsity, config.compressed)
+    dtype = jnp.dtype(config.dtype)
+    sparsity = None if mode == "dense" else config.sparsity
+    key = jax.random.key(config.seed)
+    k_init, k_ids, k_lab = jax.random.split(key, 3)
+    b, t = config.batch_size, config.seq_len
+    ids = jax.random.randint(k_ids, (b, t), 0, cfg.vocab_size, jnp.int32)
+    batch = (ids, jnp.zeros_like(ids), jnp.ones_like(ids), jax.random.randint(k_lab, (b,), 0, 2, jnp.int32))
+
+    def make(compressed: bool):
+        return bert.BertForSequenceClassification(cfg, sparsity=sparsity, compressed=compressed, dtype=dtype,
+                                                  num_labels=2)
+
+    master = make(False)
+    params = jax.jit(master.init)(k_init, ids[:1, :8])["params"]
+    base = adamw()
+    if mode == "compressed":
+        masks = pruning.oneshot_masks(params, config.sparsity)
+        params, pattern, opt_state = pruning.to_compressed(params, masks, config.sparsity, base.init(params))
+        model, tx, extra, with_masks = make(True), base, {"sparsity": pattern}, False
+    elif mode == "masked":
+        tx = optax.chain(base, pruning.gmp_prune([config.sparsity], 0, 0))
+        opt_state = tx.init(params)
+        model, extra, with_masks = master, {}, True
+    else:
+        model, tx, extra, with_masks = master, base, {}, False
+        opt_state = tx.init(params)
+
+    def step(params, opt_state, extra, batch, rng):
+        variables = pruning.model_variables(params, opt_state) if with_masks else dict(extra)
+        variables = {k: v for k, v in variables.items() if k != "params"}
+
+        def loss_fn(p):
+            logits = model.apply({**variables, "params": p}, *batch[:3], deterministic=False, rngs={"dropout": rng})
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[3]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        with jax.named_scope(OPTIMIZER_SCOPE):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+        return params, opt_state, loss
+
+    fn = jax.jit(step, donate_argnums=(0, 1))
+    rng = jax.random.key(config.seed + 1, impl="rbg")
+    if mode == "masked":  # the one-shot mask is set by the first update: take it before timing
+        params, opt_state, _ = fn(params, opt_state, extra, batch, rng)
+    return TrainStep(fn, (params, opt_state, extra, batch, rng), mode, reason, config, cfg)
+
+
+def count_params(tree: Any) -> int:
+    """Number of scalars in a pytree of arrays."""
+    return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(tree)))
