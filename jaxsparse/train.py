@@ -12,12 +12,13 @@ Writes ``<out>/metrics.json`` and an orbax checkpoint ``<out>/checkpoint`` (para
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,8 @@ from jaxsparse import format as fmt
 from jaxsparse import pruning
 from jaxsparse.models import bert
 
-__all__ = ["main", "parse_args", "run"]
+__all__ = ["main", "parse_args", "run", "fit", "load_data", "load_model", "TaskTokens", "JitCache",
+           "save_checkpoint", "load_checkpoint"]
 
 MODELS = ("minilm",) + tuple(n for n in bert.PRESETS if n != "minilm")
 
@@ -138,41 +140,130 @@ class _Evaluator:
         return {"accuracy": correct / n, "loss": loss / n}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Train and evaluate as ``args`` says; returns the metrics that are also written to ``metrics.json``."""
-    t_start = time.time()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    task = data_lib.load_task(args.task)
-    tok = data_lib.load_tokenizer()
+@dataclasses.dataclass(frozen=True)
+class TaskTokens:
+    """A task and its tokenized train/dev/test splits (see :func:`load_data`)."""
+
+    task: data_lib.TaskData
+    train: data_lib.Batch
+    dev: data_lib.Batch
+    test: data_lib.Batch
+
+
+def load_data(task: str, max_train: int = 0, max_eval: int = 0, max_len: int = 48,
+              tokenizer=None) -> TaskTokens:
+    """Load ``task`` and tokenize its splits to ``max_len`` tokens.
+
+    Args:
+      task: a name of :data:`jaxsparse.data.TASKS`.
+      max_train: keep the first ``max_train`` training examples (0 = all).
+      max_eval: keep the first ``max_eval`` dev and test examples (0 = all).
+      max_len: tokens per example, ``[CLS]`` and ``[SEP]`` included.
+      tokenizer: a ``tokenizers.Tokenizer``; MiniLM's (:func:`jaxsparse.data.load_tokenizer`) by default.
+    """
+    data = data_lib.load_task(task)
+    tok = tokenizer if tokenizer is not None else data_lib.load_tokenizer()
     take = lambda s, n: s.take(n or None)  # noqa: E731
-    train = data_lib.tokenize(tok, take(task.train, args.max_train), args.max_len)
-    dev = data_lib.tokenize(tok, take(task.dev, args.max_eval), args.max_len)
-    test = data_lib.tokenize(tok, take(task.test, args.max_eval), args.max_len)
+    return TaskTokens(data, *(data_lib.tokenize(tok, take(split, n), max_len)
+                              for split, n in ((data.train, max_train), (data.dev, max_eval), (data.test, max_eval))))
+
+
+def load_model(name: str, num_layers: int | None = None) -> tuple[bert.BertConfig, dict | None]:
+    """``(config, pretrained BertModel params or None)`` of ``--model`` ``name``.
+
+    ``minilm`` loads the pretrained all-MiniLM-L6-v2 (:func:`jaxsparse.models.bert.load_minilm`); the other
+    names are randomly initialised presets. ``num_layers`` keeps only the first encoder layers (smoke tests).
+    """
+    if name == "minilm":
+        cfg, pretrained = bert.load_minilm()
+    else:
+        cfg, pretrained = bert.BertConfig.preset(name), None
+    if num_layers is not None:
+        if not 1 <= num_layers <= cfg.num_hidden_layers:
+            raise ValueError(f"num_layers must be in [1, {cfg.num_hidden_layers}], got {num_layers}")
+        cfg = dataclasses.replace(cfg, num_hidden_layers=num_layers)
+        if pretrained is not None:
+            kept = {f"encoder_layer_{i}" for i in range(num_layers)}
+            pretrained = {k: v for k, v in pretrained.items() if not k.startswith("encoder_layer_") or k in kept}
+    return cfg, pretrained
+
+
+class JitCache:
+    """Jitted functions shared by runs whose model, optimizer and shapes agree (e.g. the seeds of a study).
+
+    A jitted function is compiled once per input structure, but only as long as the *same* function
+    object is called: :func:`fit` builds its step, init and logits functions through this cache, keyed
+    by everything they close over, so a second run with the same key reuses the compiled executables.
+
+    Attributes:
+      built: how many functions were built, by kind (``init``, ``step``, ``logits``).
+    """
+
+    def __init__(self) -> None:
+        self._fns: dict[tuple, Callable] = {}
+        self.built: dict[str, int] = {}
+
+    def get(self, kind: str, key: tuple, build: Callable[[], Callable]) -> Callable:
+        """The function cached under ``(kind, key)``; ``build()`` makes it the first time."""
+        full = (kind,) + key
+        if full not in self._fns:
+            self._fns[full] = build()
+            self.built[kind] = self.built.get(kind, 0) + 1
+        return self._fns[full]
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretrained: dict | None, *,
+        cache: JitCache | None = None, on_step: Callable[[int, jax.Array], None] | None = None,
+        log: Callable[[str], None] = _stderr) -> tuple[dict[str, Any], dict]:
+    """Fine-tune and evaluate as ``args`` (from :func:`parse_args`) says, on tokenized ``data``.
+
+    Args:
+      args: hyper-parameters (``sparsity``, ``prune``, ``epochs``, ``batch_size``, ``lr``, ``seed``, ...).
+      data: the task's tokenized splits (:func:`load_data`).
+      cfg: the model architecture; ``pretrained``: its BertModel params, or None for a random init.
+      cache: share jitted functions with other runs (see :class:`JitCache`); a private one by default.
+      on_step: called after every optimizer step with ``(global_step, loss)`` (loss not synced); when
+        given, no per-epoch progress bars are drawn.
+      log: where the per-epoch lines go (stderr by default).
+
+    Returns:
+      ``(metrics, variables)``: the metrics of ``metrics.json`` (without ``seconds`` of loading) and the
+      final ``{"params": ..., "sparsity": ...}``.
+    """
+    t_start = time.time()
+    cache = cache if cache is not None else JitCache()
+    train, dev, test, task = data.train, data.dev, data.test, data.task
     if len(train) < args.batch_size:
         raise ValueError(f"--batch-size {args.batch_size} exceeds the {len(train)} training examples")
 
     dtype = jnp.dtype(args.dtype)
     sparse = args.sparsity != "dense"
     spec = fmt.VNM.parse(args.sparsity) if sparse else None
-    if args.model == "minilm":
-        cfg, pretrained = bert.load_minilm()
-    else:
-        cfg, pretrained = bert.BertConfig.preset(args.model), None
     make_model = lambda compressed: bert.BertForSequenceClassification(  # noqa: E731
         cfg, sparsity=args.sparsity if sparse else None, compressed=compressed, dtype=dtype,
         num_labels=task.num_labels)
+    # Master mode: NMDense applies whatever mask it is passed, so one dense-spec model initialises and
+    # evaluates every sparsity (fewer compilations); the spec only matters in compressed mode.
+    master_key = (cfg, task.num_labels, dtype.name)
+    master = bert.BertForSequenceClassification(cfg, dtype=dtype, num_labels=task.num_labels)
     model = make_model(False)
     key = jax.random.key(args.seed)
     key, k_init = jax.random.split(key)
-    params = jax.jit(model.init)(k_init, *(a[:1] for a in _arrays(train, slice(None))[:3]))["params"]
+    init = cache.get("init", master_key, lambda: jax.jit(master.init))
+    params = init(k_init, *(a[:1] for a in _arrays(train, slice(None))[:3]))["params"]
     if pretrained is not None:
         params = bert.merge_params(params, pretrained)
 
     steps_per_epoch = len(train) // args.batch_size
     total = steps_per_epoch * args.epochs
-    lr = optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, int(args.warmup * total)), max(total, 2), 0.0)
+    warmup = max(1, int(args.warmup * total))
+    lr = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, max(total, 2), 0.0)
     base = optax.adamw(lr, weight_decay=args.weight_decay, mask=lambda p: jax.tree_util.tree_map(lambda x: x.ndim > 1, p))
+    base_key = (args.lr, args.weight_decay, warmup, max(total, 2))
     prune = None
     if args.prune == "gmp":
         ladder = args.ladder.split(",") if args.ladder else args.sparsity
@@ -183,6 +274,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if prune is not None and str(prune.schedule.ladder[-1]) != str(spec):
         raise ValueError(f"the ladder must end at --sparsity {spec}, got {prune.schedule.ladder[-1]}")
     tx = optax.chain(base, prune) if prune is not None else base
+    tx_key = base_key + ((prune.schedule,) if prune is not None else ())
     opt_state = tx.init(params)
     compress = _use_compressed(args.compress, spec, cfg)
     switch_step = prune.schedule.stage_steps[-1] + 1 if prune is not None else None
@@ -207,8 +299,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def make_logits(model):
         return jax.jit(lambda variables, *a: model.apply(variables, *a))
 
-    step = make_step(model, tx, prune is not None)
-    logits_fn = make_logits(model)
+    step = cache.get("step", (model, tx_key, prune is not None), lambda: make_step(model, tx, prune is not None))
+    logits_fn = cache.get("logits", master_key, lambda: make_logits(master))
     extra: dict = {}
     evaluate_dev, evaluate_test = _Evaluator(dev, args.batch_size), _Evaluator(test, args.batch_size)
 
@@ -221,35 +313,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency
         tqdm = None
+    bars = tqdm is not None and not args.no_progress and on_step is None
     history, compressed, global_step = [], False, 0
     # Dropout masks from the RngBitGenerator: about 3x cheaper than threefry on a CPU, same on a GPU.
     drop_key = jax.random.key(args.seed + 1, impl="rbg")
     data_rng = np.random.default_rng(args.seed)
-    print(data_lib.describe(task), file=sys.stderr)
+    log(data_lib.describe(task))
     for epoch in range(args.epochs):
         t0, losses = time.time(), []
         batches = _batches(len(train), args.batch_size, data_rng)
         bar = tqdm(batches, total=steps_per_epoch, desc=f"epoch {epoch + 1}/{args.epochs}",
-                   disable=args.no_progress or tqdm is None, file=sys.stderr) if tqdm else batches
+                   file=sys.stderr) if bars else batches
         for idx in bar:
             if compress and not compressed and global_step == switch_step:
                 params, pattern, base_state = pruning.to_compressed(params, pruning.masks_of(opt_state), spec, opt_state[0])
                 opt_state, extra, compressed = base_state, {"sparsity": pattern}, True
                 model = make_model(True)
-                step, logits_fn = make_step(model, base, False), make_logits(model)
+                step = cache.get("step", (model, base_key, False), lambda: make_step(model, base, False))
+                logits_fn = cache.get("logits", (model,), lambda: make_logits(model))
             drop_key, k_drop = jax.random.split(drop_key)
             params, opt_state, loss = step(params, opt_state, extra, _arrays(train, idx), k_drop)
             losses.append(loss)
             global_step += 1
-            if global_step % 10 == 0 and tqdm is not None and not args.no_progress:
+            if on_step is not None:
+                on_step(global_step, loss)
+            elif global_step % 10 == 0 and bars:
                 bar.set_postfix(loss=f"{float(np.mean(jax.device_get(losses[-10:]))):.3f}")
         train_loss = float(np.mean(jax.device_get(losses))) if losses else float("nan")
         dev_metrics = evaluate_dev(logits_fn, variables_now())
         history.append({"epoch": epoch + 1, "train_loss": train_loss, "first_loss": float(losses[0]),
                         "dev_accuracy": dev_metrics["accuracy"], "dev_loss": dev_metrics["loss"],
                         "seconds": time.time() - t0})
-        print(f"epoch {epoch + 1}: train loss {train_loss:.4f}  dev acc {dev_metrics['accuracy']:.4f}  "
-              f"({time.time() - t0:.0f} s)", file=sys.stderr)
+        log(f"epoch {epoch + 1}: train loss {train_loss:.4f}  dev acc {dev_metrics['accuracy']:.4f}  "
+            f"({time.time() - t0:.0f} s)")
 
     test_metrics = evaluate_test(logits_fn, variables_now())
     final = variables_now()
@@ -271,11 +367,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "test_loss": test_metrics["loss"], "weight_sparsity": achieved,
         "device": str(jax.devices()[0].device_kind), "seconds": time.time() - t_start,
     }
+    return metrics, final
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Train and evaluate as ``args`` says; returns the metrics that are also written to ``metrics.json``."""
+    t_start = time.time()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = load_data(args.task, args.max_train, args.max_eval, args.max_len)
+    cfg, pretrained = load_model(args.model)
+    metrics, final = fit(args, data, cfg, pretrained)
+    metrics["seconds"] = time.time() - t_start
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     save_checkpoint(out / "checkpoint", final)
     print(f"jaxsparse-train: {args.model} {args.task} {args.sparsity} ({args.prune}) | "
           f"dev acc {metrics['dev_accuracy']:.4f} | test acc {metrics['test_accuracy']:.4f} | "
-          f"sparsity {achieved:.3f} | {global_step} steps | {metrics['seconds']:.0f} s | {out}")
+          f"sparsity {metrics['weight_sparsity']:.3f} | {metrics['steps']} steps | {metrics['seconds']:.0f} s | {out}")
     return metrics
 
 
