@@ -1,0 +1,250 @@
+"""The headline benchmark: a full BERT training step (forward, backward, AdamW), dense against sparse.
+
+BERT-base and BERT-large with a 2-label classification head, sequences of 512 and 128 tokens, batches
+from :data:`BATCH` (sized for an 80 GB H100; ``--batch-size`` overrides), bf16 compute with float32
+master weights and AdamW moments (:mod:`jaxsparse.trainstep`). Each sparsity runs in compressed mode
+(the compressed values are the parameters; no dense weight, gradient or moment) where the format takes
+the layer shapes, masked-dense otherwise; the output says which.
+
+Each configuration runs in a fresh subprocess, so the device's ``peak_bytes_in_use`` is its own. The
+step is timed one synced step at a time (``block_until_ready``) after the warm-up; the median is
+reported with tokens/s, peak memory and the speedup and memory relative to dense.
+
+    python benchmarks/train_step.py                  # the full table (GPU); results/<gpu>/train_step.json
+    python benchmarks/train_step.py --quick          # tiny BERT, few steps: a smoke test (CPU < 2 min)
+
+Results go to ``benchmarks/results/<gpu-slug>/train_step.json`` (``train_step_quick.json`` with
+``--quick``) and the plot to ``docs/train_step.png`` (skipped with a message without matplotlib, and
+in ``--quick`` mode unless ``--plot`` is given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+# Use the installed jaxsparse (it carries the built CUDA extension); fall back to this checkout.
+_SOURCE_FALLBACK = importlib.util.find_spec("jaxsparse") is None
+if _SOURCE_FALLBACK:
+    sys.path.append(ROOT)
+SPARSITIES = ("dense", "2:4", "64:2:8", "128:2:16", "128:2:32")
+BATCH = {  # (model, seq_len): batch size on an 80 GB H100 (f32 master + AdamW, no rematerialization)
+    ("base", 512): 64,
+    ("base", 128): 256,
+    ("large", 512): 32,
+    ("large", 128): 128,
+}
+QUICK = {"models": ("tiny",), "seqs": (128,), "batch": 8, "steps": 6, "warmup": 2}
+
+
+def run_config(cfg: dict) -> dict:
+    """Build, warm up and time one configuration in this process; returns its result row."""
+    import jax
+
+    import jaxsparse
+    from jaxsparse import ffi
+    from jaxsparse.trainstep import StepConfig, build_step
+
+    row = dict(cfg)
+    t0 = time.perf_counter()
+    step_cfg = StepConfig(cfg["model"], cfg["sparsity"], cfg["batch_size"], cfg["seq_len"], cfg["dtype"])
+    ts = build_step(step_cfg)
+    row.update(mode=ts.mode, mode_reason=ts.reason, tokens=ts.tokens)
+    first = float(jax.block_until_ready(ts.run(1)))
+    for _ in range(max(cfg["warmup"] - 1, 0)):
+        jax.block_until_ready(ts.run(1))
+    row["compile_and_warmup_s"] = time.perf_counter() - t0
+    times, loss = [], first
+    for _ in range(cfg["steps"]):
+        t = time.perf_counter()
+        loss = ts.run(1)
+        jax.block_until_ready((ts.args[0], ts.args[1], loss))
+        times.append(1e3 * (time.perf_counter() - t))
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    med = statistics.median(times)
+    row.update(
+        step_ms=med,
+        step_ms_min=min(times),
+        step_ms_p90=sorted(times)[int(0.9 * (len(times) - 1))],
+        tokens_per_s=ts.tokens / (med / 1e3),
+        peak_bytes=(stats or {}).get("peak_bytes_in_use"),
+        loss_first=first,
+        loss_last=float(loss),
+        device_kind=dev.device_kind,
+        platform=dev.platform,
+        cuda_extension=ffi.available(),
+        jaxsparse_path=os.path.dirname(jaxsparse.__file__),
+        jaxsparse_backend=os.environ.get("JAXSPARSE_BACKEND", "auto"),
+    )
+    return row
+
+
+def _worker(cfg: dict, timeout: float) -> dict:
+    """Run one configuration in a fresh interpreter; its result, or the error it died of."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(cfg)]
+    env = dict(os.environ)
+    if _SOURCE_FALLBACK:
+        env["PYTHONPATH"] = (env["PYTHONPATH"] + os.pathsep if env.get("PYTHONPATH") else "") + ROOT
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {**cfg, "error": f"timed out after {timeout:.0f} s"}
+    for line in reversed(proc.stdout.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return {**cfg, "error": f"worker exit {proc.returncode}: {' | '.join(tail)}"}
+
+
+def add_relative(rows: list[dict]) -> None:
+    """Speedup and memory against the dense row of the same model, sequence and batch."""
+    for r in rows:
+        dense = next((d for d in rows if d["sparsity"] == "dense" and "error" not in d
+                      and (d["model"], d["seq_len"], d["batch_size"]) == (r["model"], r["seq_len"], r["batch_size"])), None)
+        ok = dense is not None and "error" not in r
+        r["speedup_vs_dense"] = dense["step_ms"] / r["step_ms"] if ok else None
+        r["memory_vs_dense"] = (r["peak_bytes"] / dense["peak_bytes"]
+                                if ok and r.get("peak_bytes") and dense.get("peak_bytes") else None)
+
+
+def print_table(rows: list[dict]) -> None:
+    out = []
+    for r in rows:
+        if "error" in r:
+            out.append({"model": r["model"], "seq": r["seq_len"], "batch": r["batch_size"], "sparsity": r["sparsity"],
+                        "mode": "error", "step ms": r["error"][:60]})
+            continue
+        out.append({
+            "model": r["model"], "seq": r["seq_len"], "batch": r["batch_size"], "sparsity": r["sparsity"],
+            "mode": r["mode"], "step ms": f"{r['step_ms']:.2f}", "tokens/s": f"{r['tokens_per_s']:.0f}",
+            "peak GiB": f"{r['peak_bytes'] / 2**30:.2f}" if r.get("peak_bytes") else "n/a",
+            "speedup": f"{r['speedup_vs_dense']:.3f}x" if r.get("speedup_vs_dense") else "-",
+            "memory": f"{r['memory_vs_dense']:.3f}x" if r.get("memory_vs_dense") else "-",
+        })
+    print(common.table(out, ["model", "seq", "batch", "sparsity", "mode", "step ms", "tokens/s", "peak GiB",
+                             "speedup", "memory"]))
+    for r in rows:
+        if r.get("mode") == "masked":
+            print(f"note: {r['model']} {r['sparsity']} ran masked-dense: {r['mode_reason']}")
+
+
+def plot(rows: list[dict], path: str) -> str | None:
+    """Speedup and peak memory against sparsity, one line per (model, seq); None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    groups = sorted({(r["model"], r["seq_len"], r["batch_size"]) for r in rows})
+    for g in groups:
+        sel = [r for r in rows if (r["model"], r["seq_len"], r["batch_size"]) == g and "error" not in r]
+        xs = [SPARSITIES.index(r["sparsity"]) if r["sparsity"] in SPARSITIES else i for i, r in enumerate(sel)]
+        label = f"{g[0]} seq {g[1]} batch {g[2]}"
+        ax1.plot(xs, [r["speedup_vs_dense"] or float("nan") for r in sel], "o-", label=label)
+        ax2.plot(xs, [r["memory_vs_dense"] or float("nan") for r in sel], "o-", label=label)
+        for x, r in zip(xs, sel):
+            if r["mode"] == "masked":
+                ax1.annotate("masked", (x, r["speedup_vs_dense"] or 0), fontsize=7)
+    for ax, title in ((ax1, "step speedup over dense"), (ax2, "peak memory / dense")):
+        ax.set_xticks(range(len(SPARSITIES)), SPARSITIES)
+        ax.set_title(title)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.grid(alpha=0.3)
+    ax1.legend(fontsize=7)
+    device = next((r.get("device_kind") for r in rows if r.get("device_kind")), "?")
+    fig.suptitle(f"BERT training step (fwd + bwd + AdamW, bf16 compute), {device}")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny BERT, seq 128, batch 8, 6 steps: a smoke test")
+    ap.add_argument("--models", default="base,large")
+    ap.add_argument("--seqs", default="512,128")
+    ap.add_argument("--sparsities", default=",".join(SPARSITIES))
+    ap.add_argument("--batch-size", type=int, default=None, help="override the BATCH table")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per configuration (30; --quick: 6)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (5; --quick: 2)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--in-process", action="store_true",
+                    help="run every configuration in this process (peak memory is then cumulative)")
+    ap.add_argument("--worker-timeout", type=float, default=900.0)
+    ap.add_argument("--out", default=None, help="json path (default benchmarks/results/<gpu>/train_step[_quick].json)")
+    ap.add_argument("--plot", default=None, help="png path (default docs/train_step.png; none in --quick)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+
+    if a.worker:
+        print(json.dumps(run_config(json.loads(a.worker))), flush=True)
+        return 0
+
+    if a.quick:
+        models, seqs = QUICK["models"], QUICK["seqs"]
+        steps, warmup = a.steps or QUICK["steps"], a.warmup if a.warmup is not None else QUICK["warmup"]
+    else:
+        models, seqs = a.models.split(","), [int(s) for s in a.seqs.split(",")]
+        steps, warmup = a.steps or 30, a.warmup if a.warmup is not None else 5
+    sparsities = a.sparsities.split(",")
+    configs = []
+    for model in models:
+        for seq in seqs:
+            batch = a.batch_size or (QUICK["batch"] if a.quick else BATCH.get((model, seq)))
+            if batch is None:
+                ap.error(f"no batch size in BATCH for {model} seq {seq}: pass --batch-size")
+            for s in sparsities:
+                configs.append({"model": model, "seq_len": seq, "batch_size": batch, "sparsity": s, "dtype": a.dtype,
+                                "steps": steps, "warmup": warmup})
+    rows = []
+    t0 = time.time()
+    for cfg in configs:
+        r = run_config(cfg) if a.in_process else _worker(cfg, a.worker_timeout)
+        rows.append(r)
+        status = r.get("error") or f"{r['mode']}: {r['step_ms']:.2f} ms/step"
+        print(f"[{time.time() - t0:6.1f} s] {cfg['model']} seq {cfg['seq_len']} batch {cfg['batch_size']} "
+              f"{cfg['sparsity']}: {status}", flush=True)
+    add_relative(rows)
+    print_table(rows)
+    device = next((r["device_kind"] for r in rows if r.get("device_kind")), "unknown")
+    platform = next((r["platform"] for r in rows if r.get("platform")), "unknown")
+    slug = "cpu" if platform == "cpu" else common.gpu_slug(device)
+    out = a.out or os.path.join(HERE, "results", slug, "train_step_quick.json" if a.quick else "train_step.json")
+    payload = {
+        "benchmark": "train_step",
+        "description": "BERT + 2-label classifier, full step (fwd, bwd, AdamW), bf16 compute, f32 master weights; "
+                       "median of synced single steps after warm-up; each configuration in a fresh process"
+                       + ("" if not a.in_process else " (in-process run: peak memory cumulative)"),
+        "quick": a.quick,
+        "device": device,
+        "platform": platform,
+        "versions": common.versions(),
+        "rows": rows,
+    }
+    common.write_json(out, payload)
+    plot_path = a.plot or (None if a.quick else os.path.join(ROOT, "docs", "train_step.png"))
+    if plot_path:
+        done = plot(rows, plot_path)
+        print(f"wrote {done}" if done else "matplotlib is not installed: no plot (pip install matplotlib)")
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
