@@ -1,0 +1,115 @@
+"""jaxsparse-profile: the kernel classifier, the HLO reader, and a real CPU profile of a tiny step."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxsparse import profile
+from jaxsparse.profile import OpInfo, classify
+
+FWD = "jit(step)/jvp(BertForSequenceClassification)/bert/encoder_layer_0"
+BWD = "jit(step)/transpose(jvp(BertForSequenceClassification))/bert/encoder_layer_0"
+
+# GPU kernel names as nsys / the XLA GPU profiler show them, classified by name alone.
+GPU_NAMES = [
+    ("void jaxsparse::(anonymous namespace)::SpmmKernel<__nv_bfloat16, 8, 128, 128, 8, 4>(jaxsparse::SpmmParams)", "sparse_fwd"),
+    ("void jaxsparse::SddmmKernel<__nv_bfloat16, 16>(jaxsparse::SddmmParams)", "sddmm"),
+    ("void jaxsparse::SpmmTKernel<__nv_bfloat16, 8>(jaxsparse::SpmmTParams)", "sparse_dx"),
+    ("jaxsparse_spmm_t", "sparse_dx"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas", "dense_gemm"),
+    ("nvjet_hsh_192x192_64x4_2x1_v_bz_coopB_NNT", "dense_gemm"),
+    ("cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_256x128_32x3_nn_align8", "dense_gemm"),
+    ("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_32x5_tn", "dense_gemm"),
+    ("flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 64, 4, false, false, cutlass::bfloat16_t>>", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0", "attention"),
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "collective"),
+    ("all-gather-start", "collective"),
+    ("Memcpy DtoD (Device -> Device)", "transpose_copy"),
+    ("loop_transpose_fusion_3", "transpose_copy"),
+    ("copy_fusion.2", "transpose_copy"),
+    ("loop_multiply_fusion_12", "elementwise_norm"),
+    ("input_reduce_fusion_2", "elementwise_norm"),
+    ("some_vendor_kernel", "other"),
+]
+
+# CPU XLA op names (or GPU kernels) with what the compiled HLO says about their instruction.
+HLO_EVENTS = [
+    ("ynn_fusion.91", OpInfo("fusion", f"{FWD}/attention/value/value._compressed/dot_general", True, (1,)), "sparse_fwd"),
+    ("compare_convert_fusion.1", OpInfo("fusion", f"{FWD}/intermediate/intermediate._compressed/jit(decompress)/jit(_one_hot)/convert_element_type",
+                                        False, (), frozenset({"compare", "convert"})), "sparse_fwd"),
+    ("wrapped_convert.5", OpInfo("fusion", f"{FWD}/intermediate/intermediate._compressed/convert_element_type", False, (),
+                                 frozenset({"convert"})), "elementwise_norm"),
+    ("ynn_fusion.12", OpInfo("fusion", f"{BWD}/output/output._compressed/dot_general", True, (0,)), "sddmm"),
+    ("ynn_fusion.13", OpInfo("fusion", f"{BWD}/output/output._compressed/dot_general", True, (1,)), "sparse_dx"),
+    ("gather_fusion.2", OpInfo("fusion", f"{BWD}/attention/query/query._compressed/jit(take_along_axis)/gather", False, (),
+                               frozenset({"gather"})), "sddmm"),
+    ("multiply_add_fusion.102", OpInfo("fusion", "jit(step)/optimizer/add", False, (), frozenset({"multiply", "add"})), "optimizer"),
+    ("loop_multiply_fusion_4", OpInfo("fusion", "jit(step)/optimizer/mul", False, (), frozenset({"multiply"})), "optimizer"),
+    ("ynn_fusion.5", OpInfo("fusion", f"{FWD}/attention/dot_general", True, (3,)), "attention"),
+    ("reduce_fusion.3", OpInfo("fusion", f"{FWD}/attention/reduce_max", False, (), frozenset({"reduce", "maximum"})), "attention"),
+    ("multiply_fusion.9", OpInfo("fusion", f"{FWD}/attention/LayerNorm/mul", False, (), frozenset({"multiply", "rsqrt"})),
+     "elementwise_norm"),
+    ("dot.3", OpInfo("dot", f"{FWD}/attention/query/dot_general", True, (2,), frozenset({"dot"})), "dense_gemm"),
+    ("custom-call.7", OpInfo("custom-call", f"{BWD}/intermediate/dot_general", True, (0,), frozenset({"custom-call"}),
+                             "__cublas$gemm"), "dense_gemm"),
+    ("custom-call.9", OpInfo("custom-call", f"{FWD}/output/output._compressed/spmm", False, (), frozenset({"custom-call"}),
+                             "jaxsparse_spmm"), "sparse_fwd"),
+    ("transpose.3", OpInfo("transpose", f"{FWD}/attention/transpose", False, (), frozenset({"transpose"})), "transpose_copy"),
+    ("copy.5", OpInfo("copy", "jit(step)/jvp(BertForSequenceClassification)/bert/copy", False, (), frozenset({"copy"})), "transpose_copy"),
+    ("copy_fusion", OpInfo("fusion", "jit(step)/bert/reshape", False, (), frozenset({"copy", "bitcast", "parameter"})), "transpose_copy"),
+    ("scatter_fusion", OpInfo("fusion", "jit(step)/transpose(jvp(jit(_take)))/scatter-add", False, (), frozenset({"scatter", "add"})), "other"),
+    ("all-reduce.1", OpInfo("all-reduce", "jit(step)/psum", False, (), frozenset({"all-reduce"})), "collective"),
+]
+
+
+@pytest.mark.parametrize("name,want", GPU_NAMES, ids=[n[:40] for n, _ in GPU_NAMES])
+def test_classify_gpu_kernel_names(name, want):
+    assert classify(name) == want
+
+
+@pytest.mark.parametrize("name,info,want", HLO_EVENTS, ids=[n for n, _, _ in HLO_EVENTS])
+def test_classify_with_hlo_info(name, info, want):
+    assert classify(name, info) == want
+
+
+def test_parse_hlo_reads_dots_scopes_and_contracting_dims():
+    def f(x, w, v):
+        with jax.named_scope("optimizer"):
+            dw = jnp.dot(x.T, w)  # [32, 48]: contracts over the leading (token) dimension
+        return jnp.dot(x, v), dw  # [64, 16]: contracts over features
+
+    text = jax.jit(f).lower(jnp.ones((64, 32)), jnp.ones((64, 48)), jnp.ones((32, 16))).compile().as_text()
+    hlo = profile.parse_hlo(text)
+    dots = [i for i in hlo.values() if i.has_dot and i.opcode != "parameter"]
+    assert any(i.dot_lhs_contracting == (0,) and "optimizer" in i.op_name for i in dots), text[-3000:]
+    assert any(i.dot_lhs_contracting == (1,) and "optimizer" not in i.op_name for i in dots), text[-3000:]
+
+
+def test_real_cpu_profile_buckets_sum_to_measured_total(tmp_path, capsys):
+    out = tmp_path / "prof.json"
+    trace = tmp_path / "trace"
+    rc = profile.main(["--model", "tiny", "--sparsity", "2:4", "--batch-size", "2", "--seq-len", "32", "--steps", "2",
+                       "--warmup", "1", "--top", "3", "--trace-dir", str(trace), "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "/host:CPU" in printed and "Amdahl bound" in printed
+    d = json.loads(out.read_text())
+    assert d["mode"] == "compressed" and d["device"]["kind"] == "cpu"
+    # the measured total, read again from the trace file independently of the bucketing
+    events, _ = profile.device_events(d["device"]["xplane"], d["hlo_module"])
+    measured_ms = sum(e.duration_ns for e in events) / 1e6 / d["steps_traced"]
+    assert measured_ms > 0
+    assert sum(b["ms"] for b in d["buckets"].values()) == pytest.approx(measured_ms, rel=1e-9)
+    assert d["busy_ms"] == pytest.approx(measured_ms, rel=1e-9)
+    assert sum(b["count"] for b in d["buckets"].values()) == pytest.approx(len(events) / d["steps_traced"])
+    for b in ("sparse_fwd", "sddmm", "sparse_dx", "optimizer", "elementwise_norm"):
+        assert d["buckets"][b]["ms"] > 0, b
+    sparse = sum(d["buckets"][b]["ms"] for b in profile.SPARSE_BUCKETS)
+    assert d["sparse_ms"] == pytest.approx(sparse)
+    assert d["amdahl_bound_ms"] == pytest.approx(max(d["step_ms"] - sparse, 0.0))
+    # the backward of each of the 12 compressed layers has exactly one SDDMM dot and one dX dot
+    assert d["buckets"]["sparse_dx"]["count"] == 12
