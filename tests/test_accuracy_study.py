@@ -1,0 +1,80 @@
+"""benchmarks/accuracy.py: a --quick grid from a packed data folder alone, its json, the docs table."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from devdata_helpers import block_packages, load_script, packed_dir  # noqa: F401 - fixture
+from jaxsparse import data
+
+
+@pytest.fixture(scope="module")
+def acc():
+    return load_script("accuracy", "benchmarks")
+
+
+def test_summary_verdicts_follow_the_targets(acc):
+    runs = [{"task": "rt", "sparsity": s, "seed": i, "test_accuracy": a} for s, accs in {
+        "dense": [0.80, 0.82], "2:4": [0.806, 0.808], "64:2:8": [0.795, 0.795], "128:2:16": [0.70, 0.72]}.items()
+        for i, a in enumerate(accs)]
+    rows = {r["sparsity"]: r for r in acc.summarize(runs, ["rt"], ["dense", "2:4", "64:2:8", "128:2:16"], 2)}
+    assert rows["dense"]["mean"] == pytest.approx(81.0) and rows["dense"]["std"] == pytest.approx(statistics.stdev([80, 82]))
+    assert rows["2:4"]["delta"] == pytest.approx(-0.3) and rows["2:4"]["verdict"] == "pass"
+    assert rows["64:2:8"]["delta"] == pytest.approx(-1.5) and rows["64:2:8"]["verdict"] == "fail"
+    assert rows["128:2:16"]["verdict"] is None and rows["128:2:16"]["delta"] == pytest.approx(-10.0)
+    one = acc.summarize(runs[:1], ["rt"], ["dense", "2:4"], 3)
+    assert one[0]["std"] is None and one[1]["mean"] is None and one[1]["verdict"] is None
+
+
+def test_quick_grid_from_the_data_dir_alone(acc, packed_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv(data.DATA_DIR_ENV, str(packed_dir))
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    block_packages(monkeypatch)  # the installed packages cannot serve anything
+    out = tmp_path / "acc"
+    argv = ["--quick", "--tasks", "trec", "--sparsities", "dense,2:4", "--seeds", "2", "--max-train", "16",
+            "--out-dir", str(out), "--no-progress"]
+    assert acc.main(argv) == 0
+    payload = json.loads((out / "accuracy.json").read_text())
+    assert json.loads((tmp_path / "out" / "accuracy.json").read_text()) == payload
+    assert payload["benchmark"] == "accuracy" and payload["finished"] and not payload["stopped_early"]
+    env, hp = payload["environment"], payload["hyperparameters"]
+    assert env["data_dir"] == str(packed_dir)
+    assert all(path.startswith(str(packed_dir)) for path in env["data_files"].values()), env["data_files"]
+    assert env["versions"]["jax"] and env["device"]
+    assert hp["quick"] and hp["layers"] == 1 and hp["max_train"] == 16 and hp["dtype"] == "float32"
+    runs = payload["runs"]
+    assert sorted((r["sparsity"], r["seed"]) for r in runs) == [("2:4", 0), ("2:4", 1), ("dense", 0), ("dense", 1)]
+    for r in runs:
+        assert 0.0 <= r["test_accuracy"] <= 1.0 and r["steps"] == 2 and r["task"] == "trec"
+        assert r["weight_sparsity"] == (0.5 if r["sparsity"] == "2:4" else 0.0)
+    assert all(r["compilations"] == 0 for r in runs if r["seed"] == 1), "seed 1 should reuse seed 0's compilations"
+    assert payload["jit_functions_built"]["step"] == 2
+    rows = {r["sparsity"]: r for r in payload["summary"]}
+    for s, row in rows.items():
+        accs = [100 * r["test_accuracy"] for r in runs if r["sparsity"] == s]
+        assert row["n"] == 2 and row["mean"] == pytest.approx(statistics.fmean(accs))
+    assert rows["2:4"]["delta"] == pytest.approx(rows["2:4"]["mean"] - rows["dense"]["mean"])
+
+    docs = tmp_path / "results.md"
+    docs.write_text("# Results\n\nKept paragraph.\n")
+    for _ in range(2):  # a second render replaces the block
+        assert acc.main(["--render-docs", "--json", str(out / "accuracy.json"), "--docs", str(docs)]) == 0
+    text = docs.read_text()
+    assert "Kept paragraph." in text and text.count(acc.DOCS_BEGIN) == 1
+    r = rows["2:4"]
+    line = next(x for x in text.splitlines() if x.startswith("| trec | 2:4 |"))
+    assert f"{r['mean']:.2f} ± {r['std']:.2f}" in line and f"{r['delta']:+.2f}" in line
+    assert r["verdict"] in line and "within 0.5" in line
+    assert "quick smoke run" in text
+
+
+def test_resume_refuses_other_hyperparameters(acc, tmp_path):
+    out = tmp_path / "acc"
+    out.mkdir()
+    (out / "accuracy.json").write_text(json.dumps({"hyperparameters": {"lr": 1.0}, "runs": []}))
+    args = acc.parse_args(["--quick", "--resume", "--out-dir", str(out)])
+    with pytest.raises(SystemExit, match="other hyper-parameters"):
+        acc.study(args, log=lambda line: None)
