@@ -1,0 +1,51 @@
+"""benchmarks/train_step.py --quick writes a well-formed result file."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("train_step_bench", os.path.join(ROOT, "benchmarks", "train_step.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_quick_writes_json(tmp_path, capsys):
+    bench = _load()
+    out = tmp_path / "train_step.json"
+    rc = bench.main(["--quick", "--sparsities", "dense,64:2:8", "--steps", "2", "--warmup", "1", "--batch-size", "2", "--in-process",
+                     "--out", str(out)])
+    assert rc == 0
+    assert "compressed" in capsys.readouterr().out
+    d = json.loads(out.read_text())
+    assert d["benchmark"] == "train_step" and d["quick"] is True
+    rows = {r["sparsity"]: r for r in d["rows"]}
+    assert set(rows) == {"dense", "64:2:8"}
+    assert [rows[s]["mode"] for s in ("dense", "64:2:8")] == ["dense", "compressed"]
+    for r in rows.values():
+        assert r["model"] == "tiny" and r["tokens"] == r["batch_size"] * r["seq_len"] == 2 * 128
+        assert r["step_ms"] > 0 and r["tokens_per_s"] == pytest.approx(r["tokens"] / r["step_ms"] * 1e3)
+        assert r["loss_last"] == r["loss_last"]  # not NaN
+    assert rows["dense"]["speedup_vs_dense"] == 1.0
+    assert rows["64:2:8"]["speedup_vs_dense"] == pytest.approx(rows["dense"]["step_ms"] / rows["64:2:8"]["step_ms"])
+
+
+def test_mode_falls_back_to_masked_dense_with_the_reason():
+    from jaxsparse.models import bert
+    from jaxsparse.trainstep import sparse_mode
+
+    tiny, large = bert.BertConfig.preset("tiny"), bert.BertConfig.preset("large")
+    mode, why = sparse_mode(tiny, "128:2:32")  # hidden 128 is not a multiple of 8 * 32
+    assert mode == "masked" and "8*M" in why
+    assert sparse_mode(large, "128:2:32") == ("compressed", "")
+    assert sparse_mode(large, "64:2:8", compressed=False)[0] == "masked"
+    with pytest.raises(ValueError, match="compressed mode impossible"):
+        sparse_mode(tiny, "128:2:32", compressed=True)
