@@ -282,7 +282,9 @@ class DeviceEvent:
 
 def _stats(obj) -> dict:
     try:
-        return dict(obj.stats)
+        with warnings.catch_warnings():  # JAX 0.11: "builtin type event_stats has no __module__ attribute"
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return dict(obj.stats)
     except Exception:  # noqa: BLE001 - stats may hold values the binding cannot convert
         return {}
 
