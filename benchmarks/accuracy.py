@@ -55,7 +55,7 @@ TARGETS = {"2:4": 0.5, "64:2:8": 1.0}
 DOCS_BEGIN, DOCS_END = "<!-- accuracy:begin (benchmarks/accuracy.py --render-docs) -->", "<!-- accuracy:end -->"
 
 QUICK = dict(tasks="rt,trec", sparsities="dense,2:4,64:2:8,128:2:16", seeds=2, epochs=1, max_len=16,
-             batch_size=8, max_train=32, max_eval=32, layers=1, dtype="float32", lr=1e-4)
+             batch_size=8, max_train=16, max_eval=16, layers=1, dtype="float32", lr=1e-4)
 """``--quick``: one pretrained layer, tiny splits; checks the whole pipeline in under 2 minutes on a CPU."""
 
 
