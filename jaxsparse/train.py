@@ -98,13 +98,10 @@ def _use_compressed(mode: str, spec: fmt.VNM | None, cfg: bert.BertConfig) -> bo
     """Whether to switch to compressed training after the final mask (``--compress``)."""
     if mode == "off" or spec is None:
         return False
-    h, f = cfg.hidden_size, cfg.intermediate_size
-    try:
-        for shape in ((h, h), (h, f), (f, h)):
-            fmt.validate_shape(shape, spec, compressed=True)
-    except ValueError as e:
+    problem = cfg.compressed_problem(spec)
+    if problem:
         if mode == "on":
-            raise ValueError(f"--compress on: {e}") from None
+            raise ValueError(f"--compress on: {problem}")
         return False
     return mode == "on" or _kernel_path()
 

@@ -112,14 +112,11 @@ def sparse_mode(cfg: bert.BertConfig, sparsity: str, compressed: bool | None = N
     spec = fmt.VNM.parse(sparsity)
     if compressed is False:
         return "masked", "asked for masked-dense"
-    h, f = cfg.hidden_size, cfg.intermediate_size
-    try:
-        for shape in ((h, h), (h, f), (f, h)):
-            fmt.validate_shape(shape, spec, compressed=True)
-    except ValueError as e:
+    problem = cfg.compressed_problem(spec)
+    if problem:
         if compressed:
-            raise ValueError(f"compressed mode impossible for {sparsity} on hidden {h}: {e}") from None
-        return "masked", str(e)
+            raise ValueError(f"compressed mode impossible for {sparsity} on hidden {cfg.hidden_size}: {problem}")
+        return "masked", problem
     return "compressed", ""
 
 

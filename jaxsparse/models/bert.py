@@ -77,6 +77,22 @@ class BertConfig:
         return cls(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                    intermediate_size=4 * hidden, **overrides)
 
+    def sparse_kernel_shapes(self) -> tuple[tuple[int, int], ...]:
+        """The ``[K, R]`` shapes of the encoder's NMDense kernels (Q/K/V/output, FFN in, FFN out)."""
+        h, f = self.hidden_size, self.intermediate_size
+        return (h, h), (h, f), (f, h)
+
+    def compressed_problem(self, spec) -> str | None:
+        """Why some encoder kernel cannot be stored compressed as ``spec`` (None when all can)."""
+        from jaxsparse.format import validate_shape
+
+        for shape in self.sparse_kernel_shapes():
+            try:
+                validate_shape(shape, spec, compressed=True)
+            except ValueError as error:
+                return str(error)
+        return None
+
 
 PRESETS = {  # name: (layers, hidden, heads); FFN width is 4 x hidden
     "tiny": (2, 128, 2),
