@@ -1,0 +1,352 @@
+// SDDMM: the weight gradient of y = x @ W sampled at W's kept positions, written straight into the
+// compressed values layout (docs/format.md):
+//   dvalues[r, 2g+j] = sum_t x[t, g*M + col(r, g, j)] * dy[t, r],   fp32 accumulation over all tokens.
+// No dense [K, R] gradient is formed.  Design notes: docs/kernel-notes.md ("Backward kernels").
+//
+// Math view: for a tile of BR = 64 rows inside one V block (so one column set per group) and GC groups,
+//   C[r, 4*gl + p] = sum_t dy[t, r] * x[t, (g0+gl)*M + cols[blk, g0+gl, p]]      (p = 0..3)
+// is a dense product dy^T [BR x T] @ Xc [T x 4GC] (Xc = the block's 4 gathered columns per group), run on
+// mma.sync m16n8k16 with the reduction over tokens.  Both operands sit token-major in shared memory
+// ([t][r] and [t][q]), so both fragments come from ldmatrix.trans; nothing is transposed in memory.
+// Of the 4 products per (row, group), the epilogue keeps the 2 that the row's metadata names: half of
+// the computed products are thrown away (the 2:4 choice differs per row, so it cannot steer the MMA).
+//
+// Pipeline per stage (BT = 32 tokens): cp.async of the dy slab [BT][BR] and of the dense x slab
+// [BT][GC*M] (zero-filled past the last token and past the last group), STAGES deep.  For M > 4 a
+// gather pass then writes the condensed slab Xc [BT][4GC] (the column offsets are fixed for the whole
+// CTA, so each thread keeps its two source offsets in registers); for M = 4 Xc is the x slab itself.
+// Epilogue: accumulators -> fp32 shared tile [BR][4GC] -> pick 2 of 4 by metadata -> [R, 2G] output in
+// the values dtype or float32 (row-contiguous 4- or 8-byte stores).
+#include "common.cuh"
+#include "handlers.h"
+#include "mma_common.cuh"
+
+namespace jaxsparse {
+namespace {
+
+struct SddmmParams {
+  const void* x;          // [T, K]
+  const void* dy;         // [T, R]
+  const uint8_t* cols;    // [R/V, G, 4] or null (M = 4)
+  const uint32_t* meta;   // [R, G/8]
+  void* out;              // [R, 2G], T or float
+  int tokens, k, rows, groups, v;
+  int out_f32;
+};
+
+constexpr int kSdBR = 64;       // rows (output features) per CTA; divides V = 64 and 128
+constexpr int kSdBT = 32;       // tokens per pipeline stage (two k16 mma steps)
+constexpr int kSdThreads = 256;
+
+// Per-M tile: GC groups per CTA (dense slab width GC*M <= 256 elements), warp grid over [BR x 4GC].
+template <int M>
+struct SddmmCfg;
+template <>
+struct SddmmCfg<4> {
+  static constexpr int GC = 32, WARPS_M = 2, WARPS_N = 4, STAGES = 4;
+};
+template <>
+struct SddmmCfg<8> {
+  static constexpr int GC = 32, WARPS_M = 2, WARPS_N = 4, STAGES = 3;
+};
+template <>
+struct SddmmCfg<16> {
+  static constexpr int GC = 16, WARPS_M = 4, WARPS_N = 2, STAGES = 3;
+};
+template <>
+struct SddmmCfg<32> {
+  static constexpr int GC = 8, WARPS_M = 4, WARPS_N = 2, STAGES = 3;
+};
+
+template <int M>
+struct SddmmLayout {
+  using C = SddmmCfg<M>;
+  static constexpr int NC = 4 * C::GC;             // condensed columns per CTA
+  static constexpr int W = C::GC * M;              // dense x columns per CTA
+  static constexpr int kDyRowBytes = (kSdBR + 8) * 2;  // +16 B: conflict-free ldmatrix rows
+  static constexpr int kXRowBytes = (W + 8) * 2;
+  static constexpr int kCRowBytes = (NC + 8) * 2;
+  static constexpr int kDyOff = 0;
+  static constexpr int kXOff = kDyOff + kSdBT * kDyRowBytes;
+  static constexpr int kStageBytes = kXOff + kSdBT * kXRowBytes;
+  static constexpr int kCOff = C::STAGES * kStageBytes;  // condensed slab (M > 4), single buffer
+  static constexpr int kPipeBytes = kCOff + (M > 4 ? kSdBT * kCRowBytes : 0);
+  static constexpr int kEpiRowFloats = NC + 4;
+  static constexpr int kEpiBytes = kSdBR * kEpiRowFloats * 4;
+  static constexpr int kSmemBytes = kPipeBytes > kEpiBytes ? kPipeBytes : kEpiBytes;
+  static_assert(kStageBytes % 16 == 0 && kCOff % 16 == 0, "16-byte alignment");
+};
+
+template <typename T, int M>
+__global__ void __launch_bounds__(kSdThreads) SddmmKernel(const SddmmParams p) {
+  using C = SddmmCfg<M>;
+  using L = SddmmLayout<M>;
+  constexpr int GC = C::GC, NC = L::NC, W = L::W, STAGES = C::STAGES;
+  constexpr int WM = kSdBR / C::WARPS_M, WN = NC / C::WARPS_N;
+  constexpr int MI = WM / 16, NI = WN / 8;
+  static_assert(C::WARPS_M * C::WARPS_N * 32 == kSdThreads, "8 warps");
+  static_assert(WM % 16 == 0 && WN % 16 == 0, "warp tile");
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  const uint32_t smem_base = SmemAddr(smem);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int warp_m = warp % C::WARPS_M, warp_n = warp / C::WARPS_M;
+  const int gid = lane >> 2, tig = lane & 3;
+
+  const int row0 = blockIdx.x * kSdBR;
+  const int g0 = blockIdx.y * GC;
+  const int groups = p.groups;
+  const int num_kt = (p.tokens + kSdBT - 1) / kSdBT;
+  const T* __restrict__ x = static_cast<const T*>(p.x);
+  const T* __restrict__ dy = static_cast<const T*>(p.dy);
+
+  // ---- copy assignments (fixed across stages; only the token offset moves)
+  // dy slab: BT rows x 8 chunks of 16 B = 256 chunks, one per thread.
+  static_assert(kSdBT * (kSdBR / 8) == kSdThreads, "dy copy split");
+  const int dy_t = tid / (kSdBR / 8), dy_c = tid % (kSdBR / 8);
+  const T* dy_src0 = dy + static_cast<int64_t>(dy_t) * p.rows + row0 + dy_c * 8;
+  const uint32_t dy_dst = L::kDyOff + dy_t * L::kDyRowBytes + dy_c * 16;
+  // x slab: BT rows x W/8 chunks.
+  constexpr int kXCpr = W / 8;
+  static_assert(kSdThreads % kXCpr == 0 && (kSdBT * kXCpr) % kSdThreads == 0, "x copy split");
+  constexpr int kXIters = kSdBT * kXCpr / kSdThreads, kXRowStep = kSdThreads / kXCpr;
+  const int x_c = tid % kXCpr, x_t = tid / kXCpr;
+  // A 16-byte chunk covers whole groups (M >= 8) or two groups (M = 4); G % 8 == 0, so the chunk is
+  // valid when its first group is.
+  const bool x_col_ok = g0 + (x_c * 8) / M < groups;
+  const T* x_src0 = x + static_cast<int64_t>(x_t) * p.k + static_cast<int64_t>(g0) * M + x_c * 8;
+  const uint32_t x_dst0 = L::kXOff + x_t * L::kXRowBytes + x_c * 16;
+
+  auto load_stage = [&](int buf, int kt) {
+    const uint32_t base = smem_base + buf * L::kStageBytes;
+    const int t0 = kt * kSdBT;
+    {
+      const bool ok = t0 + dy_t < p.tokens;
+      CpAsync16(base + dy_dst, ok ? dy_src0 + static_cast<int64_t>(t0) * p.rows : dy, ok ? 16 : 0);
+    }
+#pragma unroll
+    for (int it = 0; it < kXIters; ++it) {
+      const int t = t0 + x_t + it * kXRowStep;
+      const bool ok = x_col_ok && t < p.tokens;
+      CpAsync16(base + x_dst0 + it * kXRowStep * L::kXRowBytes,
+                ok ? x_src0 + static_cast<int64_t>(t0 + it * kXRowStep) * p.k : x, ok ? 16 : 0);
+    }
+  };
+
+  // ---- gather assignment (M > 4): thread writes condensed column pair (2*cq, 2*cq+1) of rows
+  // cg_t, cg_t + kCgRowStep, ...; both columns lie in group cq/2 at positions 2*(cq%2) and +1.
+  constexpr int kCgPairs = NC / 2;
+  static_assert(kSdThreads % kCgPairs == 0, "gather split");
+  constexpr int kCgRowStep = kSdThreads / kCgPairs, kCgIters = kSdBT / kCgRowStep;
+  const int cq = tid % kCgPairs, cg_t = tid / kCgPairs;
+  int cg_off0 = 0, cg_off1 = 0;  // element offsets in a dense x slab row
+  if constexpr (M > 4) {
+    const int gl = cq >> 1, pos = 2 * (cq & 1);
+    uint32_t w = 0;
+    if (g0 + gl < groups)
+      w = *reinterpret_cast<const uint32_t*>(p.cols + (static_cast<int64_t>(row0 / p.v) * groups + g0 + gl) * 4);
+    cg_off0 = gl * M + ((w >> (8 * pos)) & 0xFF);
+    cg_off1 = gl * M + ((w >> (8 * pos + 8)) & 0xFF);
+  }
+
+  float acc[MI][NI][4];
+#pragma unroll
+  for (int i = 0; i < MI; ++i)
+#pragma unroll
+    for (int j = 0; j < NI; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < num_kt) load_stage(s, s);
+    CpAsyncCommit();
+  }
+
+  // ldmatrix.trans lane addresses.  A = dy^T (16 rows r x 16 tokens) from dy [t][r]: matrices
+  // (r 0-7, t 0-7), (r 8-15, t 0-7), (r 0-7, t 8-15), (r 8-15, t 8-15).
+  const int a_t = ((lane >> 4) & 1) * 8 + (lane & 7);
+  const int a_r = ((lane >> 3) & 1) * 8;
+  // B = Xc (16 tokens x 16 condensed columns) from Xc [t][q]: matrices (t 0-7, q 0-7), (t 8-15, q 0-7),
+  // (t 0-7, q 8-15), (t 8-15, q 8-15) -> b0/b1 of n-tile 2j, then b0/b1 of n-tile 2j+1.
+  const int b_t = ((lane >> 3) & 1) * 8 + (lane & 7);
+  const int b_q = (lane >> 4) * 8;
+
+  for (int kt = 0; kt < num_kt; ++kt) {
+    CpAsyncWait<STAGES - 2>();
+    __syncthreads();  // stage kt landed for all threads; everyone is done with stage kt-1 and Xc
+    {
+      const int next = kt + STAGES - 1;
+      if (next < num_kt) load_stage(next % STAGES, next);
+      CpAsyncCommit();
+    }
+    const uint32_t base = smem_base + (kt % STAGES) * L::kStageBytes;
+    uint32_t xc_base;
+    int xc_row_bytes;
+    if constexpr (M > 4) {
+      const unsigned char* xs = smem + (kt % STAGES) * L::kStageBytes + L::kXOff;
+#pragma unroll
+      for (int it = 0; it < kCgIters; ++it) {
+        const int t = cg_t + it * kCgRowStep;
+        const uint16_t* row = reinterpret_cast<const uint16_t*>(xs + t * L::kXRowBytes);
+        const uint32_t word = static_cast<uint32_t>(row[cg_off0]) | (static_cast<uint32_t>(row[cg_off1]) << 16);
+        *reinterpret_cast<uint32_t*>(smem + L::kCOff + t * L::kCRowBytes + cq * 4) = word;
+      }
+      __syncthreads();
+      xc_base = smem_base + L::kCOff;
+      xc_row_bytes = L::kCRowBytes;
+    } else {
+      xc_base = base + L::kXOff;
+      xc_row_bytes = L::kXRowBytes;
+    }
+
+#pragma unroll
+    for (int ks = 0; ks < kSdBT / 16; ++ks) {
+      uint32_t a[MI][4];
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+        const int r = warp_m * WM + mi * 16 + a_r;
+        LdMatrixX4Trans(a[mi], base + L::kDyOff + (ks * 16 + a_t) * L::kDyRowBytes + r * 2);
+      }
+      uint32_t b[NI][2];
+#pragma unroll
+      for (int nj = 0; nj < NI / 2; ++nj) {
+        uint32_t f[4];
+        const int q = warp_n * WN + nj * 16 + b_q;
+        LdMatrixX4Trans(f, xc_base + (ks * 16 + b_t) * xc_row_bytes + q * 2);
+        b[2 * nj][0] = f[0];
+        b[2 * nj][1] = f[1];
+        b[2 * nj + 1][0] = f[2];
+        b[2 * nj + 1][1] = f[3];
+      }
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) Mma<T>::Run(acc[mi][ni], a[mi], b[ni][0], b[ni][1]);
+    }
+  }
+
+  // ---------------------------------------------------------------- epilogue
+  CpAsyncWait<0>();
+  __syncthreads();  // pipeline buffers free: reuse them as the fp32 tile [BR][NC]
+  float* tile = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int r = warp_m * WM + mi * 16 + gid + (q >> 1) * 8;
+        const int c = warp_n * WN + ni * 8 + 2 * tig + (q & 1);
+        tile[r * L::kEpiRowFloats + c] = acc[mi][ni][q];
+      }
+  __syncthreads();
+  const int meta_stride = groups / 8;
+  for (int i = tid; i < kSdBR * GC; i += kSdThreads) {
+    const int r = i / GC, gl = i % GC, g = g0 + gl;
+    if (g >= groups) continue;
+    const int row = row0 + r;
+    const uint32_t nib = (p.meta[static_cast<int64_t>(row) * meta_stride + g / 8] >> (4 * (g % 8))) & 0xFu;
+    const float v0 = tile[r * L::kEpiRowFloats + 4 * gl + (nib & 3u)];
+    const float v1 = tile[r * L::kEpiRowFloats + 4 * gl + (nib >> 2)];
+    const int64_t o = static_cast<int64_t>(row) * (2 * groups) + 2 * g;
+    if (p.out_f32) {
+      *reinterpret_cast<float2*>(static_cast<float*>(p.out) + o) = make_float2(v0, v1);
+    } else {
+      *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + o) = PackPair<T>(v0, v1);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- host side
+
+template <typename T, int M>
+ffi::Error Launch(cudaStream_t stream, const SddmmParams& p) {
+  constexpr int kSmem = SddmmLayout<M>::kSmemBytes;
+  auto kernel = SddmmKernel<T, M>;
+  static bool attr_set = false;  // per instantiation; benign race (idempotent)
+  if (!attr_set) {
+    cudaError_t st = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (st != cudaSuccess) return CudaError(st, "cudaFuncSetAttribute(SddmmKernel)");
+    attr_set = true;
+  }
+  constexpr int GC = SddmmCfg<M>::GC;
+  dim3 grid(p.rows / kSdBR, (p.groups + GC - 1) / GC);
+  kernel<<<grid, kSdThreads, kSmem, stream>>>(p);
+  return LastLaunchError("SddmmKernel");
+}
+
+template <typename T>
+ffi::Error Dispatch(cudaStream_t stream, const SddmmParams& p, int m) {
+  switch (m) {
+    case 4:
+      return Launch<T, 4>(stream, p);
+    case 8:
+      return Launch<T, 8>(stream, p);
+    case 16:
+      return Launch<T, 16>(stream, p);
+    case 32:
+      return Launch<T, 32>(stream, p);
+    default:
+      return ffi::Error::InvalidArgument("jaxsparse_sddmm: M must be 4, 8, 16 or 32, got " + std::to_string(m));
+  }
+}
+
+ffi::Error SddmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Buffer<ffi::U8> columns,
+                     ffi::Buffer<ffi::U32> metadata, ffi::Result<ffi::AnyBuffer> out, int32_t v, int32_t m) {
+  if (x.dimensions().size() != 2 || dy.dimensions().size() != 2 || metadata.dimensions().size() != 2 ||
+      out->dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: x, dy, metadata and output must be 2-D");
+  const int64_t tokens = Dim(x, 0), k = Dim(x, 1), rows = Dim(dy, 1), groups = out->dimensions()[1] / 2;
+  if (m != 4 && m != 8 && m != 16 && m != 32)
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: M must be 4, 8, 16 or 32, got " + std::to_string(m));
+  if (m == 4 ? v != 1 : (v != 64 && v != 128))
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: V must be 1 for M = 4 and 64 or 128 for M > 4");
+  if (Dim(dy, 0) != tokens || k != groups * m || groups % 8 || out->dimensions()[0] != rows ||
+      out->dimensions()[1] != 2 * groups || metadata.dimensions()[0] != rows ||
+      metadata.dimensions()[1] != groups / 8 || rows % kSdBR || rows % v)
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: inconsistent shapes: x " + ShapeString(x) + ", dy " +
+                                       ShapeString(dy) + ", metadata " + ShapeString(metadata) + ", out " +
+                                       ShapeString(*out));
+  if (m > 4 && columns.element_count() != static_cast<size_t>(rows / v * groups * 4))
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: columns must be [R/V, G, 4], got " + ShapeString(columns));
+  const auto dt = x.element_type();
+  if (dy.element_type() != dt)
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: x and dy must share one dtype");
+  if (out->element_type() != dt && out->element_type() != ffi::F32)
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: the output must be in the input dtype or float32");
+  if (rows == 0 || groups == 0) return ffi::Error::Success();
+  if (tokens >= (int64_t(1) << 30) || k >= (int64_t(1) << 30) || rows >= (int64_t(1) << 30) ||
+      (groups + 7) / 8 > 65535)
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: shape too large");
+
+  SddmmParams p;
+  p.x = x.untyped_data();
+  p.dy = dy.untyped_data();
+  p.cols = m > 4 ? columns.typed_data() : nullptr;
+  p.meta = metadata.typed_data();
+  p.out = out->untyped_data();
+  p.tokens = static_cast<int>(tokens);  // 0 tokens: the kernel writes zeros
+  p.k = static_cast<int>(k);
+  p.rows = static_cast<int>(rows);
+  p.groups = static_cast<int>(groups);
+  p.v = v;
+  p.out_f32 = out->element_type() == ffi::F32;
+  if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, m);
+  if (dt == ffi::F16) return Dispatch<__half>(stream, p, m);
+  return ffi::Error::InvalidArgument("jaxsparse_sddmm: x must be bfloat16 or float16");
+}
+
+}  // namespace
+}  // namespace jaxsparse
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSddmm, jaxsparse::SddmmImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()               // x [T, K]
+                                  .Arg<xla::ffi::AnyBuffer>()               // dy [T, R]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // columns [R/V, G, 4] or [0]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // metadata [R, G/8]
+                                  .Ret<xla::ffi::AnyBuffer>()               // dvalues [R, 2G], T or f32
+                                  .Attr<int32_t>("v")
+                                  .Attr<int32_t>("m"));
