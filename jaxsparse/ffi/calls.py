@@ -37,6 +37,24 @@ def spmm_unsupported(sw: SparseWeight) -> str | None:
     return None
 
 
+def sddmm_unsupported(sw: SparseWeight) -> str | None:
+    """Why the CUDA SDDMM (``jaxsparse_sddmm``) cannot take ``sw`` (None when it can).
+
+    Its tiles are 64 rows inside one V block by whole metadata words of groups, so it shares the SpMM's
+    list: bf16/fp16, 2:4 or V:2:M with V in {64, 128} and M in {8, 16, 32}, R % 64 == 0, K % (8*M) == 0.
+    """
+    return spmm_unsupported(sw)
+
+
+def spmm_t_unsupported(sw: SparseWeight) -> str | None:
+    """Why the CUDA input-gradient product (``jaxsparse_spmm_t``) cannot take ``sw`` (None when it can).
+
+    It reduces over R in 32-row stages inside V blocks and writes whole metadata words of groups: the
+    SpMM's list again.
+    """
+    return spmm_unsupported(sw)
+
+
 def _columns_operand(sw: SparseWeight) -> jax.Array:
     """The columns array, or an empty placeholder for M = 4 (the kernels ignore it then)."""
     return sw.columns if sw.columns is not None else jnp.zeros((0,), jnp.uint8)
@@ -112,4 +130,53 @@ def spmm(x: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activati
         v=np.int32(spec.v),
         m=np.int32(spec.m),
         activation=np.int32(0 if activation is None else 1),
+    )
+
+
+def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None) -> jax.Array:
+    """Weight gradient ``x^T dy`` at ``sw``'s kept positions by the CUDA handler ``jaxsparse_sddmm``.
+
+    ``x [T, K]`` and ``dy [T, R]`` -> ``[R, 2G]`` in the layout of ``sw.values``, accumulated in float32
+    and returned in ``out_dtype`` (``sw.values.dtype`` when None, or float32). Constraints (``ValueError``
+    here, before anything is launched): ``x`` and ``dy`` 2-D with one token count and the dtype of
+    ``sw.values``; ``sddmm_unsupported(sw)`` is None. Any ``T`` (``T = 0`` gives zeros).
+    """
+    if x.ndim != 2 or dy.ndim != 2:
+        raise ValueError(f"sddmm: x and dy must be 2-D, got shapes {x.shape} and {dy.shape}")
+    k, r = sw.shape
+    if x.shape[1] != k or dy.shape[1] != r or x.shape[0] != dy.shape[0]:
+        raise ValueError(f"sddmm: need x [T, {k}] and dy [T, {r}] for a weight {sw.shape}, got {x.shape} and {dy.shape}")
+    if x.dtype != sw.values.dtype or dy.dtype != sw.values.dtype:
+        raise ValueError(f"sddmm: x ({x.dtype}) and dy ({dy.dtype}) must have the values dtype {sw.values.dtype}")
+    out = jnp.dtype(out_dtype or sw.values.dtype)
+    if out not in (jnp.dtype(sw.values.dtype), jnp.dtype(jnp.float32)):
+        raise ValueError(f"sddmm: out_dtype must be the values dtype {sw.values.dtype} or float32, got {out}")
+    problem = sddmm_unsupported(sw)
+    if problem:
+        raise ValueError(f"sddmm: {problem}")
+    return _call(
+        "jaxsparse_sddmm", sw.values.shape, out, x, dy, _columns_operand(sw), sw.metadata,
+        v=np.int32(sw.spec.v), m=np.int32(sw.spec.m),
+    )
+
+
+def spmm_t(dy: jax.Array, sw: SparseWeight) -> jax.Array:
+    """Input gradient ``dy @ W^T`` by the CUDA handler ``jaxsparse_spmm_t``: ``dy [T, R] -> [T, K]`` in ``dy.dtype``.
+
+    Constraints (``ValueError`` here, before anything is launched): ``dy`` 2-D with ``R = sw.shape[1]``
+    and the dtype of ``sw.values``; ``spmm_t_unsupported(sw)`` is None. Any ``T``.
+    """
+    if dy.ndim != 2:
+        raise ValueError(f"spmm_t: dy must be 2-D [T, R], got shape {dy.shape}")
+    k, r = sw.shape
+    if dy.shape[1] != r:
+        raise ValueError(f"spmm_t: dy has R = {dy.shape[1]} but the weight has R = {r}")
+    if dy.dtype != sw.values.dtype:
+        raise ValueError(f"spmm_t: dy dtype {dy.dtype} must equal the values dtype {sw.values.dtype}")
+    problem = spmm_t_unsupported(sw)
+    if problem:
+        raise ValueError(f"spmm_t: {problem}")
+    return _call(
+        "jaxsparse_spmm_t", (dy.shape[0], k), dy.dtype, dy, sw.values, _columns_operand(sw), sw.metadata,
+        v=np.int32(sw.spec.v), m=np.int32(sw.spec.m),
     )
