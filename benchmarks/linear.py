@@ -1,0 +1,209 @@
+"""One sparse linear layer against the dense layer in XLA: forward, dW, dX, and forward+backward.
+
+One process; the shapes of ``benchmarks/spmm.py`` (tokens 4096 and 16384; K x N in 768x768, 768x3072,
+3072x768, 1024x1024, 1024x4096, 4096x1024), bf16, with a bias. Products, for ``y = x @ W + b``:
+
+* ``fwd``: y (jaxsparse: ``jaxsparse_spmm``; dense: ``x @ w + b``);
+* ``dW``: the weight gradient (jaxsparse: ``jaxsparse_sddmm`` into the compressed values; dense: ``x^T dy``);
+* ``dX``: the input gradient (jaxsparse: ``jaxsparse_spmm_t``; dense: ``dy @ w^T``);
+* ``fwd+bwd``: ``jax.vjp`` of the whole layer (y, dx, dW, db) under one ``jit``.
+
+Roofline floor per product (``floor_ms``; constants in ``benchmarks/common.py``): the larger of the
+useful MMA work and the HBM traffic. Useful work is ``2*T*K*N`` at the dense rate for dense, and
+``2*T*N*(2K/M)`` (the kept products) at the dense rate for sparse, which is the same as ``4/M`` of dense
+at the sparse-tensor-core rate (the forward's floor in ``spmm.py``). Traffic: the two operands read and
+the result written once (compressed weights with their metadata and column words). ``fwd+bwd`` sums the
+three floors. Each row records ``compute_ms`` and ``memory_ms`` too.
+
+Writes ``benchmarks/results/<gpu>/linear.json`` (and ``$OUT/linear.json`` when set).
+
+  python3 benchmarks/linear.py            # all shapes
+  python3 benchmarks/linear.py --quick    # 16384 tokens, three BERT-large shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import common  # noqa: E402
+from jaxsparse import format as F  # noqa: E402
+
+TOKENS = [4096, 16384]
+SHAPES = [(768, 768), (768, 3072), (3072, 768), (1024, 1024), (1024, 4096), (4096, 1024)]
+SPECS = ["2:4", "64:2:8", "128:2:16", "128:2:32"]
+QUICK_TOKENS = [16384]
+QUICK_SHAPES = [(1024, 1024), (1024, 4096), (4096, 1024)]
+PRODUCTS = ("fwd", "dW", "dX", "fwd+bwd")
+
+
+def floors(product: str, tokens: int, k: int, n: int, m: int | None, v: int = 1, itemsize: int = 2) -> dict:
+    """Roofline of one product of the layer (see the module docstring); ``m`` None is dense."""
+    if product == "fwd+bwd":
+        parts = [floors(p, tokens, k, n, m, v, itemsize) for p in ("fwd", "dW", "dX")]
+        out = {key: sum(p[key] for p in parts) for key in ("floor_ms", "compute_ms", "memory_ms")}
+        out["bound"] = "/".join(p["bound"] for p in parts)
+        return out
+    act_in = tokens * k * itemsize  # x or dx
+    act_out = tokens * n * itemsize  # y or dy
+    if m is None:
+        flops = 2.0 * tokens * k * n
+        w_bytes = k * n * itemsize
+    else:
+        flops = 2.0 * tokens * n * (2 * k // m)
+        g = k // m
+        w_bytes = n * 2 * g * itemsize + n * (g // 8) * 4 + (0 if m == 4 else (n // v) * g * 4)
+    io = act_in + act_out + w_bytes  # fwd: x, W in, y out; dW: x, dy in, W out; dX: dy, W in, dx out
+    compute_ms = 1e3 * flops / (common.DENSE_TFLOPS * 1e12)
+    memory_ms = 1e3 * io / (common.HBM_TBPS * 1e12)
+    return {
+        "floor_ms": max(compute_ms, memory_ms),
+        "compute_ms": compute_ms,
+        "memory_ms": memory_ms,
+        "bound": "compute" if compute_ms >= memory_ms else "memory",
+    }
+
+
+def _force_kernels() -> None:
+    """Route sparse_linear's backward to the CUDA kernels.
+
+    jaxsparse.ops does not dispatch sddmm / spmm_t to the kernels until they pass on a GPU
+    (docs/kernel-notes.md); until then this patches ops' module globals, which ops._linear_bwd reads at
+    trace time. Remove once ops is wired (JAXSPARSE_BACKEND=cuda alone then does the same).
+    """
+    from jaxsparse import ops
+    from jaxsparse.ffi import calls
+
+    os.environ["JAXSPARSE_BACKEND"] = "cuda"
+    ops.sddmm = lambda x, dy, sw, out_dtype=None: calls.sddmm(x, dy, sw, out_dtype)
+    ops.spmm_t = lambda dy, sw: calls.spmm_t(dy, sw)
+
+
+def _rel(a: jax.Array, ref: jax.Array) -> float:
+    a = a.astype(jnp.float32)
+    if not bool(jnp.isfinite(a).all()):
+        return float("nan")
+    return float(jnp.linalg.norm(a - ref) / jnp.linalg.norm(ref))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="16384 tokens, three BERT-large shapes")
+    ap.add_argument("--specs", default=",".join(SPECS), help="comma-separated sparse specs")
+    ap.add_argument("--out", default=None, help="json path (default benchmarks/results/<gpu>/linear.json)")
+    args = ap.parse_args()
+
+    import jaxsparse.ffi as jffi
+
+    if not jffi.available():
+        raise SystemExit(jffi.unavailable_reason())
+    from jaxsparse import ops
+    from jaxsparse.ffi import calls
+
+    _force_kernels()
+    tokens_list = QUICK_TOKENS if args.quick else TOKENS
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    specs = [s for s in args.specs.split(",") if s]
+    reps = dict(warmup=5, inner=20, outer=15)
+    hi = jax.lax.Precision.HIGHEST
+
+    def dense_vjp(x, dy, w, b):
+        y, f = jax.vjp(lambda x, w, b: x @ w + b, x, w, b)
+        return y, f(dy)
+
+    dense_fns = {
+        "fwd": jax.jit(lambda x, dy, w, b: x @ w + b),
+        "dW": jax.jit(lambda x, dy, w, b: x.T @ dy),
+        "dX": jax.jit(lambda x, dy, w, b: dy @ w.T),
+        "fwd+bwd": jax.jit(lambda x, dy, w, b: dense_vjp(x, dy, w, b)),
+    }
+
+    def sparse_vjp(x, dy, values, b, sw):
+        y, f = jax.vjp(lambda x, v, b: ops.sparse_linear(x, sw.replace(values=v), b), x, values, b)
+        return y, f(dy)
+
+    sparse_fns = {
+        "fwd": jax.jit(lambda x, dy, sw, b: calls.spmm(x, sw, b, None)),
+        "dW": jax.jit(lambda x, dy, sw, b: calls.sddmm(x, dy, sw)),
+        "dX": jax.jit(lambda x, dy, sw, b: calls.spmm_t(dy, sw)),
+        "fwd+bwd": jax.jit(lambda x, dy, sw, b: sparse_vjp(x, dy, sw.values, b, sw)),
+    }
+    select = jax.jit(F.select_mask, static_argnums=1)
+    rows: list[dict] = []
+    key = jax.random.PRNGKey(7)
+
+    def save() -> None:
+        payload = dict(
+            benchmark="one linear layer y = x @ W + b, bf16: fwd, dW, dX, fwd+bwd (jax.vjp), dense XLA vs jaxsparse",
+            gpu=common.gpu_name(),
+            versions=common.versions(),
+            roofline=dict(dense_tflops=common.DENSE_TFLOPS, sparse_tflops=common.SPARSE_TFLOPS,
+                          hbm_tbps=common.HBM_TBPS, note=__doc__.split("Roofline")[1].split("Writes")[0].strip()),
+            timing="median over 15 batches of 20 async calls (host clock between syncs), 3 rotating input sets",
+            results=rows,
+        )
+        path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", common.gpu_slug(),
+                                        "linear.json")
+        common.write_json(path, payload)
+        if os.environ.get("OUT"):
+            common.write_json(os.path.join(os.environ["OUT"], "linear.json"), payload)
+
+    for tokens in tokens_list:
+        for k, n in shapes:
+            key, kx, kd, kw, kb = jax.random.split(key, 5)
+            xs = [jax.random.normal(kk, (tokens, k), jnp.float32).astype(jnp.bfloat16) for kk in jax.random.split(kx, 3)]
+            dys = [jax.random.normal(kk, (tokens, n), jnp.float32).astype(jnp.bfloat16) for kk in jax.random.split(kd, 3)]
+            w = (jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+            b = jax.random.normal(kb, (n,), jnp.float32).astype(jnp.bfloat16)
+            base = dict(tokens=tokens, K=k, N=n)
+            dense_ms = {}
+            for prod in PRODUCTS:
+                ms = common.time_jax(dense_fns[prod], [(x, dy, w, b) for x, dy in zip(xs, dys)], **reps)
+                dense_ms[prod] = ms
+                fl = floors(prod, tokens, k, n, None)
+                rows.append(dict(base, product=prod, impl="xla-dense", ms=round(ms, 4), speedup=1.0,
+                                 floor_ms=round(fl["floor_ms"], 4), compute_ms=round(fl["compute_ms"], 4),
+                                 memory_ms=round(fl["memory_ms"], 4), over_floor=round(ms / fl["floor_ms"], 2),
+                                 bound=fl["bound"], err=""))
+                print(rows[-1], flush=True)
+            for spec_s in specs:
+                spec = F.VNM.parse(spec_s)
+                sw = F.compress(w, select(w, spec), spec)
+                # Errors against float32 references on the first input set (dX, fwd: first 512 tokens).
+                x0, dy0 = xs[0], dys[0]
+                wd = F.decompress(sw).astype(jnp.float32)
+                errs = {
+                    "fwd": _rel(sparse_fns["fwd"](x0, dy0, sw, b)[:512],
+                                jnp.dot(x0[:512].astype(jnp.float32), wd, precision=hi) + b.astype(jnp.float32)),
+                    "dW": _rel(sparse_fns["dW"](x0, dy0, sw, b),
+                               F.compress_like(jnp.dot(x0.astype(jnp.float32).T, dy0.astype(jnp.float32), precision=hi), sw)),
+                    "dX": _rel(sparse_fns["dX"](x0, dy0, sw, b)[:512],
+                               jnp.dot(dy0[:512].astype(jnp.float32), wd.T, precision=hi)),
+                }
+                errs["fwd+bwd"] = max(errs.values())
+                for prod in PRODUCTS:
+                    ms = common.time_jax(sparse_fns[prod], [(x, dy, sw, b) for x, dy in zip(xs, dys)], **reps)
+                    fl = floors(prod, tokens, k, n, spec.m, spec.v)
+                    rows.append(dict(base, product=prod, impl=f"jaxsparse {spec_s}", ms=round(ms, 4),
+                                     speedup=round(dense_ms[prod] / ms, 2), floor_ms=round(fl["floor_ms"], 4),
+                                     compute_ms=round(fl["compute_ms"], 4), memory_ms=round(fl["memory_ms"], 4),
+                                     over_floor=round(ms / fl["floor_ms"], 2), bound=fl["bound"],
+                                     err=f"{errs[prod]:.1e}"))
+                    print(rows[-1], flush=True)
+                del sw, wd
+            del xs, dys, w
+            save()
+
+    print()
+    print(common.table(rows, ["tokens", "K", "N", "product", "impl", "ms", "speedup", "floor_ms", "over_floor", "err"]))
+
+
+if __name__ == "__main__":
+    main()
