@@ -213,7 +213,8 @@ __global__ void __launch_bounds__(kStThreads) SpmmTKernel(const SpmmTParams p) {
       const uint32_t v0 = vals & 0xFFFFu, v1 = vals >> 16;
       uint32_t e[4];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) e[q] = (p0 == static_cast<uint32_t>(q) ? v0 : 0u) | (p1 == static_cast<uint32_t>(q) ? v1 : 0u);
+      for (int q = 0; q < 4; ++q)  // the second value wins a (malformed) repeated position, as in decompress
+        e[q] = p1 == static_cast<uint32_t>(q) ? v1 : (p0 == static_cast<uint32_t>(q) ? v0 : 0u);
       *reinterpret_cast<uint2*>(smem + L::kAcOff + row * L::kAcRowBytes + gl * 8) =
           make_uint2(e[0] | (e[1] << 16), e[2] | (e[3] << 16));
     }
