@@ -68,7 +68,8 @@ def spmm(x: jax.Array, sw: SparseWeight, bias: Optional[jax.Array] = None, activ
         raise ValueError(f"activation must be one of {list(reference.ACTIVATIONS)}, got {activation!r}")
     ref = lambda x2, s, b: reference.spmm(x2, s, b, activation)
     cuda = lambda x2, s, b: cuda_calls.spmm(x2, s, b, activation)
-    y = dispatch.call("spmm", ref, cuda, _flatten(x), sw, bias, unsupported=spmm_unsupported(sw))
+    with jax.named_scope("jaxsparse_spmm"):  # named for jaxsparse-profile's breakdown
+        y = dispatch.call("spmm", ref, cuda, _flatten(x), sw, bias, unsupported=spmm_unsupported(sw))
     return y.reshape(*x.shape[:-1], sw.shape[1])
 
 
@@ -80,14 +81,16 @@ def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None) -> jax.
     if x.shape[:-1] != dy.shape[:-1]:
         raise ValueError(f"x and dy must share their leading dimensions, got {x.shape} and {dy.shape}")
     ref = lambda x2, d2, s: reference.sddmm(x2, d2, s, out_dtype)
-    return dispatch.call("sddmm", ref, None, _flatten(x), _flatten(dy), sw)
+    with jax.named_scope("jaxsparse_sddmm"):
+        return dispatch.call("sddmm", ref, None, _flatten(x), _flatten(dy), sw)
 
 
 def spmm_t(dy: jax.Array, sw: SparseWeight) -> jax.Array:
     """Input gradient ``dy @ W^T`` with ``dy`` of shape ``[..., R]``; returns ``[..., K]``."""
     _check_weight(sw)
     _check_activation(dy, sw, "dy", sw.shape[1])
-    dx = dispatch.call("spmm_t", reference.spmm_t, None, _flatten(dy), sw)
+    with jax.named_scope("jaxsparse_spmm_t"):
+        dx = dispatch.call("spmm_t", reference.spmm_t, None, _flatten(dy), sw)
     return dx.reshape(*dy.shape[:-1], sw.shape[0])
 
 

@@ -237,6 +237,8 @@ def classify(name: str, info: OpInfo | None = None) -> str:
             return "sddmm"
         if s in ("spmm_t", "sparse_dx", "jaxsparse_spmm_t"):
             return "sparse_dx"
+    if "jaxsparse_spmm" in scopes and not any(x.startswith("transpose(") for x in scopes):
+        return "sparse_fwd"
     side = _sparse_scope(scopes)
     if side == "fwd" and (info and info.has_dot or "decompress" in op_name):
         return "sparse_fwd"

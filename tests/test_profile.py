@@ -63,6 +63,10 @@ HLO_EVENTS = [
     ("copy_fusion", OpInfo("fusion", "jit(step)/bert/reshape", False, (), frozenset({"copy", "bitcast", "parameter"})), "transpose_copy"),
     ("scatter_fusion", OpInfo("fusion", "jit(step)/transpose(jvp(jit(_take)))/scatter-add", False, (), frozenset({"scatter", "add"})), "other"),
     ("all-reduce.1", OpInfo("all-reduce", "jit(step)/psum", False, (), frozenset({"all-reduce"})), "collective"),
+    # the named scopes jaxsparse.ops puts around its products
+    ("fusion.40", OpInfo("fusion", f"{FWD}/output/jaxsparse_spmm/dot_general", True, (1,)), "sparse_fwd"),
+    ("fusion.41", OpInfo("fusion", f"{BWD}/output/jaxsparse_sddmm/dot_general", True, (0,)), "sddmm"),
+    ("fusion.42", OpInfo("fusion", f"{BWD}/output/jaxsparse_spmm_t/dot_general", True, (1,)), "sparse_dx"),
 ]
 
 
@@ -111,5 +115,6 @@ def test_real_cpu_profile_buckets_sum_to_measured_total(tmp_path, capsys):
     sparse = sum(d["buckets"][b]["ms"] for b in profile.SPARSE_BUCKETS)
     assert d["sparse_ms"] == pytest.approx(sparse)
     assert d["amdahl_bound_ms"] == pytest.approx(max(d["step_ms"] - sparse, 0.0))
-    # the backward of each of the 12 compressed layers has exactly one SDDMM dot and one dX dot
-    assert d["buckets"]["sparse_dx"]["count"] == 12
+    # each of the 12 compressed layers' backward runs its dX dot inside the ``jaxsparse_spmm_t`` scope; the
+    # reference's weight decompression in that scope may add fusions of its own (14 seen on JAX 0.10.2)
+    assert d["buckets"]["sparse_dx"]["count"] >= 12
