@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -33,6 +34,24 @@ inline std::string ShapeString(const B& b) {
   auto dims = b.dimensions();
   for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
   return s + "]";
+}
+
+// Calls launch(std::integral_constant<int, M>{}) for the group widths M the kernels are built for
+// (4, 8, 16, 32); any other M is an InvalidArgument naming the target.
+template <typename Launch>
+inline ffi::Error DispatchGroupWidth(const char* target, int m, Launch&& launch) {
+  switch (m) {
+    case 4:
+      return launch(std::integral_constant<int, 4>{});
+    case 8:
+      return launch(std::integral_constant<int, 8>{});
+    case 16:
+      return launch(std::integral_constant<int, 16>{});
+    case 32:
+      return launch(std::integral_constant<int, 32>{});
+    default:
+      return ffi::Error::InvalidArgument(std::string(target) + ": M must be 4, 8, 16 or 32, got " + std::to_string(m));
+  }
 }
 
 }  // namespace jaxsparse

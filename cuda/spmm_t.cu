@@ -313,18 +313,7 @@ ffi::Error Launch(cudaStream_t stream, const SpmmTParams& p) {
 
 template <typename T>
 ffi::Error Dispatch(cudaStream_t stream, const SpmmTParams& p, int m) {
-  switch (m) {
-    case 4:
-      return Launch<T, 4>(stream, p);
-    case 8:
-      return Launch<T, 8>(stream, p);
-    case 16:
-      return Launch<T, 16>(stream, p);
-    case 32:
-      return Launch<T, 32>(stream, p);
-    default:
-      return ffi::Error::InvalidArgument("jaxsparse_spmm_t: M must be 4, 8, 16 or 32, got " + std::to_string(m));
-  }
+  return DispatchGroupWidth("jaxsparse_spmm_t", m, [&](auto width) { return Launch<T, decltype(width)::value>(stream, p); });
 }
 
 ffi::Error SpmmTImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer values, ffi::Buffer<ffi::U8> columns,
