@@ -21,6 +21,13 @@ DENSE_TFLOPS = 790.0
 SPARSE_TFLOPS = 2 * DENSE_TFLOPS
 HBM_TBPS = 3.0
 
+# The shapes of the kernel benchmarks (issues 3 and 4): BERT-base and BERT-large linears.
+TOKENS = [4096, 16384]
+SHAPES = [(768, 768), (768, 3072), (3072, 768), (1024, 1024), (1024, 4096), (4096, 1024)]
+SPECS = ["2:4", "64:2:8", "128:2:16", "128:2:32"]
+QUICK_TOKENS = [16384]
+QUICK_SHAPES = [(1024, 1024), (1024, 4096), (4096, 1024)]
+
 
 def time_jax(fn: Callable, arg_sets: Sequence[tuple], *, warmup: int = 5, inner: int = 20, outer: int = 15) -> float:
     """Median milliseconds per call of ``fn(*args)`` (already jitted), rotating over ``arg_sets``."""

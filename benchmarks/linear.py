@@ -34,13 +34,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import common  # noqa: E402
+from common import QUICK_SHAPES, QUICK_TOKENS, SHAPES, SPECS, TOKENS  # noqa: E402
 from jaxsparse import format as F  # noqa: E402
 
-TOKENS = [4096, 16384]
-SHAPES = [(768, 768), (768, 3072), (3072, 768), (1024, 1024), (1024, 4096), (4096, 1024)]
-SPECS = ["2:4", "64:2:8", "128:2:16", "128:2:32"]
-QUICK_TOKENS = [16384]
-QUICK_SHAPES = [(1024, 1024), (1024, 4096), (4096, 1024)]
 PRODUCTS = ("fwd", "dW", "dX", "fwd+bwd")
 
 

@@ -20,29 +20,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxsparse.ffi as jffi
+from gpu_common import DTYPES, SPECS, TOL, cuda_ready, gpu_marks
 from jaxsparse import format as F
 
 
-def _cuda_ready() -> bool:
-    try:
-        names = jffi.target_names()
-        return bool(jax.devices("gpu")) and "jaxsparse_sddmm" in names and "jaxsparse_spmm_t" in names
-    except RuntimeError:
-        return False
+pytestmark = gpu_marks("jaxsparse_sddmm", "jaxsparse_spmm_t")
 
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not _cuda_ready(), reason="needs an NVIDIA GPU and the built jaxsparse CUDA extension"),
-]
-
-if _cuda_ready():
+if cuda_ready("jaxsparse_sddmm", "jaxsparse_spmm_t"):
     from jaxsparse.ffi import calls
 
-SPECS = ["2:4", "64:2:8", "128:2:8", "64:2:16", "128:2:16", "64:2:32", "128:2:32"]
-DTYPES = [jnp.bfloat16, jnp.float16]
-TOL = {jnp.bfloat16: 1e-2, jnp.float16: 3e-3}
 HIGHEST = jax.lax.Precision.HIGHEST
 
 _select = jax.jit(F.select_mask, static_argnums=1)

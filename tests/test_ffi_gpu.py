@@ -8,13 +8,11 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
+from gpu_common import gpu_marks
 from jaxsparse import ffi, ops
 from jaxsparse import format as F
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not ffi.available(), reason="the jaxsparse CUDA extension is not built"),
-]
+pytestmark = gpu_marks("jaxsparse_decompress", "jaxsparse_spmm")
 
 CASES = [("2:4", 256, 64), ("64:2:8", 512, 128), ("128:2:16", 256, 256), ("64:2:32", 512, 192)]
 

@@ -17,28 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxsparse.ffi as jffi
+from gpu_common import DTYPES, SPECS, TOL, cuda_ready, gpu_marks
 from jaxsparse import format as F
 
 
-def _cuda_ready() -> bool:
-    try:
-        return bool(jax.devices("gpu")) and jffi.available() and "jaxsparse_spmm" in jffi.target_names()
-    except RuntimeError:
-        return False
+pytestmark = gpu_marks("jaxsparse_spmm")
 
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not _cuda_ready(), reason="needs an NVIDIA GPU and the built jaxsparse CUDA extension"),
-]
-
-if _cuda_ready():
+if cuda_ready("jaxsparse_spmm"):
     from jaxsparse.ffi import calls
 
-SPECS = ["2:4", "64:2:8", "128:2:8", "64:2:16", "128:2:16", "64:2:32", "128:2:32"]
-DTYPES = [jnp.bfloat16, jnp.float16]
-TOL = {jnp.bfloat16: 1e-2, jnp.float16: 3e-3}
 
 
 _select = jax.jit(F.select_mask, static_argnums=1)
