@@ -11,6 +11,17 @@
 
 namespace jaxsparse {
 
+// Clears an MMA accumulator tile held in registers (all indices compile-time: unrolled).
+template <int MI, int NI>
+__device__ __forceinline__ void ZeroAccumulators(float (&acc)[MI][NI][4]) {
+#pragma unroll
+  for (int i = 0; i < MI; ++i)
+#pragma unroll
+    for (int j = 0; j < NI; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
+}
+
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

@@ -165,12 +165,7 @@ __global__ void __launch_bounds__(kStThreads) SpmmTKernel(const SpmmTParams p) {
     reinterpret_cast<float4*>(acc_s)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
 
   float acc[MI][NI][4];
-#pragma unroll
-  for (int i = 0; i < MI; ++i)
-#pragma unroll
-    for (int j = 0; j < NI; ++j)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.f;
+  ZeroAccumulators(acc);
 
 #pragma unroll
   for (int s = 0; s < kStStages - 1; ++s) {
