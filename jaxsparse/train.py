@@ -26,12 +26,13 @@ import numpy as np
 import optax
 
 from jaxsparse import data as data_lib
+from jaxsparse import parallel
 from jaxsparse import format as fmt
 from jaxsparse import pruning
 from jaxsparse.models import bert
 
 __all__ = ["main", "parse_args", "run", "fit", "load_data", "load_model", "TaskTokens", "JitCache",
-           "save_checkpoint", "load_checkpoint"]
+           "save_checkpoint", "load_checkpoint", "make_step"]
 
 MODELS = ("minilm",) + tuple(n for n in bert.PRESETS if n != "minilm")
 
@@ -63,6 +64,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=48, help="tokens per example, [CLS] and [SEP] included")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (params stay float32)")
+    p.add_argument("--devices", default="1",
+                   help="data parallel over N local devices or 'all' (gradients averaged; the batch is split)")
     p.add_argument("--out", default="runs/latest", help="output folder (metrics.json, checkpoint/)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -77,6 +80,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("epochs", "batch_size", "max_len"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.devices != "all":
+        try:
+            args.devices = int(args.devices)
+        except ValueError:
+            p.error(f"--devices must be an int or 'all', got {args.devices!r}")
+        if args.devices < 1:
+            p.error("--devices must be >= 1")
     if not 0.0 <= args.prune_begin <= args.prune_end <= 1.0:
         p.error("need 0 <= --prune-begin <= --prune-end <= 1")
     return args
@@ -213,6 +223,43 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr)
 
 
+def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: jax.sharding.Mesh | None = None,
+              axis: str = parallel.DATA_AXIS) -> Callable:
+    """The jitted training step ``(params, opt_state, extra, batch, rng) -> (params, opt_state, loss)``.
+
+    Args:
+      model: the Flax classifier (master or compressed mode).
+      tx: the optimizer; with ``with_masks`` it holds ``gmp_prune``, whose masks reach the model
+        through :func:`jaxsparse.pruning.model_variables` (otherwise ``extra`` holds the collections,
+        e.g. the compressed ``"sparsity"`` pattern).
+      mesh: None = one device (plain :func:`jax.jit`); a 1-D mesh = data parallel over it
+        (:func:`jaxsparse.parallel.data_parallel`): ``batch`` is split along its leading axis, each
+        device draws its own dropout masks, gradients and loss are averaged over ``axis`` before the
+        update (compressed values in compressed mode, dense kernels in master mode).
+    """
+    dp = axis if mesh is not None else None
+
+    def step(params, opt_state, extra, batch, rng):
+        variables = pruning.model_variables(params, opt_state) if with_masks else dict(extra)
+        variables = {k: v for k, v in variables.items() if k != "params"}
+        if dp is not None:
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(dp))
+
+        def lf(p):
+            logits = model.apply({**variables, "params": p}, *batch[:3], deterministic=False,
+                                 rngs={"dropout": rng})
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[3]).mean()
+
+        loss, grads = jax.value_and_grad(lf)(params)
+        grads, loss = parallel.pmean_grads((grads, loss), dp)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    if mesh is None:
+        return jax.jit(step)
+    return parallel.data_parallel(step, mesh, batch_argnums=(3,), axis=axis)
+
+
 def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretrained: dict | None, *,
         cache: JitCache | None = None, on_step: Callable[[int, jax.Array], None] | None = None,
         log: Callable[[str], None] = _stderr) -> tuple[dict[str, Any], dict]:
@@ -236,6 +283,12 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
     train, dev, test, task = data.train, data.dev, data.test, data.task
     if len(train) < args.batch_size:
         raise ValueError(f"--batch-size {args.batch_size} exceeds the {len(train)} training examples")
+
+    devices = getattr(args, "devices", 1)
+    mesh = parallel.local_mesh(devices) if devices != 1 else None
+    n_dev = 1 if mesh is None else mesh.size
+    if args.batch_size % n_dev:
+        raise ValueError(f"--batch-size {args.batch_size} is not divisible by the {n_dev} devices (--devices {devices})")
 
     dtype = jnp.dtype(args.dtype)
     sparse = args.sparsity != "dense"
@@ -276,27 +329,11 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
     compress = _use_compressed(args.compress, spec, cfg)
     switch_step = prune.schedule.stage_steps[-1] + 1 if prune is not None else None
 
-    def make_step(model, tx, with_masks: bool):
-        @jax.jit
-        def step(params, opt_state, extra, batch, rng):
-            variables = pruning.model_variables(params, opt_state) if with_masks else dict(extra)
-            variables = {k: v for k, v in variables.items() if k != "params"}
-
-            def lf(p):
-                logits = model.apply({**variables, "params": p}, *batch[:3], deterministic=False,
-                                     rngs={"dropout": rng})
-                return optax.softmax_cross_entropy_with_integer_labels(logits, batch[3]).mean()
-
-            loss, grads = jax.value_and_grad(lf)(params)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
-        return step
-
     def make_logits(model):
         return jax.jit(lambda variables, *a: model.apply(variables, *a))
 
-    step = cache.get("step", (model, tx_key, prune is not None), lambda: make_step(model, tx, prune is not None))
+    step = cache.get("step", (model, tx_key, prune is not None, mesh),
+                     lambda: make_step(model, tx, prune is not None, mesh))
     logits_fn = cache.get("logits", master_key, lambda: make_logits(master))
     extra: dict = {}
     evaluate_dev, evaluate_test = _Evaluator(dev, args.batch_size), _Evaluator(test, args.batch_size)
@@ -326,7 +363,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
                 params, pattern, base_state = pruning.to_compressed(params, pruning.masks_of(opt_state), spec, opt_state[0])
                 opt_state, extra, compressed = base_state, {"sparsity": pattern}, True
                 model = make_model(True)
-                step = cache.get("step", (model, base_key, False), lambda: make_step(model, base, False))
+                step = cache.get("step", (model, base_key, False, mesh), lambda: make_step(model, base, False, mesh))
                 logits_fn = cache.get("logits", (model,), lambda: make_logits(model))
             drop_key, k_drop = jax.random.split(drop_key)
             params, opt_state, loss = step(params, opt_state, extra, _arrays(train, idx), k_drop)
@@ -362,7 +399,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         "train_examples": len(train), "dev_examples": len(dev), "test_examples": len(test), "steps": global_step,
         "history": history, "dev_accuracy": history[-1]["dev_accuracy"], "test_accuracy": test_metrics["accuracy"],
         "test_loss": test_metrics["loss"], "weight_sparsity": achieved,
-        "device": str(jax.devices()[0].device_kind), "seconds": time.time() - t_start,
+        "device": str(jax.devices()[0].device_kind), "devices": n_dev, "seconds": time.time() - t_start,
     }
     return metrics, final
 
