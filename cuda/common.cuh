@@ -36,6 +36,27 @@ inline std::string ShapeString(const B& b) {
   return s + "]";
 }
 
+// The compressed weight's operands against the MMA kernels' V:2:M rules (docs/format.md): M in
+// {4, 8, 16, 32}; V = 1 for M = 4, else 64 or 128; R % V == 0; G % 8 == 0; metadata [R, G/8]; columns
+// [R/V, G, 4] when M > 4. Returns InvalidArgument naming the target, or Success.
+inline ffi::Error CheckSparseWeight(const char* target, int64_t rows, int64_t groups,
+                                    const ffi::Buffer<ffi::U8>& columns, const ffi::Buffer<ffi::U32>& metadata,
+                                    int v, int m) {
+  const std::string name(target);
+  if (m != 4 && m != 8 && m != 16 && m != 32)
+    return ffi::Error::InvalidArgument(name + ": M must be 4, 8, 16 or 32, got " + std::to_string(m));
+  if (m == 4 ? v != 1 : (v != 64 && v != 128))
+    return ffi::Error::InvalidArgument(name + ": V must be 1 for M = 4 and 64 or 128 for M > 4");
+  if (groups % 8 || rows % v || metadata.dimensions().size() != 2 || metadata.dimensions()[0] != rows ||
+      metadata.dimensions()[1] != groups / 8)
+    return ffi::Error::InvalidArgument(name + ": inconsistent shapes: metadata " + ShapeString(metadata) + " for R = " +
+                                       std::to_string(rows) + ", G = " + std::to_string(groups) + ", V = " +
+                                       std::to_string(v));
+  if (m > 4 && columns.element_count() != static_cast<size_t>(rows / v * groups * 4))
+    return ffi::Error::InvalidArgument(name + ": columns must be [R/V, G, 4], got " + ShapeString(columns));
+  return ffi::Error::Success();
+}
+
 // Calls launch(std::integral_constant<int, M>{}) for the group widths M the kernels are built for
 // (4, 8, 16, 32); any other M is an InvalidArgument naming the target.
 template <typename Launch>

@@ -282,18 +282,12 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
       out->dimensions().size() != 2)
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: x, dy, metadata and output must be 2-D");
   const int64_t tokens = Dim(x, 0), k = Dim(x, 1), rows = Dim(dy, 1), groups = out->dimensions()[1] / 2;
-  if (m != 4 && m != 8 && m != 16 && m != 32)
-    return ffi::Error::InvalidArgument("jaxsparse_sddmm: M must be 4, 8, 16 or 32, got " + std::to_string(m));
-  if (m == 4 ? v != 1 : (v != 64 && v != 128))
-    return ffi::Error::InvalidArgument("jaxsparse_sddmm: V must be 1 for M = 4 and 64 or 128 for M > 4");
-  if (Dim(dy, 0) != tokens || k != groups * m || groups % 8 || out->dimensions()[0] != rows ||
-      out->dimensions()[1] != 2 * groups || metadata.dimensions()[0] != rows ||
-      metadata.dimensions()[1] != groups / 8 || rows % kSdBR || rows % v)
+  if (ffi::Error e = CheckSparseWeight("jaxsparse_sddmm", rows, groups, columns, metadata, v, m); e.failure()) return e;
+  if (Dim(dy, 0) != tokens || k != groups * m || out->dimensions()[0] != rows ||
+      out->dimensions()[1] != 2 * groups || rows % kSdBR)
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: inconsistent shapes: x " + ShapeString(x) + ", dy " +
                                        ShapeString(dy) + ", metadata " + ShapeString(metadata) + ", out " +
                                        ShapeString(*out));
-  if (m > 4 && columns.element_count() != static_cast<size_t>(rows / v * groups * 4))
-    return ffi::Error::InvalidArgument("jaxsparse_sddmm: columns must be [R/V, G, 4], got " + ShapeString(columns));
   const auto dt = x.element_type();
   if (dy.element_type() != dt)
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: x and dy must share one dtype");

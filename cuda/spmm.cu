@@ -352,17 +352,11 @@ ffi::Error SpmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values
       out->dimensions().size() != 2)
     return ffi::Error::InvalidArgument("jaxsparse_spmm: x, values, metadata and output must be 2-D");
   const int64_t tokens = Dim(x, 0), k = Dim(x, 1), rows = Dim(values, 0), groups = Dim(values, 1) / 2;
-  if (m != 4 && m != 8 && m != 16 && m != 32)
-    return ffi::Error::InvalidArgument("jaxsparse_spmm: M must be 4, 8, 16 or 32, got " + std::to_string(m));
-  if (m == 4 ? v != 1 : (v != 64 && v != 128))
-    return ffi::Error::InvalidArgument("jaxsparse_spmm: V must be 1 for M = 4 and 64 or 128 for M > 4");
-  if (k != groups * m || groups % 8 || metadata.dimensions()[0] != rows || metadata.dimensions()[1] != groups / 8 ||
-      out->dimensions()[0] != tokens || out->dimensions()[1] != rows || rows % 64 || rows % v)
+  if (ffi::Error e = CheckSparseWeight("jaxsparse_spmm", rows, groups, columns, metadata, v, m); e.failure()) return e;
+  if (k != groups * m || out->dimensions()[0] != tokens || out->dimensions()[1] != rows || rows % 64)
     return ffi::Error::InvalidArgument("jaxsparse_spmm: inconsistent shapes: x " + ShapeString(x) + ", values " +
                                        ShapeString(values) + ", metadata " + ShapeString(metadata) + ", out " +
                                        ShapeString(*out));
-  if (m > 4 && columns.element_count() != static_cast<size_t>(rows / v * groups * 4))
-    return ffi::Error::InvalidArgument("jaxsparse_spmm: columns must be [R/V, G, 4], got " + ShapeString(columns));
   const auto dt = x.element_type();
   if (values.element_type() != dt || out->element_type() != dt)
     return ffi::Error::InvalidArgument("jaxsparse_spmm: x, values and output must share one dtype");

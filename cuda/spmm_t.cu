@@ -317,17 +317,11 @@ ffi::Error SpmmTImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer valu
       out->dimensions().size() != 2)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_t: dy, values, metadata and output must be 2-D");
   const int64_t tokens = Dim(dy, 0), rows = Dim(dy, 1), groups = Dim(values, 1) / 2, k = out->dimensions()[1];
-  if (m != 4 && m != 8 && m != 16 && m != 32)
-    return ffi::Error::InvalidArgument("jaxsparse_spmm_t: M must be 4, 8, 16 or 32, got " + std::to_string(m));
-  if (m == 4 ? v != 1 : (v != 64 && v != 128))
-    return ffi::Error::InvalidArgument("jaxsparse_spmm_t: V must be 1 for M = 4 and 64 or 128 for M > 4");
-  if (Dim(values, 0) != rows || k != groups * m || groups % 8 || out->dimensions()[0] != tokens ||
-      metadata.dimensions()[0] != rows || metadata.dimensions()[1] != groups / 8 || rows % 64 || rows % v)
+  if (ffi::Error e = CheckSparseWeight("jaxsparse_spmm_t", rows, groups, columns, metadata, v, m); e.failure()) return e;
+  if (Dim(values, 0) != rows || k != groups * m || out->dimensions()[0] != tokens || rows % 64)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_t: inconsistent shapes: dy " + ShapeString(dy) +
                                        ", values " + ShapeString(values) + ", metadata " + ShapeString(metadata) +
                                        ", out " + ShapeString(*out));
-  if (m > 4 && columns.element_count() != static_cast<size_t>(rows / v * groups * 4))
-    return ffi::Error::InvalidArgument("jaxsparse_spmm_t: columns must be [R/V, G, 4], got " + ShapeString(columns));
   const auto dt = dy.element_type();
   if (values.element_type() != dt || out->element_type() != dt)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_t: dy, values and output must share one dtype");
