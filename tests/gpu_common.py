@@ -2,15 +2,39 @@
 
 from __future__ import annotations
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 import jaxsparse.ffi as jffi
+from jaxsparse import format as F
 
 SPECS = ["2:4", "64:2:8", "128:2:8", "64:2:16", "128:2:16", "64:2:32", "128:2:32"]
 DTYPES = [jnp.bfloat16, jnp.float16]
 TOL = {jnp.bfloat16: 1e-2, jnp.float16: 3e-3}  # relative error against the float32 reference
+
+# (K, R, spec, dtype, what is wrong) of weights every kernel wrapper must refuse with a ValueError.
+REJECT_CASES = [
+    (512, 96, "2:4", jnp.bfloat16, "R % 64"),
+    (512, 128, "2:4", jnp.float32, "dtype"),
+    (512, 128, "2:2:8", jnp.bfloat16, "V"),
+]
+
+select_mask = jax.jit(F.select_mask, static_argnums=1)
+
+
+def key(*parts) -> jax.Array:
+    """A PRNG key derived from ``parts``: fresh inputs per case, reproducible across runs."""
+    return jax.random.PRNGKey(zlib.crc32(repr(parts).encode()))
+
+
+def poison(shape, dtype) -> None:
+    """Fill and free a NaN buffer of the output's size, so a kernel that skips elements reads NaN."""
+    junk = jnp.full(shape, jnp.nan, dtype)
+    junk.block_until_ready()
+    junk.delete()
 
 
 def cuda_ready(*targets: str) -> bool:

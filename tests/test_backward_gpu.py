@@ -13,14 +13,12 @@ the last group tile of both kernels is partial; every supported V and M and both
 
 from __future__ import annotations
 
-import zlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpu_common import DTYPES, SPECS, TOL, cuda_ready, gpu_marks
+from gpu_common import DTYPES, REJECT_CASES, SPECS, TOL, cuda_ready, gpu_marks, key, poison, select_mask
 from jaxsparse import format as F
 
 
@@ -31,31 +29,18 @@ if cuda_ready("jaxsparse_sddmm", "jaxsparse_spmm_t"):
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
-_select = jax.jit(F.select_mask, static_argnums=1)
-
-
-def _key(*parts) -> jax.Array:
-    return jax.random.PRNGKey(zlib.crc32(repr(parts).encode()))
-
-
 def _small_k(m: int) -> int:
     """K with G = K/M groups not a multiple of either kernel's group tile (where M allows it)."""
     return 24 * 32 if m == 32 else 40 * m
 
 
-def _make(key, t: int, k: int, r: int, spec: str, dtype):
-    kx, kd, kw = jax.random.split(key, 3)
+def _make(rng, t: int, k: int, r: int, spec: str, dtype):
+    kx, kd, kw = jax.random.split(rng, 3)
     x = jax.random.normal(kx, (t, k), jnp.float32).astype(dtype)
     dy = jax.random.normal(kd, (t, r), jnp.float32).astype(dtype)
     w = (jax.random.normal(kw, (k, r), jnp.float32) / np.sqrt(k / 4)).astype(dtype)
-    sw = F.compress(w, _select(w, F.VNM.parse(spec)), spec)
+    sw = F.compress(w, select_mask(w, F.VNM.parse(spec)), spec)
     return x, dy, sw
-
-
-def _poison(shape, dtype) -> None:
-    junk = jnp.full(shape, jnp.nan, dtype)
-    junk.block_until_ready()
-    junk.delete()
 
 
 def _compare(out, ref, tol: float, what: str) -> float:
@@ -81,7 +66,7 @@ def _spmm_t_ref(dy, sw):
 
 def _check_sddmm(x, dy, sw, out_dtype, tol):
     out_dt = jnp.dtype(out_dtype or sw.values.dtype)
-    _poison(sw.values.shape, out_dt)
+    poison(sw.values.shape, out_dt)
     out = jax.jit(lambda x, dy, sw: calls.sddmm(x, dy, sw, out_dtype))(x, dy, sw)
     out.block_until_ready()
     assert out.shape == sw.values.shape and out.dtype == out_dt
@@ -90,7 +75,7 @@ def _check_sddmm(x, dy, sw, out_dtype, tol):
 
 def _check_spmm_t(dy, sw, tol):
     t, k = dy.shape[0], sw.shape[0]
-    _poison((t, k), dy.dtype)
+    poison((t, k), dy.dtype)
     out = jax.jit(calls.spmm_t)(dy, sw)
     out.block_until_ready()
     assert out.shape == (t, k) and out.dtype == dy.dtype
@@ -110,7 +95,7 @@ def _rows(spec: str) -> int:
 @pytest.mark.parametrize("t", [1, 17, 200, 1000])
 def test_sddmm_small(spec, dtype, t):
     k = _small_k(F.VNM.parse(spec).m)
-    x, dy, sw = _make(_key("sddmm", spec, str(dtype), t), t, k, _rows(spec), spec, dtype)
+    x, dy, sw = _make(key("sddmm", spec, str(dtype), t), t, k, _rows(spec), spec, dtype)
     _check_sddmm(x, dy, sw, None, TOL[dtype])
 
 
@@ -118,7 +103,7 @@ def test_sddmm_small(spec, dtype, t):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_sddmm_large_tiles(spec, dtype):
     t, k, r = 1000, 1024, 2176
-    x, dy, sw = _make(_key("sddmm-large", spec, str(dtype)), t, k, r, spec, dtype)
+    x, dy, sw = _make(key("sddmm-large", spec, str(dtype)), t, k, r, spec, dtype)
     _check_sddmm(x, dy, sw, None, TOL[dtype])
 
 
@@ -127,7 +112,7 @@ def test_sddmm_large_tiles(spec, dtype):
 def test_sddmm_float32_output(spec, dtype):
     """float32 output (for float32 master weights): only accumulation order differs from the reference."""
     k = _small_k(F.VNM.parse(spec).m)
-    x, dy, sw = _make(_key("sddmm-f32", spec, str(dtype)), 333, k, _rows(spec), spec, dtype)
+    x, dy, sw = _make(key("sddmm-f32", spec, str(dtype)), 333, k, _rows(spec), spec, dtype)
     _check_sddmm(x, dy, sw, jnp.float32, 1e-4)
 
 
@@ -139,7 +124,7 @@ def test_sddmm_float32_output(spec, dtype):
 @pytest.mark.parametrize("t", [1, 17, 200, 1000])
 def test_spmm_t_small(spec, dtype, t):
     k = _small_k(F.VNM.parse(spec).m)
-    _, dy, sw = _make(_key("spmm_t", spec, str(dtype), t), t, k, _rows(spec), spec, dtype)
+    _, dy, sw = _make(key("spmm_t", spec, str(dtype), t), t, k, _rows(spec), spec, dtype)
     _check_spmm_t(dy, sw, TOL[dtype])
 
 
@@ -147,7 +132,7 @@ def test_spmm_t_small(spec, dtype, t):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_spmm_t_large_tiles(spec, dtype):
     t, k, r = 1000, 1024, 2176
-    _, dy, sw = _make(_key("spmm_t-large", spec, str(dtype)), t, k, r, spec, dtype)
+    _, dy, sw = _make(key("spmm_t-large", spec, str(dtype)), t, k, r, spec, dtype)
     _check_spmm_t(dy, sw, TOL[dtype])
 
 
@@ -157,25 +142,18 @@ def test_spmm_t_large_tiles(spec, dtype):
 @pytest.mark.parametrize("spec", ["2:4", "64:2:8", "128:2:16"])
 def test_backward_repeatable(spec):
     """Same inputs twice give bit-identical outputs (no race in the scatter or the epilogue)."""
-    x, dy, sw = _make(_key("rep", spec), 517, 512, 256, spec, jnp.bfloat16)
+    x, dy, sw = _make(key("rep", spec), 517, 512, 256, spec, jnp.bfloat16)
     f = jax.jit(lambda x, dy, sw: (calls.sddmm(x, dy, sw), calls.spmm_t(dy, sw)))
     a = [np.asarray(o.astype(jnp.float32)) for o in f(x, dy, sw)]
-    _poison(a[0].shape, jnp.bfloat16)
-    _poison(a[1].shape, jnp.bfloat16)
+    poison(a[0].shape, jnp.bfloat16)
+    poison(a[1].shape, jnp.bfloat16)
     b = [np.asarray(o.astype(jnp.float32)) for o in f(x, dy, sw)]
     assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
 
 
-@pytest.mark.parametrize(
-    "k, r, spec, dtype, what",
-    [
-        (512, 96, "2:4", jnp.bfloat16, "R % 64"),
-        (512, 128, "2:4", jnp.float32, "dtype"),
-        (512, 128, "2:2:8", jnp.bfloat16, "V"),
-    ],
-)
+@pytest.mark.parametrize("k, r, spec, dtype, what", REJECT_CASES)
 def test_backward_rejects(k, r, spec, dtype, what):
-    w = jax.random.normal(_key("rej", what), (k, r), jnp.float32).astype(dtype)
+    w = jax.random.normal(key("rej", what), (k, r), jnp.float32).astype(dtype)
     sw = F.compress(w, F.select_mask(w, spec), spec)
     x, dy = jnp.ones((4, k), dtype), jnp.ones((4, r), dtype)
     with pytest.raises(ValueError):
@@ -185,14 +163,14 @@ def test_backward_rejects(k, r, spec, dtype, what):
 
 
 def test_sddmm_rejects_out_dtype():
-    x, dy, sw = _make(_key("rej-out"), 8, 512, 128, "64:2:8", jnp.bfloat16)
+    x, dy, sw = _make(key("rej-out"), 8, 512, 128, "64:2:8", jnp.bfloat16)
     with pytest.raises(ValueError):
         calls.sddmm(x, dy, sw, jnp.float16)
 
 
 def test_backward_no_transpose_in_hlo():
     """Producers in front of both calls: the optimized HLO holds the custom calls and no transpose or copy."""
-    x, dy, sw = _make(_key("hlo"), 256, 512, 256, "64:2:8", jnp.bfloat16)
+    x, dy, sw = _make(key("hlo"), 256, 512, 256, "64:2:8", jnp.bfloat16)
 
     def backward(x, dy, sw):
         h = jnp.tanh(x) * 2
@@ -247,12 +225,12 @@ def test_sparse_linear_grad_on_kernels(monkeypatch, spec, dtype, t):
     _force_backward_kernels(monkeypatch)
     k = _small_k(F.VNM.parse(spec).m)
     r = _rows(spec)
-    x, _, sw = _make(_key("grad", spec, str(dtype), t), t, k, r, spec, dtype)
-    kb, kt = jax.random.split(_key("grad-bt", spec, str(dtype), t))
+    x, _, sw = _make(key("grad", spec, str(dtype), t), t, k, r, spec, dtype)
+    kb, kt = jax.random.split(key("grad-bt", spec, str(dtype), t))
     bias = jax.random.normal(kb, (r,), jnp.float32).astype(dtype)
     # The cotangent of y is target cast to the output dtype: use exactly that in the reference.
     target = jax.random.normal(kt, (t, r), jnp.float32).astype(dtype).astype(jnp.float32)
-    _poison((t, k), dtype)
+    poison((t, k), dtype)
     gx, gv, gb = _grad_fn(sw)(x, sw.values, bias, target)
     assert gx.dtype == dtype and gv.dtype == dtype and gv.shape == sw.values.shape
     dense = F.decompress(sw).astype(jnp.float32)
@@ -266,7 +244,7 @@ def test_sparse_linear_grad_on_kernels(monkeypatch, spec, dtype, t):
 def test_sparse_linear_grad_hlo_has_kernels_and_no_transpose(monkeypatch):
     """The jitted gradient runs the three kernels, and XLA puts no transpose or copy around them."""
     _force_backward_kernels(monkeypatch)
-    x, _, sw = _make(_key("grad-hlo"), 256, 512, 256, "64:2:8", jnp.bfloat16)
+    x, _, sw = _make(key("grad-hlo"), 256, 512, 256, "64:2:8", jnp.bfloat16)
     bias = jnp.zeros((256,), jnp.bfloat16)
     target = jnp.ones((256, 256), jnp.float32)
     # value_and_grad: the loss value keeps the forward SpMM alive (a linear loss's gradient needs no y).

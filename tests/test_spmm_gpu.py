@@ -9,15 +9,12 @@ V and M and both dtypes run; bias and the fused GELU run too.
 
 from __future__ import annotations
 
-import itertools
-import zlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpu_common import DTYPES, SPECS, TOL, cuda_ready, gpu_marks
+from gpu_common import DTYPES, REJECT_CASES, SPECS, TOL, cuda_ready, gpu_marks, key, poison, select_mask
 from jaxsparse import format as F
 
 
@@ -28,18 +25,11 @@ if cuda_ready("jaxsparse_spmm"):
 
 
 
-_select = jax.jit(F.select_mask, static_argnums=1)
-
-
-def _key(*parts) -> jax.Array:
-    return jax.random.PRNGKey(zlib.crc32(repr(parts).encode()))
-
-
-def _make(key, t, k, r, spec, dtype, with_bias):
-    kx, kw, kb = jax.random.split(key, 3)
+def _make(rng, t, k, r, spec, dtype, with_bias):
+    kx, kw, kb = jax.random.split(rng, 3)
     x = jax.random.normal(kx, (t, k), jnp.float32).astype(dtype)
     w = (jax.random.normal(kw, (k, r), jnp.float32) / np.sqrt(k / 4)).astype(dtype)
-    mask = _select(w, F.VNM.parse(spec))
+    mask = select_mask(w, F.VNM.parse(spec))
     sw = F.compress(w, mask, spec)
     bias = jax.random.normal(kb, (r,), jnp.float32).astype(dtype) if with_bias else None
     return x, sw, bias
@@ -55,15 +45,9 @@ def _reference(x, sw, bias, activation):
     return y
 
 
-def _poison(shape, dtype):
-    junk = jnp.full(shape, jnp.nan, dtype)
-    junk.block_until_ready()
-    junk.delete()
-
-
 def _check(x, sw, bias, activation, tol):
     t, r = x.shape[0], sw.shape[1]
-    _poison((t, r), x.dtype)
+    poison((t, r), x.dtype)
     fn = jax.jit(lambda x, sw, b: calls.spmm(x, sw, b, activation))
     y = fn(x, sw, bias)
     y.block_until_ready()
@@ -87,7 +71,7 @@ def test_spmm_small(spec, dtype, t):
     r = 128 if v <= 64 else 256
     r = r + 64 if v == 1 else r  # R = 192 for 2:4: a 64-row tile tail
     k = 512 if F.VNM.parse(spec).m <= 16 else 768
-    x, sw, bias = _make(_key("small", spec, str(dtype), t), t, k, r, spec, dtype, with_bias=False)
+    x, sw, bias = _make(key("small", spec, str(dtype), t), t, k, r, spec, dtype, with_bias=False)
     _check(x, sw, bias, None, TOL[dtype])
 
 
@@ -96,7 +80,7 @@ def test_spmm_small(spec, dtype, t):
 def test_spmm_large_tiles(spec, dtype):
     """Enough tiles that the dispatcher picks the 128-row tile wherever V allows it."""
     t, k, r = 1000, 256, 2176
-    x, sw, bias = _make(_key("large", spec, str(dtype)), t, k, r, spec, dtype, with_bias=True)
+    x, sw, bias = _make(key("large", spec, str(dtype)), t, k, r, spec, dtype, with_bias=True)
     _check(x, sw, bias, None, TOL[dtype])
 
 
@@ -105,7 +89,7 @@ def test_spmm_large_tiles(spec, dtype):
 def test_spmm_epilogue(spec, activation, bias_dtype):
     dtype = jnp.bfloat16
     t, k, r = 333, 1024, 384
-    x, sw, bias = _make(_key("epi", spec, activation, bias_dtype), t, k, r, spec, dtype, with_bias=bias_dtype is not None)
+    x, sw, bias = _make(key("epi", spec, activation, bias_dtype), t, k, r, spec, dtype, with_bias=bias_dtype is not None)
     if bias_dtype == "f32":
         bias = bias.astype(jnp.float32)
     _check(x, sw, bias, activation, TOL[dtype])
@@ -114,24 +98,17 @@ def test_spmm_epilogue(spec, activation, bias_dtype):
 def test_spmm_fresh_inputs_repeatable():
     """Same inputs twice give bit-identical outputs (no race); different inputs give different outputs."""
     spec, dtype = "64:2:8", jnp.bfloat16
-    x, sw, bias = _make(_key("rep"), 517, 512, 256, spec, dtype, with_bias=True)
+    x, sw, bias = _make(key("rep"), 517, 512, 256, spec, dtype, with_bias=True)
     f = jax.jit(lambda x, sw, b: calls.spmm(x, sw, b, "gelu"))
     a = np.asarray(f(x, sw, bias).astype(jnp.float32))
-    _poison(a.shape, dtype)
+    poison(a.shape, dtype)
     b = np.asarray(f(x, sw, bias).astype(jnp.float32))
     assert np.array_equal(a, b)
 
 
-@pytest.mark.parametrize(
-    "k, r, spec, dtype, what",
-    [
-        (512, 96, "2:4", jnp.bfloat16, "R % 64"),
-        (512, 128, "2:4", jnp.float32, "dtype"),
-        (512, 128, "2:2:8", jnp.bfloat16, "V"),
-    ],
-)
+@pytest.mark.parametrize("k, r, spec, dtype, what", REJECT_CASES)
 def test_spmm_rejects(k, r, spec, dtype, what):
-    w = jax.random.normal(_key("rej", what), (k, r), jnp.float32).astype(dtype)
+    w = jax.random.normal(key("rej", what), (k, r), jnp.float32).astype(dtype)
     sw = F.compress(w, F.select_mask(w, spec), spec)
     x = jnp.ones((4, k), dtype)
     with pytest.raises(ValueError):
@@ -140,7 +117,7 @@ def test_spmm_rejects(k, r, spec, dtype, what):
 
 def test_spmm_no_transpose_in_hlo():
     """The optimized HLO of a jitted layer holds the custom call and no transpose or copy of x."""
-    x, sw, bias = _make(_key("hlo"), 256, 512, 256, "64:2:8", jnp.bfloat16, with_bias=True)
+    x, sw, bias = _make(key("hlo"), 256, 512, 256, "64:2:8", jnp.bfloat16, with_bias=True)
 
     def layer(x, sw, b):
         h = jnp.tanh(x) * 2  # a producer fusion in front, as in a real network
