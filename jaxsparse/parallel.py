@@ -154,10 +154,6 @@ def data_parallel(step_fn: Callable, mesh: Mesh, *, batch_argnums: Sequence[int]
     return fn
 
 
-def _nbytes(x: Any) -> int:
-    return int(np.prod(np.shape(x))) * jnp.dtype(x.dtype).itemsize
-
-
 def exchanged_bytes(grads: Any) -> dict[str, Any]:
     """Bytes one device contributes to the gradient all-reduce per step, from the leaves of ``grads``.
 
@@ -171,12 +167,12 @@ def exchanged_bytes(grads: Any) -> dict[str, Any]:
       layer_type`), "sparse_layers": bytes of the pruned encoder projections (kernels or values, and
       their biases), "leaves": number of leaves}``.
     """
-    from jaxsparse.memory import SPARSE_TYPES, layer_type
+    from jaxsparse.memory import SPARSE_TYPES, layer_type, leaf_nbytes
 
     out: dict[str, Any] = {"compressed": 0, "dense": 0, "by_type": {}, "leaves": 0}
     for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:
         names = pruning._path_names(path)  # noqa: SLF001 - the shared path naming of the library
-        b = _nbytes(leaf)
+        b = leaf_nbytes(leaf)
         out["compressed" if names and names[-1] == "values" else "dense"] += b
         t = layer_type(names)
         out["by_type"][t] = out["by_type"].get(t, 0) + b
