@@ -267,7 +267,7 @@ def classify(name: str, info: OpInfo | None = None) -> str:
     return "other"
 
 
-OPTIMIZER_SCOPE_NAME = "optimizer"
+from jaxsparse.train import OPTIMIZER_SCOPE as OPTIMIZER_SCOPE_NAME  # noqa: E402 - the step names it
 
 # ----------------------------------------------------------------------------- reading the trace
 

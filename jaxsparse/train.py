@@ -223,8 +223,12 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr)
 
 
+OPTIMIZER_SCOPE = "optimizer"
+"""Named scope of the optimizer update in the training step (read by ``jaxsparse-profile``)."""
+
+
 def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: jax.sharding.Mesh | None = None,
-              axis: str = parallel.DATA_AXIS) -> Callable:
+              axis: str = parallel.DATA_AXIS, donate: bool = False) -> Callable:
     """The jitted training step ``(params, opt_state, extra, batch, rng) -> (params, opt_state, loss)``.
 
     Args:
@@ -236,6 +240,10 @@ def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: j
         (:func:`jaxsparse.parallel.data_parallel`): ``batch`` is split along its leading axis, each
         device draws its own dropout masks, gradients and loss are averaged over ``axis`` before the
         update (compressed values in compressed mode, dense kernels in master mode).
+      donate: donate ``params`` and ``opt_state`` to the step (the caller must not reuse them).
+
+    The optimizer update runs in the named scope ``OPTIMIZER_SCOPE``, so ``jaxsparse-profile`` can
+    attribute its kernels.
     """
     dp = axis if mesh is not None else None
 
@@ -252,12 +260,15 @@ def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: j
 
         loss, grads = jax.value_and_grad(lf)(params)
         grads, loss = parallel.pmean_grads((grads, loss), dp)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        with jax.named_scope(OPTIMIZER_SCOPE):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+        return params, opt_state, loss
 
+    donated = (0, 1) if donate else ()
     if mesh is None:
-        return jax.jit(step)
-    return parallel.data_parallel(step, mesh, batch_argnums=(3,), axis=axis)
+        return jax.jit(step, donate_argnums=donated)
+    return parallel.data_parallel(step, mesh, batch_argnums=(3,), axis=axis, donate_argnums=donated)
 
 
 def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretrained: dict | None, *,

@@ -26,11 +26,11 @@ import optax
 from jaxsparse import format as fmt
 from jaxsparse import pruning
 from jaxsparse.models import bert
+from jaxsparse.train import OPTIMIZER_SCOPE, make_step
 
 __all__ = ["StepConfig", "TrainStep", "MODELS", "OPTIMIZER_SCOPE", "sparse_mode", "build_step", "adamw"]
 
 MODELS = tuple(bert.PRESETS)
-OPTIMIZER_SCOPE = "optimizer"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,21 +151,7 @@ def build_step(config: StepConfig) -> TrainStep:
         model, tx, extra, with_masks = master, base, {}, False
         opt_state = tx.init(params)
 
-    def step(params, opt_state, extra, batch, rng):
-        variables = pruning.model_variables(params, opt_state) if with_masks else dict(extra)
-        variables = {k: v for k, v in variables.items() if k != "params"}
-
-        def loss_fn(p):
-            logits = model.apply({**variables, "params": p}, *batch[:3], deterministic=False, rngs={"dropout": rng})
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[3]).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        with jax.named_scope(OPTIMIZER_SCOPE):
-            updates, opt_state = tx.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
-        return params, opt_state, loss
-
-    fn = jax.jit(step, donate_argnums=(0, 1))
+    fn = make_step(model, tx, with_masks, donate=True)
     rng = jax.random.key(config.seed + 1, impl="rbg")
     if mode == "masked":  # the one-shot mask is set by the first update: take it before timing
         params, opt_state, _ = fn(params, opt_state, extra, batch, rng)
