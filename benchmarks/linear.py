@@ -67,21 +67,6 @@ def floors(product: str, tokens: int, k: int, n: int, m: int | None, v: int = 1,
     }
 
 
-def _force_kernels() -> None:
-    """Route sparse_linear's backward to the CUDA kernels.
-
-    jaxsparse.ops does not dispatch sddmm / spmm_t to the kernels until they pass on a GPU
-    (docs/kernel-notes.md); until then this patches ops' module globals, which ops._linear_bwd reads at
-    trace time. Remove once ops is wired (JAXSPARSE_BACKEND=cuda alone then does the same).
-    """
-    from jaxsparse import ops
-    from jaxsparse.ffi import calls
-
-    os.environ["JAXSPARSE_BACKEND"] = "cuda"
-    ops.sddmm = lambda x, dy, sw, out_dtype=None: calls.sddmm(x, dy, sw, out_dtype)
-    ops.spmm_t = lambda dy, sw: calls.spmm_t(dy, sw)
-
-
 def _rel(a: jax.Array, ref: jax.Array) -> float:
     a = a.astype(jnp.float32)
     if not bool(jnp.isfinite(a).all()):
@@ -103,7 +88,8 @@ def main() -> None:
     from jaxsparse import ops
     from jaxsparse.ffi import calls
 
-    _force_kernels()
+    os.environ["JAXSPARSE_BACKEND"] = "cuda"  # every sparse product on its kernel, or an error
+    os.environ.pop("JAXSPARSE_REFERENCE_OPS", None)
     tokens_list = QUICK_TOKENS if args.quick else TOKENS
     shapes = QUICK_SHAPES if args.quick else SHAPES
     specs = [s for s in args.specs.split(",") if s]

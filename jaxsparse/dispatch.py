@@ -8,6 +8,9 @@
   * ``reference``: always the reference.
   * ``cuda``: always the kernel; a missing extension, a missing GPU or operands the kernel cannot take
     raise instead of falling back.
+
+``JAXSPARSE_REFERENCE_OPS`` (comma-separated op names, e.g. ``sddmm,spmm_t``) sends just those ops to the
+reference whatever the backend: for diagnosis and for A/B timings of one kernel inside a whole step.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ import jax
 
 from jaxsparse import ffi
 
-__all__ = ["BACKENDS", "backend", "call"]
+__all__ = ["BACKENDS", "OPS", "backend", "reference_ops", "call"]
 
 BACKENDS = ("auto", "reference", "cuda")
+OPS = ("decompress", "spmm", "sddmm", "spmm_t")
 _warned: set[tuple[str, str]] = set()
 
 
@@ -32,6 +36,14 @@ def backend() -> str:
     if mode not in BACKENDS:
         raise ValueError(f"JAXSPARSE_BACKEND must be one of {BACKENDS}, got {mode!r}")
     return mode
+
+
+def reference_ops() -> frozenset[str]:
+    """The ops ``JAXSPARSE_REFERENCE_OPS`` sends to the reference (empty when unset)."""
+    names = frozenset(n.strip().lower() for n in os.environ.get("JAXSPARSE_REFERENCE_OPS", "").split(",") if n.strip())
+    if not names <= set(OPS):
+        raise ValueError(f"JAXSPARSE_REFERENCE_OPS names unknown ops {sorted(names - set(OPS))}; known: {OPS}")
+    return names
 
 
 def _has_gpu() -> bool:
@@ -58,7 +70,7 @@ def call(
       unsupported: why the kernel cannot take these operands, or None when it can.
     """
     mode = backend()
-    if mode == "reference" or cuda is None:
+    if mode == "reference" or cuda is None or op in reference_ops():
         return reference(*operands)
     if mode == "cuda":
         if not ffi.available():

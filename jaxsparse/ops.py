@@ -80,9 +80,13 @@ def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None) -> jax.
     _check_activation(dy, sw, "dy", sw.shape[1])
     if x.shape[:-1] != dy.shape[:-1]:
         raise ValueError(f"x and dy must share their leading dimensions, got {x.shape} and {dy.shape}")
+    if out_dtype is not None and jnp.dtype(out_dtype) not in (jnp.dtype(sw.values.dtype), jnp.dtype(jnp.float32)):
+        raise ValueError(f"out_dtype must be the values dtype {sw.values.dtype} or float32, got {jnp.dtype(out_dtype)}")
     ref = lambda x2, d2, s: reference.sddmm(x2, d2, s, out_dtype)
+    cuda = lambda x2, d2, s: cuda_calls.sddmm(x2, d2, s, out_dtype)
     with jax.named_scope("jaxsparse_sddmm"):
-        return dispatch.call("sddmm", ref, None, _flatten(x), _flatten(dy), sw)
+        return dispatch.call("sddmm", ref, cuda, _flatten(x), _flatten(dy), sw,
+                             unsupported=cuda_calls.sddmm_unsupported(sw))
 
 
 def spmm_t(dy: jax.Array, sw: SparseWeight) -> jax.Array:
@@ -90,7 +94,8 @@ def spmm_t(dy: jax.Array, sw: SparseWeight) -> jax.Array:
     _check_weight(sw)
     _check_activation(dy, sw, "dy", sw.shape[1])
     with jax.named_scope("jaxsparse_spmm_t"):
-        dx = dispatch.call("spmm_t", reference.spmm_t, None, _flatten(dy), sw)
+        dx = dispatch.call("spmm_t", reference.spmm_t, cuda_calls.spmm_t, _flatten(dy), sw,
+                           unsupported=cuda_calls.spmm_t_unsupported(sw))
     return dx.reshape(*dy.shape[:-1], sw.shape[0])
 
 

@@ -78,3 +78,35 @@ def test_resume_refuses_other_hyperparameters(acc, tmp_path):
     args = acc.parse_args(["--quick", "--resume", "--out-dir", str(out)])
     with pytest.raises(SystemExit, match="other hyper-parameters"):
         acc.study(args, log=lambda line: None)
+
+
+def _payload(acc, task, sparsities, accs, **hp_changes):
+    runs = [{"task": task, "sparsity": s, "seed": i, "test_accuracy": a, "compressed_training": s != "dense"}
+            for s in sparsities for i, a in enumerate(accs[s])]
+    return {"benchmark": "accuracy", "schema": 1, "hyperparameters": {**acc.hyperparameters(acc.parse_args(["--quick"])), **hp_changes},
+            "environment": {"device": "cpu", "platform": "cpu", "versions": {}, "kernels": {"extension": False}},
+            "grid": {"tasks": [task], "sparsities": sparsities, "seeds": [0, 1]}, "runs": runs,
+            "train_examples": {task: 10}, "test_examples": {task: 5}, "wall_seconds": 3.0, "compilations": 2}
+
+
+def test_merge_joins_side_by_side_runs(acc, tmp_path):
+    accs = {"dense": [0.9, 0.92], "2:4": [0.9, 0.9]}
+    files = []
+    for i, (task, sp) in enumerate([("rt", ["dense"]), ("rt", ["2:4"]), ("trec", ["dense", "2:4"])]):
+        files.append(tmp_path / f"part{i}.json")
+        files[-1].write_text(json.dumps(_payload(acc, task, sp, accs)))
+    out = tmp_path / "merged"
+    assert acc.main(["--merge", *map(str, files), "--out-dir", str(out)]) == 0
+    merged = json.loads((out / "accuracy.json").read_text())
+    assert merged["finished"] and len(merged["runs"]) == 8 and merged["compilations"] == 6
+    assert merged["grid"] == {"tasks": ["rt", "trec"], "sparsities": ["dense", "2:4"], "seeds": [0, 1]}
+    row = next(r for r in merged["summary"] if r["task"] == "rt" and r["sparsity"] == "2:4")
+    assert row["delta"] == pytest.approx(90.0 - 91.0) and row["verdict"] == "fail"
+    assert "compressed values trained on the pure-JAX reference" in (out / "accuracy.md").read_text()
+
+    files[1].write_text(json.dumps(_payload(acc, "rt", ["dense"], accs)))  # the same runs twice
+    with pytest.raises(ValueError, match="appears twice"):
+        acc.merge(files, out)
+    files[1].write_text(json.dumps(_payload(acc, "rt", ["2:4"], accs, lr=1.0)))
+    with pytest.raises(ValueError, match="other hyper-parameters"):
+        acc.merge(files, out)

@@ -184,24 +184,13 @@ def test_backward_no_transpose_in_hlo():
 
 # ----------------------------------------------------------------------------- sparse_linear's VJP
 #
-# NOTE: jaxsparse.ops does not dispatch sddmm / spmm_t to these kernels yet (ops passes cuda=None until
-# they pass on a GPU; docs/kernel-notes.md names the one-line change). Until then the tests below force
-# the kernels by monkeypatching ops.sddmm / ops.spmm_t, which ops._linear_bwd looks up at trace time.
-# Once ops is wired, drop the monkeypatch (keep JAXSPARSE_BACKEND=cuda) and the tests stay the same.
+# jax.grad of ops.sparse_linear under jit, with every product forced onto its kernel.
 
 
 def _force_backward_kernels(monkeypatch) -> None:
-    from jaxsparse import ops
-
-    def sddmm(x, dy, sw, out_dtype=None):
-        return calls.sddmm(x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]), sw, out_dtype)
-
-    def spmm_t(dy, sw):
-        return calls.spmm_t(dy.reshape(-1, dy.shape[-1]), sw).reshape(*dy.shape[:-1], sw.shape[0])
-
+    """Every sparse product on its kernel (an unsupported operand raises instead of falling back)."""
     monkeypatch.setenv("JAXSPARSE_BACKEND", "cuda")
-    monkeypatch.setattr(ops, "sddmm", sddmm)
-    monkeypatch.setattr(ops, "spmm_t", spmm_t)
+    monkeypatch.delenv("JAXSPARSE_REFERENCE_OPS", raising=False)
 
 
 def _loss(sw):

@@ -193,3 +193,26 @@ def test_forced_cuda_rejects_unsupported_operands(monkeypatch):
     x, sw, _, _ = make(1, "64:2:8")  # float32: the kernels take bf16/fp16 only
     with pytest.raises(ValueError, match="cannot take these operands: the kernels take bfloat16"):
         ops.spmm(x, sw)
+
+
+def test_reference_ops_env_routes_one_op_to_the_reference(monkeypatch):
+    monkeypatch.setattr(ffi, "available", lambda: True)
+    monkeypatch.setattr(dispatch, "_has_gpu", lambda: True)
+    monkeypatch.setenv("JAXSPARSE_BACKEND", "cuda")
+    monkeypatch.setenv("JAXSPARSE_REFERENCE_OPS", "sddmm, spmm")
+    assert dispatch.reference_ops() == {"sddmm", "spmm"}
+    x, sw, _, _ = make(1, "64:2:8")  # float32: forced cuda would raise; the override takes the reference
+    np.testing.assert_allclose(np.asarray(ops.spmm(x, sw)), np.asarray(reference.spmm(x, sw)), rtol=1e-6)
+    with pytest.raises(ValueError, match="cannot take these operands"):
+        ops.spmm_t(jnp.ones((4, sw.shape[1]), x.dtype), sw)  # not overridden: still forced to the kernel
+    monkeypatch.setenv("JAXSPARSE_REFERENCE_OPS", "sddmm,matmul")
+    with pytest.raises(ValueError, match="unknown ops \\['matmul'\\]"):
+        dispatch.reference_ops()
+
+
+def test_sddmm_out_dtype_is_checked():
+    x, sw, _, _ = make(0, "64:2:8", dtype=jnp.bfloat16)
+    dy = jnp.ones((*x.shape[:-1], sw.shape[1]), x.dtype)
+    assert ops.sddmm(x, dy, sw, jnp.float32).dtype == jnp.float32
+    with pytest.raises(ValueError, match="out_dtype must be the values dtype"):
+        ops.sddmm(x, dy, sw, jnp.float16)
