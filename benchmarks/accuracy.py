@@ -39,11 +39,12 @@ from typing import Any, Callable, Sequence
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(1, str(REPO))  # run from a checkout without installing
-
-import jax  # noqa: E402
 
 import common  # noqa: E402
+
+common.import_jaxsparse_from_install_or_checkout()  # the installed package has the kernels
+
+import jax  # noqa: E402
 from jaxsparse import data as data_lib  # noqa: E402
 from jaxsparse import dispatch  # noqa: E402
 from jaxsparse import ffi as jsffi  # noqa: E402

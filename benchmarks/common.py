@@ -16,6 +16,23 @@ import statistics
 import time
 from typing import Any, Callable, Sequence
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def import_jaxsparse_from_install_or_checkout() -> bool:
+    """Make ``import jaxsparse`` find the installed package (it carries the built CUDA extension), or
+    this checkout when none is installed; True when the checkout is used (then the kernels are absent
+    unless the extension was built in place)."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("jaxsparse") is not None:
+        return False
+    if REPO not in sys.path:
+        sys.path.append(REPO)
+    return True
+
+
 # Measured on the H100 of this workplace (docs/kernel-notes.md): dense bf16 GEMM and device copy.
 DENSE_TFLOPS = 790.0
 SPARSE_TFLOPS = 2 * DENSE_TFLOPS

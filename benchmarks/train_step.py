@@ -21,7 +21,6 @@ in ``--quick`` mode unless ``--plot`` is given).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -35,10 +34,7 @@ import common  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-# Use the installed jaxsparse (it carries the built CUDA extension); fall back to this checkout.
-_SOURCE_FALLBACK = importlib.util.find_spec("jaxsparse") is None
-if _SOURCE_FALLBACK:
-    sys.path.append(ROOT)
+_SOURCE_FALLBACK = common.import_jaxsparse_from_install_or_checkout()
 SPARSITIES = ("dense", "2:4", "64:2:8", "128:2:16", "128:2:32")
 BATCH = {  # (model, seq_len): batch size on an 80 GB H100 (f32 master + AdamW, no rematerialization)
     ("base", 512): 64,
