@@ -75,6 +75,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (warm-up, then cosine to 0)")
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--warmup", type=float, default=0.1, help="warm-up, fraction of all steps")
+    p.add_argument("--distill", type=float, default=0.0,
+                   help="sparse runs learn from a dense teacher (one per task, seed 0, same settings): weight of "
+                        "the soft loss, as jaxsparse-train --distill")
+    p.add_argument("--temperature", type=float, default=2.0, help="distillation temperature")
     p.add_argument("--prune-end", type=float, default=0.5, help="GMP ramp from step 0 to this fraction of all steps")
     p.add_argument("--max-train", type=int, default=0, help="training examples per task (0 = all)")
     p.add_argument("--max-eval", type=int, default=0, help="dev/test examples per task (0 = all)")
@@ -127,6 +131,7 @@ def hyperparameters(args: argparse.Namespace) -> dict[str, Any]:
             "prune_begin": 0.0, "prune_end": args.prune_end, "epochs": args.epochs, "batch_size": args.batch_size,
             "lr": args.lr, "schedule": "linear warm-up, cosine decay to 0", "warmup": args.warmup,
             "weight_decay": args.weight_decay, "optimizer": "adamw (no decay on vectors)", "max_len": args.max_len,
+            "distill": args.distill, "temperature": args.temperature if args.distill > 0 else None,
             "max_train": args.max_train, "max_eval": args.max_eval, "dtype": args.dtype,
             "param_dtype": "float32", "compress": args.compress, "quick": bool(args.quick)}
 
@@ -139,6 +144,7 @@ def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> a
             "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--weight-decay", str(args.weight_decay),
             "--warmup", str(args.warmup), "--seed", str(seed), "--max-train", str(args.max_train),
             "--max-eval", str(args.max_eval), "--max-len", str(args.max_len), "--dtype", args.dtype,
+            "--distill", str(args.distill if sparsity != "dense" else 0.0), "--temperature", str(args.temperature),
             "--no-progress"]
     return train.parse_args(argv)
 
@@ -248,6 +254,17 @@ def compressed_note(payload: dict) -> str:
             f"{len(compressed)} of {sum(r['sparsity'] != 'dense' for r in payload['runs'])} sparse runs)")
 
 
+def distill_note(payload: dict) -> str:
+    """The distillation setting of the sparse runs ("" without one)."""
+    hp = payload["hyperparameters"]
+    if not hp.get("distill"):
+        return ""
+    teachers = payload.get("teachers", {})
+    accs = ", ".join(f"{t} {100 * v['test_accuracy']:.2f}" for t, v in teachers.items())
+    return (f"; sparse runs distil from a dense teacher per task (seed 0, same schedule; test accuracy {accs or 'n/a'}) "
+            f"with weight {hp['distill']:g} on T² KL at temperature {hp['temperature']:g}")
+
+
 def section(payload: dict) -> str:
     """One device's section of ``docs/results.md``: setup, table, provenance."""
     env, hp = payload["environment"], payload["hyperparameters"]
@@ -261,7 +278,7 @@ def section(payload: dict) -> str:
         f"{hp['max_len']} tokens, AdamW lr {hp['lr']:g} (warm-up {hp['warmup']:g}, cosine), weight decay "
         f"{hp['weight_decay']:g}, compute {hp['dtype']}, fp32 master weights; sparse runs use GMP from step 0 "
         f"to {hp['prune_end']:g} of training through the kernel-eligible ladder (2:4 → V:2:8 → V:2:16)"
-        f"{compressed_note(payload)}. "
+        f"{compressed_note(payload)}{distill_note(payload)}. "
         f"Test splits: {', '.join(f'{t} {n}' for t, n in payload.get('test_examples', {}).items())} examples. "
         f"Grid {done}; {payload.get('wall_seconds', 0) / 60:.1f} min wall.",
         "",
@@ -402,6 +419,16 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
                "runs": runs, "summary": [], "finished": False, "stopped_early": False,
                "compilations": 0, "compile_seconds": 0.0, "wall_seconds": 0.0}
     cache = train.JitCache()
+    teachers: dict[str, Any] = {}
+    if args.distill > 0:
+        payload["teachers"] = {}
+        for task in dict.fromkeys(t for t, s, _ in grid if s != "dense"):
+            r0 = time.time()
+            targs = run_args(args, task, "dense", 0)
+            teachers[task], tm = train.fit_teacher(targs, data[task], cfg, pretrained, cache=cache, log=lambda line: None)
+            payload["teachers"][task] = {"seed": 0, "test_accuracy": tm["test_accuracy"],
+                                         "dev_accuracy": tm["dev_accuracy"], "seconds": time.time() - r0}
+            log(f"{task} teacher (dense, seed 0): test acc {100 * tm['test_accuracy']:.2f} ({time.time() - r0:.0f} s)")
     bar = _Progress(sum(steps_of[t] for t, _, _ in grid), not args.no_progress)
     last: dict[tuple[str, str], float] = {}
     try:
@@ -416,7 +443,8 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
             bar.describe(f"[{i + 1}/{len(grid)}] {task} {sparsity} seed {seed}")
             c0, s0, r0 = clock.count, clock.seconds, time.time()
             metrics, _ = train.fit(run_args(args, task, sparsity, seed), data[task], cfg, pretrained,
-                                   cache=cache, on_step=bar.step, log=lambda line: None)
+                                   cache=cache, on_step=bar.step, log=lambda line: None,
+                                   teacher_logits=teachers.get(task) if sparsity != "dense" else None)
             last[(task, sparsity)] = time.time() - r0
             keep = ("task", "sparsity", "seed", "test_accuracy", "dev_accuracy", "test_loss", "weight_sparsity",
                     "ladder", "stage_steps", "steps", "compressed_training", "history", "seconds")
@@ -485,6 +513,9 @@ def merge(paths: Sequence[Path], out_dir: Path) -> dict:
         wall_seconds=max(p.get("wall_seconds", 0.0) for p in payloads),
         merged_from=len(payloads),
     )
+    teachers = {k: v for p in payloads for k, v in p.get("teachers", {}).items()}
+    if teachers:
+        merged["teachers"] = teachers
     merged.pop("jit_functions_built", None)
     _write(merged, [out_dir / "accuracy.json"])
     (out_dir / "accuracy.md").write_text(section(merged) + "\n")

@@ -45,8 +45,33 @@ BATCH = {  # (model, seq_len): batch size on an 80 GB H100 (f32 master + AdamW, 
 QUICK = {"models": ("tiny",), "seqs": (128,), "batch": 8, "steps": 6, "warmup": 2}
 
 
-def run_config(cfg: dict) -> dict:
-    """Build, warm up and time one configuration in this process; returns its result row."""
+def _take_turn(turn: dict | None):
+    """With ``--concurrent``: wait until every worker has compiled, then hold the timing lock.
+
+    Compilation (CPU-bound, plus XLA's autotuning on the GPU) of all configurations overlaps; the timed
+    steps run one configuration at a time, so no timing shares the GPU with anything else. Returns the
+    open lock file (closing it releases the turn) or None without ``turn``.
+    """
+    if not turn:
+        return None
+    import fcntl
+
+    ready = os.path.join(turn["dir"], f"ready-{turn['index']}")
+    open(ready, "w").close()
+    deadline = time.time() + turn["wait_s"]
+    while time.time() < deadline:
+        done = sum(os.path.exists(os.path.join(turn["dir"], f"{w}-{i}")) for i in range(turn["n"])
+                   for w in ("ready", "exit"))
+        if done >= turn["n"]:
+            break
+        time.sleep(0.5)
+    lock = open(os.path.join(turn["dir"], "lock"), "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return lock
+
+
+def run_config(cfg: dict, turn: dict | None = None) -> dict:
+    """Build, compile, warm up and time one configuration in this process; returns its result row."""
     import jax
 
     import jaxsparse
@@ -57,17 +82,27 @@ def run_config(cfg: dict) -> dict:
     t0 = time.perf_counter()
     step_cfg = StepConfig(cfg["model"], cfg["sparsity"], cfg["batch_size"], cfg["seq_len"], cfg["dtype"])
     ts = build_step(step_cfg)
-    row.update(mode=ts.mode, mode_reason=ts.reason, tokens=ts.tokens)
-    first = float(jax.block_until_ready(ts.run(1)))
-    for _ in range(max(cfg["warmup"] - 1, 0)):
-        jax.block_until_ready(ts.run(1))
-    row["compile_and_warmup_s"] = time.perf_counter() - t0
-    times, loss = [], first
-    for _ in range(cfg["steps"]):
-        t = time.perf_counter()
-        loss = ts.run(1)
-        jax.block_until_ready((ts.args[0], ts.args[1], loss))
-        times.append(1e3 * (time.perf_counter() - t))
+    row.update(mode=ts.mode, mode_reason=ts.reason, tokens=ts.tokens, build_s=time.perf_counter() - t0)
+    t1 = time.perf_counter()
+    ts.fn = ts.fn.lower(*ts.args).compile()  # ahead of time: no compilation inside the timed region
+    row["compile_s"] = time.perf_counter() - t1
+    lock = _take_turn(turn)
+    try:
+        t2, window_start = time.perf_counter(), time.time()
+        first = float(jax.block_until_ready(ts.run(1)))
+        for _ in range(max(cfg["warmup"] - 1, 0)):
+            jax.block_until_ready(ts.run(1))
+        row["warmup_s"] = time.perf_counter() - t2
+        times, loss = [], first
+        for _ in range(cfg["steps"]):
+            t = time.perf_counter()
+            loss = ts.run(1)
+            jax.block_until_ready((ts.args[0], ts.args[1], loss))
+            times.append(1e3 * (time.perf_counter() - t))
+        row["gpu_window"] = [window_start, time.time()]  # wall clock of warm-up + timing (turns do not overlap)
+    finally:
+        if lock is not None:
+            lock.close()
     dev = jax.devices()[0]
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
     med = statistics.median(times)
@@ -88,21 +123,56 @@ def run_config(cfg: dict) -> dict:
     return row
 
 
-def _worker(cfg: dict, timeout: float) -> dict:
-    """Run one configuration in a fresh interpreter; its result, or the error it died of."""
+def _worker_cmd(cfg: dict, turn: dict | None = None) -> tuple[list[str], dict]:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(cfg)]
+    if turn:
+        cmd += ["--turn", json.dumps(turn)]
     env = dict(os.environ)
     if _SOURCE_FALLBACK:
         env["PYTHONPATH"] = (env["PYTHONPATH"] + os.pathsep if env.get("PYTHONPATH") else "") + ROOT
+    if turn:  # several processes share the GPU: each allocates what it uses, not 75 % of the memory
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    return cmd, env
+
+
+def _result(cfg: dict, returncode: int, stdout: str, stderr: str) -> dict:
+    for line in reversed(stdout.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = (stderr or stdout).strip().splitlines()[-3:]
+    return {**cfg, "error": f"worker exit {returncode}: {' | '.join(tail)}"}
+
+
+def _worker(cfg: dict, timeout: float) -> dict:
+    """Run one configuration in a fresh interpreter; its result, or the error it died of."""
+    cmd, env = _worker_cmd(cfg)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {**cfg, "error": f"timed out after {timeout:.0f} s"}
-    for line in reversed(proc.stdout.strip().splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {**cfg, "error": f"worker exit {proc.returncode}: {' | '.join(tail)}"}
+    return _result(cfg, proc.returncode, proc.stdout, proc.stderr)
+
+
+def _concurrent(configs: list[dict], timeout: float) -> list[dict]:
+    """All configurations in fresh interpreters at once: compiles overlap, timed steps take turns."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="train_step_turns_") as d:
+        procs = []
+        for i, cfg in enumerate(configs):
+            turn = {"dir": d, "index": i, "n": len(configs), "wait_s": timeout}
+            cmd, env = _worker_cmd(cfg, turn)
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        rows, deadline = [], time.time() + timeout
+        for i, (cfg, proc) in enumerate(zip(configs, procs)):
+            try:
+                out, err = proc.communicate(timeout=max(deadline - time.time(), 1.0))
+                rows.append(_result(cfg, proc.returncode, out, err))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rows.append({**cfg, "error": f"timed out after {timeout:.0f} s"})
+            open(os.path.join(d, f"exit-{i}"), "w").close()
+        return rows
 
 
 def add_relative(rows: list[dict]) -> None:
@@ -183,14 +253,18 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--in-process", action="store_true",
                     help="run every configuration in this process (peak memory is then cumulative)")
-    ap.add_argument("--worker-timeout", type=float, default=900.0)
+    ap.add_argument("--concurrent", action="store_true",
+                    help="start every configuration's process at once: compilations overlap, the timed steps "
+                         "take turns (one configuration on the GPU at a time)")
+    ap.add_argument("--worker-timeout", type=float, default=900.0, help="seconds per worker (--concurrent: all)")
     ap.add_argument("--out", default=None, help="json path (default benchmarks/results/<gpu>/train_step[_quick].json)")
     ap.add_argument("--plot", default=None, help="png path (default docs/train_step.png; none in --quick)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--turn", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
 
     if a.worker:
-        print(json.dumps(run_config(json.loads(a.worker))), flush=True)
+        print(json.dumps(run_config(json.loads(a.worker), json.loads(a.turn) if a.turn else None)), flush=True)
         return 0
 
     if a.quick:
@@ -209,14 +283,15 @@ def main(argv=None) -> int:
             for s in sparsities:
                 configs.append({"model": model, "seq_len": seq, "batch_size": batch, "sparsity": s, "dtype": a.dtype,
                                 "steps": steps, "warmup": warmup})
-    rows = []
     t0 = time.time()
-    for cfg in configs:
-        r = run_config(cfg) if a.in_process else _worker(cfg, a.worker_timeout)
-        rows.append(r)
+    if a.concurrent and not a.in_process:
+        rows = _concurrent(configs, a.worker_timeout)
+    else:
+        rows = [run_config(cfg) if a.in_process else _worker(cfg, a.worker_timeout) for cfg in configs]
+    for r in rows:
         status = r.get("error") or f"{r['mode']}: {r['step_ms']:.2f} ms/step"
-        print(f"[{time.time() - t0:6.1f} s] {cfg['model']} seq {cfg['seq_len']} batch {cfg['batch_size']} "
-              f"{cfg['sparsity']}: {status}", flush=True)
+        print(f"[{time.time() - t0:6.1f} s] {r['model']} seq {r['seq_len']} batch {r['batch_size']} "
+              f"{r['sparsity']}: {status}", flush=True)
     add_relative(rows)
     print_table(rows)
     device = next((r["device_kind"] for r in rows if r.get("device_kind")), "unknown")

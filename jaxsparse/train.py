@@ -32,7 +32,7 @@ from jaxsparse import pruning
 from jaxsparse.models import bert
 
 __all__ = ["main", "parse_args", "run", "fit", "load_data", "load_model", "TaskTokens", "JitCache",
-           "save_checkpoint", "load_checkpoint", "make_step"]
+           "save_checkpoint", "load_checkpoint", "make_step", "loss_fn", "predict_logits", "fit_teacher", "teacher_args"]
 
 MODELS = ("minilm",) + tuple(n for n in bert.PRESETS if n != "minilm")
 
@@ -58,6 +58,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--warmup", type=float, default=0.1, help="linear warm-up, fraction of all steps")
+    p.add_argument("--distill", type=float, default=0.0,
+                   help="knowledge distillation weight in [0, 1): a sparse run first fine-tunes a dense teacher with "
+                        "the same settings, then trains on (1 - w) * cross-entropy + w * T^2 * KL(teacher || student)")
+    p.add_argument("--temperature", type=float, default=2.0, help="distillation temperature T")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-train", type=int, default=2000, help="training examples (0 = all)")
     p.add_argument("--max-eval", type=int, default=0, help="dev/test examples (0 = all)")
@@ -89,6 +93,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error("--devices must be >= 1")
     if not 0.0 <= args.prune_begin <= args.prune_end <= 1.0:
         p.error("need 0 <= --prune-begin <= --prune-end <= 1")
+    if not 0.0 <= args.distill < 1.0 or args.temperature <= 0:
+        p.error("need 0 <= --distill < 1 and --temperature > 0")
+    if args.distill > 0 and args.sparsity == "dense":
+        p.error("--distill trains a sparse student from a dense teacher: give a --sparsity pattern")
     return args
 
 
@@ -227,8 +235,26 @@ OPTIMIZER_SCOPE = "optimizer"
 """Named scope of the optimizer update in the training step (read by ``jaxsparse-profile``)."""
 
 
+def loss_fn(logits: jax.Array, labels: jax.Array, teacher_logits: jax.Array | None = None,
+            distill: float = 0.0, temperature: float = 2.0) -> jax.Array:
+    """Mean cross-entropy, or with a teacher ``(1 - distill) * CE + distill * T^2 * KL(teacher_T || student_T)``.
+
+    ``T^2`` keeps the soft term's gradient on the scale of the hard one (Hinton et al.); the KL is over
+    the temperature-softened distributions, so a student equal to its teacher has a zero soft term.
+    """
+    logits = logits.astype(jnp.float32)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    if teacher_logits is None or distill == 0.0:
+        return ce
+    t = jax.nn.log_softmax(teacher_logits.astype(jnp.float32) / temperature)
+    st = jax.nn.log_softmax(logits / temperature)
+    kl = (jnp.exp(t) * (t - st)).sum(-1).mean()
+    return (1.0 - distill) * ce + distill * temperature**2 * kl
+
+
 def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: jax.sharding.Mesh | None = None,
-              axis: str = parallel.DATA_AXIS, donate: bool = False) -> Callable:
+              axis: str = parallel.DATA_AXIS, donate: bool = False, distill: float = 0.0,
+              temperature: float = 2.0) -> Callable:
     """The jitted training step ``(params, opt_state, extra, batch, rng) -> (params, opt_state, loss)``.
 
     Args:
@@ -241,6 +267,8 @@ def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: j
         device draws its own dropout masks, gradients and loss are averaged over ``axis`` before the
         update (compressed values in compressed mode, dense kernels in master mode).
       donate: donate ``params`` and ``opt_state`` to the step (the caller must not reuse them).
+      distill, temperature: with ``distill > 0`` the batch carries a fifth array, the teacher's logits
+        ``[B, labels]``, and the loss is :func:`loss_fn`'s distillation loss.
 
     The optimizer update runs in the named scope ``OPTIMIZER_SCOPE``, so ``jaxsparse-profile`` can
     attribute its kernels.
@@ -256,7 +284,8 @@ def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: j
         def lf(p):
             logits = model.apply({**variables, "params": p}, *batch[:3], deterministic=False,
                                  rngs={"dropout": rng})
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[3]).mean()
+            teacher = batch[4] if distill > 0 else None
+            return loss_fn(logits, batch[3], teacher, distill, temperature)
 
         loss, grads = jax.value_and_grad(lf)(params)
         grads, loss = parallel.pmean_grads((grads, loss), dp)
@@ -273,7 +302,7 @@ def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: j
 
 def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretrained: dict | None, *,
         cache: JitCache | None = None, on_step: Callable[[int, jax.Array], None] | None = None,
-        log: Callable[[str], None] = _stderr) -> tuple[dict[str, Any], dict]:
+        log: Callable[[str], None] = _stderr, teacher_logits: np.ndarray | None = None) -> tuple[dict[str, Any], dict]:
     """Fine-tune and evaluate as ``args`` (from :func:`parse_args`) says, on tokenized ``data``.
 
     Args:
@@ -284,6 +313,8 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
       on_step: called after every optimizer step with ``(global_step, loss)`` (loss not synced); when
         given, no per-epoch progress bars are drawn.
       log: where the per-epoch lines go (stderr by default).
+      teacher_logits: ``[train examples, labels]`` logits of a teacher (:func:`predict_logits`), needed
+        when ``args.distill > 0``.
 
     Returns:
       ``(metrics, variables)``: the metrics of ``metrics.json`` (without ``seconds`` of loading) and the
@@ -294,6 +325,15 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
     train, dev, test, task = data.train, data.dev, data.test, data.task
     if len(train) < args.batch_size:
         raise ValueError(f"--batch-size {args.batch_size} exceeds the {len(train)} training examples")
+
+    distill, temperature = getattr(args, "distill", 0.0), getattr(args, "temperature", 2.0)
+    if distill > 0 and (teacher_logits is None or len(teacher_logits) != len(train)):
+        raise ValueError(f"--distill {distill} needs teacher logits for the {len(train)} training examples "
+                         f"(got {None if teacher_logits is None else np.shape(teacher_logits)})")
+    kd = (distill, temperature) if distill > 0 else (0.0, temperature)
+
+    def batch_of(idx):
+        return _arrays(train, idx) + ((teacher_logits[idx],) if distill > 0 else ())
 
     devices = getattr(args, "devices", 1)
     mesh = parallel.local_mesh(devices) if devices != 1 else None
@@ -343,8 +383,8 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
     def make_logits(model):
         return jax.jit(lambda variables, *a: model.apply(variables, *a))
 
-    step = cache.get("step", (model, tx_key, prune is not None, mesh),
-                     lambda: make_step(model, tx, prune is not None, mesh))
+    step = cache.get("step", (model, tx_key, prune is not None, mesh, kd),
+                     lambda: make_step(model, tx, prune is not None, mesh, distill=kd[0], temperature=kd[1]))
     logits_fn = cache.get("logits", master_key, lambda: make_logits(master))
     extra: dict = {}
     evaluate_dev, evaluate_test = _Evaluator(dev, args.batch_size), _Evaluator(test, args.batch_size)
@@ -374,10 +414,11 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
                 params, pattern, base_state = pruning.to_compressed(params, pruning.masks_of(opt_state), spec, opt_state[0])
                 opt_state, extra, compressed = base_state, {"sparsity": pattern}, True
                 model = make_model(True)
-                step = cache.get("step", (model, base_key, False, mesh), lambda: make_step(model, base, False, mesh))
+                step = cache.get("step", (model, base_key, False, mesh, kd),
+                                 lambda: make_step(model, base, False, mesh, distill=kd[0], temperature=kd[1]))
                 logits_fn = cache.get("logits", (model,), lambda: make_logits(model))
             drop_key, k_drop = jax.random.split(drop_key)
-            params, opt_state, loss = step(params, opt_state, extra, _arrays(train, idx), k_drop)
+            params, opt_state, loss = step(params, opt_state, extra, batch_of(idx), k_drop)
             losses.append(loss)
             global_step += 1
             if on_step is not None:
@@ -407,12 +448,41 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         "stage_steps": list(prune.schedule.stage_steps) if prune is not None else [],
         "compressed_training": compressed, "seed": args.seed, "epochs": args.epochs,
         "batch_size": args.batch_size, "lr": args.lr, "max_len": args.max_len, "dtype": args.dtype,
+        "distill": distill, "temperature": temperature if distill > 0 else None,
         "train_examples": len(train), "dev_examples": len(dev), "test_examples": len(test), "steps": global_step,
         "history": history, "dev_accuracy": history[-1]["dev_accuracy"], "test_accuracy": test_metrics["accuracy"],
         "test_loss": test_metrics["loss"], "weight_sparsity": achieved,
         "device": str(jax.devices()[0].device_kind), "devices": n_dev, "seconds": time.time() - t_start,
     }
     return metrics, final
+
+
+def predict_logits(cfg: bert.BertConfig, variables: dict, batch: data_lib.Batch, num_labels: int, dtype,
+                   batch_size: int = 64) -> np.ndarray:
+    """Float32 logits ``[len(batch), num_labels]`` of a dense (master-mode) model, in example order, no dropout."""
+    model = bert.BertForSequenceClassification(cfg, dtype=jnp.dtype(dtype), num_labels=num_labels)
+    apply = jax.jit(lambda v, *a: model.apply(v, *a).astype(jnp.float32))
+    n = len(batch)
+    out = []
+    for lo in range(0, n, batch_size):
+        idx = np.arange(lo, min(lo + batch_size, n))
+        pad = np.concatenate([idx, np.full(batch_size - len(idx), idx[-1])])  # one compiled shape
+        out.append(np.asarray(apply(variables, *_arrays(batch, pad)[:3]))[: len(idx)])
+    return np.concatenate(out)
+
+
+def teacher_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The dense teacher's run: ``args`` with no sparsity, no pruning, no distillation."""
+    return argparse.Namespace(**{**vars(args), "sparsity": "dense", "prune": "none", "distill": 0.0,
+                                 "ladder": None})
+
+
+def fit_teacher(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretrained: dict | None,
+                **fit_kwargs) -> tuple[np.ndarray, dict]:
+    """Fine-tune the dense teacher of ``args`` (:func:`teacher_args`); returns its training-set logits and metrics."""
+    metrics, variables = fit(teacher_args(args), data, cfg, pretrained, **fit_kwargs)
+    logits = predict_logits(cfg, variables, data.train, data.task.num_labels, args.dtype, args.batch_size)
+    return logits, metrics
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -422,7 +492,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     data = load_data(args.task, args.max_train, args.max_eval, args.max_len)
     cfg, pretrained = load_model(args.model)
-    metrics, final = fit(args, data, cfg, pretrained)
+    teacher = None
+    if args.distill > 0 and args.sparsity != "dense":
+        _stderr(f"--distill {args.distill}: fine-tuning the dense teacher first")
+        teacher, teacher_metrics = fit_teacher(args, data, cfg, pretrained)
+        _stderr(f"teacher: dev acc {teacher_metrics['dev_accuracy']:.4f}, test acc {teacher_metrics['test_accuracy']:.4f}")
+    metrics, final = fit(args, data, cfg, pretrained, teacher_logits=teacher)
+    if teacher is not None:
+        metrics["teacher"] = {k: teacher_metrics[k] for k in ("dev_accuracy", "test_accuracy", "steps")}
     metrics["seconds"] = time.time() - t_start
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     save_checkpoint(out / "checkpoint", final)

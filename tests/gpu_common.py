@@ -10,6 +10,7 @@ import pytest
 
 import jaxsparse.ffi as jffi
 from jaxsparse import format as F
+from jaxsparse.profile import parse_hlo
 
 SPECS = ["2:4", "64:2:8", "128:2:8", "64:2:16", "128:2:16", "64:2:32", "128:2:32"]
 DTYPES = [jnp.bfloat16, jnp.float16]
@@ -51,3 +52,14 @@ def gpu_marks(*targets: str) -> list:
         pytest.mark.gpu,
         pytest.mark.skipif(not cuda_ready(*targets), reason="needs an NVIDIA GPU and the built jaxsparse CUDA extension"),
     ]
+
+
+def layout_moves(hlo_text: str) -> list[str]:
+    """Instructions of an optimized HLO module that transpose or copy data (``name:opcode``), fused or not.
+
+    Reads opcodes, not text: JAX's AD names its backward ops ``transpose(jvp(...))`` in the metadata,
+    which a substring test would mistake for a transpose.
+    """
+    moves = ("transpose", "copy")
+    return sorted(f"{name}:{info.opcode}" for name, info in parse_hlo(hlo_text).items()
+                  if info.opcode in moves or any(op in moves for op in info.fused_opcodes))

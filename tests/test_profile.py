@@ -118,3 +118,37 @@ def test_real_cpu_profile_buckets_sum_to_measured_total(tmp_path, capsys):
     # each of the 12 compressed layers' backward runs its dX dot inside the ``jaxsparse_spmm_t`` scope; the
     # reference's weight decompression in that scope may add fusions of its own (14 seen on JAX 0.10.2)
     assert d["buckets"]["sparse_dx"]["count"] >= 12
+
+
+_AD_NAMED_HLO = """\
+HloModule jit_loss
+
+%fused_reduce.1 (param_0.7: f32[256]) -> f32[] {
+  %param_0.7 = f32[256]{0} parameter(0), metadata={scheduling_name="param_0.7"}
+  %constant_3_1 = f32[] constant(0)
+  ROOT %reduce_sum.14.1 = f32[] reduce(%param_0.7, %constant_3_1), dimensions={0}, to_apply=%region_0.1, metadata={op_name="jit(loss)/jvp()/reduce_sum"}
+}
+
+%fused_t (p: bf16[4,8]) -> bf16[8,4] {
+  %p = bf16[4,8]{1,0} parameter(0)
+  ROOT %t = bf16[8,4]{1,0} transpose(%p), dimensions={1,0}
+}
+
+ENTRY %main.3 (x.1: bf16[256,512], target.1: f32[256,256]) -> (f32[], bf16[256,512]) {
+  %target.1 = f32[256,256]{1,0} parameter(1), metadata={op_name="target"}
+  %x.1 = bf16[256,512]{1,0} parameter(0), metadata={op_name="x"}
+  %input_reduce_fusion = bf16[256]{0} fusion(%target.1), kind=kInput, calls=%fused_reduce.1, metadata={op_name="jit(loss)/transpose(jvp())/convert_element_type"}
+  %tf = bf16[8,4]{1,0} fusion(%x.1), kind=kLoop, calls=%fused_t
+  ROOT %tuple.1.0 = (f32[], bf16[256,512]{1,0}) tuple(%input_reduce_fusion, %x.1)
+}
+"""
+
+
+def test_layout_moves_reads_opcodes_not_metadata():
+    """The GPU tests' no-transpose check: JAX's AD metadata says transpose(jvp(..)), which is no transpose."""
+    from gpu_common import layout_moves
+
+    assert layout_moves(_AD_NAMED_HLO) == ["t:transpose", "tf:fusion"]
+    no_move = _AD_NAMED_HLO.replace("  %tf = bf16[8,4]{1,0} fusion(%x.1), kind=kLoop, calls=%fused_t\n", "")
+    no_move = no_move.replace("ROOT %t = bf16[8,4]{1,0} transpose(%p)", "ROOT %t = bf16[8,4]{1,0} negate(%p)")
+    assert layout_moves(no_move) == []

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpu_common import DTYPES, REJECT_CASES, SPECS, TOL, cuda_ready, gpu_marks, key, poison, select_mask
+from gpu_common import DTYPES, REJECT_CASES, SPECS, TOL, cuda_ready, gpu_marks, key, layout_moves, poison, select_mask
 from jaxsparse import format as F
 
 
@@ -125,4 +125,4 @@ def test_spmm_no_transpose_in_hlo():
 
     text = jax.jit(layer).lower(x, sw, bias).compile().as_text()
     assert "jaxsparse_spmm" in text
-    assert "transpose(" not in text and " copy(" not in text, text
+    assert not layout_moves(text), (layout_moves(text), text)

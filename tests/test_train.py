@@ -72,3 +72,40 @@ def test_cli_rejects_inconsistent_options():
         train.parse_args(["--sparsity", "two:four"])
     args = train.parse_args([])
     assert (args.model, args.task, args.sparsity, args.prune, args.epochs) == ("minilm", "rt", "2:4", "oneshot", 1)
+
+
+def test_distillation_loss():
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from jaxsparse.train import loss_fn
+
+    logits = jax.random.normal(jax.random.key(0), (6, 3))
+    labels = jnp.array([0, 1, 2, 0, 1, 2])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    assert loss_fn(logits, labels) == pytest.approx(float(ce))
+    # A student equal to its teacher pays no soft term; a different teacher raises the loss.
+    assert loss_fn(logits, labels, logits, 0.7, 2.0) == pytest.approx(0.3 * float(ce), rel=1e-5)
+    other = logits[::-1]
+    assert loss_fn(logits, labels, other, 0.7, 2.0) > 0.3 * float(ce) + 1e-3
+    g = jax.grad(lambda s: loss_fn(s, labels, other, 1e-9 + 0.5, 3.0))(logits)
+    assert np.isfinite(np.asarray(g)).all() and float(jnp.abs(g).sum()) > 0
+
+
+def test_distill_needs_a_sparse_run_and_teacher_logits(tmp_path, capsys):
+    args = train.parse_args(TINY + ["--sparsity", "2:4", "--distill", "0.5", "--out", str(tmp_path / "run")])
+    data_ = train.load_data("trec", args.max_train, args.max_eval, args.max_len)
+    cfg, _ = train.load_model(args.model)
+    with pytest.raises(ValueError, match="needs teacher logits"):
+        train.fit(args, data_, cfg, None)
+    metrics = train.run(args)  # the teacher first, then the student
+    assert metrics["distill"] == 0.5 and metrics["teacher"]["steps"] == metrics["steps"]
+    assert "fine-tuning the dense teacher first" in capsys.readouterr().err
+    logits = train.predict_logits(cfg, train.load_checkpoint(tmp_path / "run" / "checkpoint"), data_.train,
+                                  data_.task.num_labels, args.dtype, 7)
+    assert logits.shape == (len(data_.train), data_.task.num_labels) and np.isfinite(logits).all()
+    with pytest.raises(SystemExit):
+        train.parse_args(["--sparsity", "dense", "--distill", "0.5"])
+    with pytest.raises(SystemExit):
+        train.parse_args(["--distill", "1.0"])

@@ -49,3 +49,18 @@ def test_mode_falls_back_to_masked_dense_with_the_reason():
     assert sparse_mode(large, "64:2:8", compressed=False)[0] == "masked"
     with pytest.raises(ValueError, match="compressed mode impossible"):
         sparse_mode(tiny, "128:2:32", compressed=True)
+
+
+def test_concurrent_workers_take_turns(tmp_path):
+    """--concurrent: separate processes compile at once, but their warm-up + timing windows never overlap."""
+    bench = _load()
+    out = tmp_path / "train_step.json"
+    rc = bench.main(["--quick", "--concurrent", "--sparsities", "dense,2:4,64:2:8", "--steps", "2", "--warmup", "1",
+                     "--batch-size", "2", "--worker-timeout", "600", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert rc == 0, [r.get("error") for r in rows]
+    assert [r["sparsity"] for r in rows] == ["dense", "2:4", "64:2:8"]
+    windows = sorted(r["gpu_window"] for r in rows)
+    for (_, end), (start, _) in zip(windows, windows[1:]):
+        assert end <= start, windows
+    assert all(r["compile_s"] > 0 and r["step_ms"] > 0 for r in rows)
