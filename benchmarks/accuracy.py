@@ -69,6 +69,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tasks", default="rt,trec", help="comma-separated tasks of jaxsparse.data.TASKS")
     p.add_argument("--sparsities", default="dense,2:4,64:2:8,128:2:16", help="comma-separated: dense or V:N:M")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0 .. N-1 per configuration")
+    p.add_argument("--seed-list", default=None,
+                   help="comma-separated seeds to run instead of 0 .. N-1 (one slice of a grid run side by side; "
+                        "--merge joins the slices)")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--max-len", type=int, default=64, help="tokens per example")
     p.add_argument("--batch-size", type=int, default=64)
@@ -79,6 +82,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="sparse runs learn from a dense teacher (one per task, seed 0, same settings): weight of "
                         "the soft loss, as jaxsparse-train --distill")
     p.add_argument("--temperature", type=float, default=2.0, help="distillation temperature")
+    p.add_argument("--fade", type=float, default=0.0,
+                   help="GMP fade window before each stage, fraction of all steps (jaxsparse-train --fade)")
+    p.add_argument("--teacher-dir", type=Path, default=None,
+                   help="share distillation teachers between processes: the first trains and saves "
+                        "teacher-<task>.npz here (under a file lock), the others load it")
     p.add_argument("--prune-end", type=float, default=0.5, help="GMP ramp from step 0 to this fraction of all steps")
     p.add_argument("--max-train", type=int, default=0, help="training examples per task (0 = all)")
     p.add_argument("--max-eval", type=int, default=0, help="dev/test examples per task (0 = all)")
@@ -118,7 +126,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                 fmt.VNM.parse(s)
             except ValueError as e:
                 p.error(f"--sparsities: {e}")
-    if not args.tasks or not args.sparsities or args.seeds < 1:
+    args.seed_values = ([int(x) for x in args.seed_list.split(",") if x.strip()] if args.seed_list
+                        else list(range(args.seeds)))
+    if not args.tasks or not args.sparsities or args.seeds < 1 or not args.seed_values:
         p.error("need at least one task, one sparsity and --seeds >= 1")
     if args.dtype == "auto":
         args.dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
@@ -132,6 +142,7 @@ def hyperparameters(args: argparse.Namespace) -> dict[str, Any]:
             "lr": args.lr, "schedule": "linear warm-up, cosine decay to 0", "warmup": args.warmup,
             "weight_decay": args.weight_decay, "optimizer": "adamw (no decay on vectors)", "max_len": args.max_len,
             "distill": args.distill, "temperature": args.temperature if args.distill > 0 else None,
+            "fade": args.fade,
             "max_train": args.max_train, "max_eval": args.max_eval, "dtype": args.dtype,
             "param_dtype": "float32", "compress": args.compress, "quick": bool(args.quick)}
 
@@ -145,6 +156,7 @@ def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> a
             "--warmup", str(args.warmup), "--seed", str(seed), "--max-train", str(args.max_train),
             "--max-eval", str(args.max_eval), "--max-len", str(args.max_len), "--dtype", args.dtype,
             "--distill", str(args.distill if sparsity != "dense" else 0.0), "--temperature", str(args.temperature),
+            "--fade", str(args.fade),
             "--no-progress"]
     return train.parse_args(argv)
 
@@ -379,6 +391,31 @@ class _Progress:
             self.bar.close()
 
 
+def _teacher(args: argparse.Namespace, task: str, data: train.TaskTokens, cfg, pretrained, cache) -> tuple[Any, dict]:
+    """The dense teacher of ``task`` (seed 0): trained here, or loaded from / saved to ``--teacher-dir``."""
+    targs = run_args(args, task, "dense", 0)
+    if args.teacher_dir is None:
+        return train.fit_teacher(targs, data, cfg, pretrained, cache=cache, log=lambda line: None)
+    import fcntl
+    import numpy as np
+
+    args.teacher_dir.mkdir(parents=True, exist_ok=True)
+    path = args.teacher_dir / f"teacher-{task}.npz"
+    with open(args.teacher_dir / f"teacher-{task}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one process trains, the others wait and load
+        if path.exists():
+            saved = np.load(path, allow_pickle=False)
+            if json.loads(str(saved["hyperparameters"])) != hyperparameters(args):
+                raise SystemExit(f"--teacher-dir: {path} was trained with other hyper-parameters")
+            return saved["logits"], json.loads(str(saved["metrics"]))
+        logits, metrics = train.fit_teacher(targs, data, cfg, pretrained, cache=cache, log=lambda line: None)
+        keep = {k: metrics[k] for k in ("test_accuracy", "dev_accuracy", "steps")}
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, logits=logits, metrics=json.dumps(keep), hyperparameters=json.dumps(hyperparameters(args)))
+        tmp.replace(path)
+        return logits, keep
+
+
 def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
     """Run the grid of ``args``; returns the payload written to ``accuracy.json``."""
     t_start = time.time()
@@ -395,7 +432,7 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
                     if previous.get("hyperparameters", {}).get(k) != v}
             raise SystemExit(f"--resume: {targets[0]} has other hyper-parameters (old, new): {diff}")
         runs = [r for r in previous["runs"] if r["task"] in args.tasks and r["sparsity"] in args.sparsities
-                and r["seed"] < args.seeds]
+                and r["seed"] in args.seed_values]
         log(f"resuming: {len(runs)} runs kept from {targets[0]}")
 
     t0 = time.time()
@@ -408,11 +445,11 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
         log(data_lib.describe(d.task))
 
     done = {(r["task"], r["sparsity"], r["seed"]) for r in runs}
-    grid = [(t, s, seed) for seed in range(args.seeds) for t in args.tasks for s in args.sparsities
+    grid = [(t, s, seed) for seed in args.seed_values for t in args.tasks for s in args.sparsities
             if (t, s, seed) not in done]
     steps_of = {t: (len(d.train) // args.batch_size) * args.epochs for t, d in data.items()}
     payload = {"benchmark": "accuracy", "schema": SCHEMA, "environment": env, "hyperparameters": hp,
-               "grid": {"tasks": args.tasks, "sparsities": args.sparsities, "seeds": list(range(args.seeds))},
+               "grid": {"tasks": args.tasks, "sparsities": args.sparsities, "seeds": args.seed_values},
                "targets_points_below_dense": TARGETS,
                "train_examples": {t: len(d.train) for t, d in data.items()},
                "test_examples": {t: len(d.test) for t, d in data.items()},
@@ -424,8 +461,7 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
         payload["teachers"] = {}
         for task in dict.fromkeys(t for t, s, _ in grid if s != "dense"):
             r0 = time.time()
-            targs = run_args(args, task, "dense", 0)
-            teachers[task], tm = train.fit_teacher(targs, data[task], cfg, pretrained, cache=cache, log=lambda line: None)
+            teachers[task], tm = _teacher(args, task, data[task], cfg, pretrained, cache)
             payload["teachers"][task] = {"seed": 0, "test_accuracy": tm["test_accuracy"],
                                          "dev_accuracy": tm["dev_accuracy"], "seconds": time.time() - r0}
             log(f"{task} teacher (dense, seed 0): test acc {100 * tm['test_accuracy']:.2f} ({time.time() - r0:.0f} s)")
@@ -454,15 +490,15 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
             bar.write(f"{task:5s} {sparsity:9s} seed {seed}: test acc {100 * run['test_accuracy']:.2f}  "
                       f"dev acc {100 * run['dev_accuracy']:.2f}  sparsity {run['weight_sparsity']:.3f}  "
                       f"{run['seconds']:.0f} s ({run['compilations']} compilations, {run['compile_seconds']:.0f} s)")
-            payload.update(summary=summarize(runs, args.tasks, args.sparsities, args.seeds),
+            payload.update(summary=summarize(runs, args.tasks, args.sparsities, len(args.seed_values)),
                            compilations=clock.count, compile_seconds=clock.seconds,
                            wall_seconds=time.time() - t_start)
             _write(payload, targets)
         else:
-            payload["finished"] = len(runs) == len(args.tasks) * len(args.sparsities) * args.seeds
+            payload["finished"] = len(runs) == len(args.tasks) * len(args.sparsities) * len(args.seed_values)
     finally:
         bar.close()
-    payload.update(summary=summarize(runs, args.tasks, args.sparsities, args.seeds), compilations=clock.count,
+    payload.update(summary=summarize(runs, args.tasks, args.sparsities, len(args.seed_values)), compilations=clock.count,
                    compile_seconds=clock.seconds, wall_seconds=time.time() - t_start, jit_functions_built=cache.built)
     _write(payload, targets)
     md = section(payload)
@@ -498,10 +534,11 @@ def merge(paths: Sequence[Path], out_dir: Path) -> dict:
     tasks, sparsities = union("tasks"), union("sparsities")
     order = {"dense": -1, **{s: i for i, s in enumerate(sparsities)}}
     sparsities.sort(key=order.get)
-    seeds = max(len(p["grid"]["seeds"]) for p in payloads)
+    seed_values = sorted({x for p in payloads for x in p["grid"]["seeds"]})
+    seeds = len(seed_values)
     merged = dict(payloads[0])
     merged.update(
-        grid={"tasks": tasks, "sparsities": sparsities, "seeds": list(range(seeds))},
+        grid={"tasks": tasks, "sparsities": sparsities, "seeds": seed_values},
         train_examples={k: v for p in payloads for k, v in p.get("train_examples", {}).items()},
         test_examples={k: v for p in payloads for k, v in p.get("test_examples", {}).items()},
         runs=sorted(runs, key=lambda r: (r["seed"], tasks.index(r["task"]), sparsities.index(r["sparsity"]))),

@@ -143,11 +143,13 @@ class GMPSchedule:
 
 
 class GMPState(NamedTuple):
-    """State of :func:`gmp_prune`: the step count, the ladder stage (0 = dense) and the masks."""
+    """State of :func:`gmp_prune`: the step count, the ladder stage (0 = dense), the masks, and with
+    ``fade_steps > 0`` the next stage's mask while its pruned weights fade out (``()`` otherwise)."""
 
     count: jax.Array
     stage: jax.Array
     masks: Any
+    target: Any = ()
 
 
 def _path_names(path) -> tuple[str, ...]:
@@ -203,6 +205,7 @@ def gmp_prune(
     end_step: int = 1000,
     frequency: int = 1,
     filter_fn: FilterFn = encoder_kernels,
+    fade_steps: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """Gradual magnitude pruning through ``ladder`` on the cubic schedule (see the module doc).
 
@@ -212,6 +215,12 @@ def gmp_prune(
       begin_step, end_step, frequency: see :class:`GMPSchedule`. ``begin_step == end_step`` prunes once
         (one-shot) to the last stage at that step.
       filter_fn: ``(path_names, leaf) -> bool`` choosing the kernels to prune.
+      fade_steps: soften each stage change. ``fade_steps`` updates before a stage starts (not before the
+        previous stage's start), its mask is chosen once from the weights of that step, and the weights
+        it will prune shrink over those updates (each update scales them by ``r / (r + 1)`` with ``r``
+        updates left, so they decay linearly to ``1 / (fade_steps + 1)`` of their value) before the
+        stage cuts them. Large jumps (``2:4 -> 64:2:8`` drops about half of the weight magnitude) then
+        reach the network gradually. 0 (default): masks change at once.
 
     Returns:
       A transform whose ``update(updates, state, params)`` requires ``params``; chain it last.
@@ -220,6 +229,11 @@ def gmp_prune(
         ladder = default_ladder(ladder)
     schedule = GMPSchedule(tuple(ladder), begin_step, end_step, frequency)
     entries = jnp.asarray(schedule.stage_steps, jnp.int32)
+    if fade_steps < 0:
+        raise ValueError(f"fade_steps must be >= 0, got {fade_steps}")
+    starts = (0,) + schedule.stage_steps[:-1]
+    fade_starts = jnp.asarray([max(e - fade_steps, s) for e, s in zip(schedule.stage_steps, starts)], jnp.int32)
+    n_stages = len(schedule.ladder)
 
     def init(params):
         selected = _selected(params, filter_fn)
@@ -237,13 +251,15 @@ def gmp_prune(
         if n_sel == 0:
             raise ValueError("gmp_prune: filter_fn selected no 2-D kernel to prune")
         masks = _map_selected(lambda p: jnp.ones(p.shape, jnp.bool_), selected, params)
-        return GMPState(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32), masks)
+        target = masks if fade_steps > 0 else ()
+        return GMPState(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32), masks, target)
 
     def update(updates, state: GMPState, params=None, **extra_args):
         del extra_args
         if params is None:
             raise ValueError("gmp_prune needs params: call tx.update(grads, state, params)")
         selected = _selected(params, filter_fn)
+        updates_in = updates
         stage = jnp.sum(entries <= state.count).astype(jnp.int32)
         new_params = _map_selected(lambda p, u: p + u, selected, params, updates)
 
@@ -252,10 +268,29 @@ def gmp_prune(
             return jax.lax.switch(stage - 1, branches, new_params)
 
         masks = jax.lax.cond(stage != state.stage, recompute, lambda _: state.masks, None)
+        target = state.target
+        if fade_steps > 0:
+            # The next stage (index `stage` of the ladder) fades in over [fade_start, entry).
+            nxt = jnp.minimum(stage, n_stages - 1)
+            entry, start = entries[nxt], fade_starts[nxt]
+            fading = (stage < n_stages) & (state.count >= start) & (state.count < entry)
+
+            def choose(_):
+                branches = [lambda np_, spec=spec: _select_all(np_, selected, spec) for spec in schedule.ladder]
+                return jax.lax.switch(nxt, branches, new_params)
+
+            target = jax.lax.cond(fading & (state.count == start), choose, lambda _: state.target, None)
+            left = (entry - state.count).astype(jnp.float32)
+            scale = jnp.where(fading, left / (left + 1.0), 1.0)
+            new_params = _map_selected(
+                lambda q, t: jnp.where(t, q, (q * scale).astype(q.dtype)), selected, new_params, target)
+            updates = _map_selected(lambda q, p: q - p, selected, new_params, params)  # the faded step
+            updates = jax.tree_util.tree_map(lambda s, u, f: u if s is None else f, selected, updates_in, updates,
+                                             is_leaf=lambda x: x is None)
         updates = jax.tree_util.tree_map(
             lambda s, u, p, m: u if s is None else jnp.where(m, u, -p).astype(u.dtype),
             selected, updates, params, _fill(masks, selected), is_leaf=lambda x: x is None)
-        return updates, GMPState(state.count + 1, stage, masks)
+        return updates, GMPState(state.count + 1, stage, masks, target)
 
     tx = optax.GradientTransformationExtraArgs(init, update)
     tx.schedule = schedule  # type: ignore[attr-defined]  # read by tests and the trainer

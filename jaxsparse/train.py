@@ -51,6 +51,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="comma-separated GMP stages, e.g. 64:6:8,64:4:8,64:2:8 (default: kernel-eligible ladder)")
     p.add_argument("--prune-begin", type=float, default=0.0, help="GMP ramp start, fraction of all steps")
     p.add_argument("--prune-end", type=float, default=0.5, help="GMP ramp end, fraction of all steps")
+    p.add_argument("--fade", type=float, default=0.0,
+                   help="GMP: before each stage, fade the weights it will prune to zero over this fraction of all "
+                        "steps (0 = masks change at once; see jaxsparse.pruning.gmp_prune fade_steps)")
     p.add_argument("--compress", default="auto", choices=("auto", "on", "off"),
                    help="after the final N=2 mask: train the compressed values (auto: on when the CUDA kernels run)")
     p.add_argument("--epochs", type=int, default=1)
@@ -93,6 +96,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error("--devices must be >= 1")
     if not 0.0 <= args.prune_begin <= args.prune_end <= 1.0:
         p.error("need 0 <= --prune-begin <= --prune-end <= 1")
+    if not 0.0 <= args.fade < 1.0:
+        p.error("need 0 <= --fade < 1")
     if not 0.0 <= args.distill < 1.0 or args.temperature <= 0:
         p.error("need 0 <= --distill < 1 and --temperature > 0")
     if args.distill > 0 and args.sparsity == "dense":
@@ -369,13 +374,14 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
     if args.prune == "gmp":
         ladder = args.ladder.split(",") if args.ladder else args.sparsity
         begin, end = int(args.prune_begin * total), int(args.prune_end * total)
-        prune = pruning.gmp_prune(ladder, begin, end, frequency=max(1, (end - begin) // 20))
+        prune = pruning.gmp_prune(ladder, begin, end, frequency=max(1, (end - begin) // 20),
+                                  fade_steps=int(getattr(args, "fade", 0.0) * total))
     elif args.prune == "oneshot":
         prune = pruning.gmp_prune([spec], 0, 0)
     if prune is not None and str(prune.schedule.ladder[-1]) != str(spec):
         raise ValueError(f"the ladder must end at --sparsity {spec}, got {prune.schedule.ladder[-1]}")
     tx = optax.chain(base, prune) if prune is not None else base
-    tx_key = base_key + ((prune.schedule,) if prune is not None else ())
+    tx_key = base_key + ((prune.schedule, int(getattr(args, "fade", 0.0) * total)) if prune is not None else ())
     opt_state = tx.init(params)
     compress = _use_compressed(args.compress, spec, cfg)
     switch_step = prune.schedule.stage_steps[-1] + 1 if prune is not None else None

@@ -110,3 +110,21 @@ def test_merge_joins_side_by_side_runs(acc, tmp_path):
     files[1].write_text(json.dumps(_payload(acc, "rt", ["2:4"], accs, lr=1.0)))
     with pytest.raises(ValueError, match="other hyper-parameters"):
         acc.merge(files, out)
+
+
+def test_seed_slices_share_one_teacher_and_merge(acc, tmp_path, monkeypatch):
+    """Side-by-side slices (--seed-list) with --teacher-dir: one teacher trained, the other slice loads it."""
+    from jaxsparse import train
+
+    common = ["--quick", "--tasks", "trec", "--sparsities", "2:4", "--distill", "0.5", "--fade", "0.2",
+              "--teacher-dir", str(tmp_path / "teachers"), "--no-progress"]
+    assert acc.main(common + ["--seed-list", "0", "--out-dir", str(tmp_path / "s0")]) == 0
+    assert (tmp_path / "teachers" / "teacher-trec.npz").exists()
+    monkeypatch.setattr(train, "fit_teacher", lambda *a, **k: pytest.fail("the saved teacher should be loaded"))
+    assert acc.main(common + ["--seed-list", "1", "--out-dir", str(tmp_path / "s1")]) == 0
+    parts = [json.loads((tmp_path / d / "accuracy.json").read_text()) for d in ("s0", "s1")]
+    assert parts[0]["teachers"]["trec"]["test_accuracy"] == parts[1]["teachers"]["trec"]["test_accuracy"]
+    assert [r["seed"] for r in parts[1]["runs"]] == [1] and parts[1]["hyperparameters"]["fade"] == 0.2
+    merged = acc.merge([tmp_path / "s0" / "accuracy.json", tmp_path / "s1" / "accuracy.json"], tmp_path / "m")
+    assert merged["grid"]["seeds"] == [0, 1] and merged["finished"] and len(merged["runs"]) == 2
+    assert "sparse runs distil from a dense teacher" in (tmp_path / "m" / "accuracy.md").read_text()

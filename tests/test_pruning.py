@@ -204,3 +204,38 @@ def test_to_compressed_converts_params_and_adam_moments():
     g = jax.grad(lambda p: (Net(compressed=True).apply({"params": p, "sparsity": pattern}, x) ** 2).sum())(c_params)
     updates, _ = base.update(g, c_state, c_params)
     assert updates["encoder_in"]["values"].shape == c_params["encoder_in"]["values"].shape
+
+
+def test_fade_shrinks_the_next_stage_pruned_weights_then_cuts_them():
+    params = _params(3)
+    tx = pruning.gmp_prune(["2:4", "64:2:8"], 0, 20, frequency=1, fade_steps=4)
+    entries = tx.schedule.stage_steps
+    assert entries[1] - entries[0] > 4  # two separate fade windows
+    jitted = jax.jit(tx.update)
+    state = tx.init(params)
+    w0 = params["encoder_layer_0"]["query"]["kernel"]
+    zero = jax.tree_util.tree_map(jnp.zeros_like, params)
+    history = []
+    for step in range(entries[1] + 1):
+        updates, state = jitted(zero, state, params)
+        params = optax.apply_updates(params, updates)
+        history.append((np.asarray(params["encoder_layer_0"]["query"]["kernel"]),
+                        np.asarray(state.target["encoder_layer_0"]["query"]["kernel"]),
+                        np.asarray(state.masks["encoder_layer_0"]["query"]["kernel"])))
+    e = entries[1]
+    before, _, _ = history[e - 5]  # the last step before the fade window: nothing scaled yet
+    np.testing.assert_array_equal(before != 0, np.asarray(fmt.select_mask(w0, fmt.VNM.parse("2:4"))))
+    _, target, _ = history[e - 4]  # the window's first update chose the 64:2:8 target
+    assert fmt.check_mask(target, "64:2:8")
+    np.testing.assert_array_equal(target, np.asarray(fmt.select_mask(jnp.asarray(before), fmt.VNM.parse("64:2:8"))))
+    fading = (before != 0) & ~target
+    for k, (w, t, _) in enumerate(history[e - 4:e]):  # linear decay over the window: 4/5, 3/5, 2/5, 1/5
+        np.testing.assert_array_equal(t, target)
+        np.testing.assert_allclose(w[fading], before[fading] * (4 - k) / 5, rtol=1e-6)
+        np.testing.assert_array_equal(w[target], before[target])  # kept weights untouched
+    final, _, mask = history[e]
+    np.testing.assert_array_equal(mask, target)  # the stage keeps exactly the faded-in target
+    assert not final[~mask].any()
+    assert pruning.gmp_prune("2:4", 0, 10).init(_params()).target == ()
+    with pytest.raises(ValueError, match="fade_steps"):
+        pruning.gmp_prune("2:4", 0, 10, fade_steps=-1)
