@@ -109,7 +109,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="only merge result files of one study (same hyper-parameters, e.g. one per task run side "
                         "by side) into <--out-dir>/accuracy.json")
     p.add_argument("--json", type=Path, nargs="*", default=None,
-                   help="with --render-docs: result files (default: benchmarks/results/*/accuracy.json, quick runs skipped)")
+                   help="with --render-docs: result files (default: benchmarks/results/*/accuracy*.json, quick runs skipped)")
     p.add_argument("--docs", type=Path, default=REPO / "docs" / "results.md", help="with --render-docs: file to update")
     quick = p.parse_known_args(argv)[0].quick
     if quick:
@@ -172,7 +172,7 @@ def environment() -> dict[str, Any]:
     try:
         git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True,  # noqa: E731
                                         timeout=10).stdout.strip()
-        commit = git("rev-parse", "--verify", "-q", "HEAD") or os.environ.get("JAXSPARSE_COMMIT") or None
+        commit = os.environ.get("JAXSPARSE_COMMIT") or git("rev-parse", "--verify", "-q", "HEAD") or None
         if commit and git("status", "--porcelain", "--untracked-files=no"):
             commit += "+dirty"
     except (OSError, subprocess.SubprocessError):
@@ -283,13 +283,18 @@ def section(payload: dict) -> str:
     v = env["versions"]
     done = "complete" if payload.get("finished") else "incomplete (cut short; resume with --resume)"
     layers = "" if hp.get("layers") is None else f", first {hp['layers']} layer(s) only"
+    fade = "" if not hp.get("fade") else f", each stage faded in over {hp['fade']:g} of all steps"
+    recipe = ", ".join([f"{hp['epochs']} epochs, GMP to {hp['prune_end']:g}"]
+                       + ([f"distillation {hp['distill']:g}"] if hp.get("distill") else [])
+                       + ([f"fade {hp['fade']:g}"] if hp.get("fade") else []))
     return "\n".join([
-        f"### {env['device']} ({env['platform']}){' — quick smoke run, not a result' if hp.get('quick') else ''}",
+        f"### {env['device']} ({env['platform']}): {recipe}{' — quick smoke run, not a result' if hp.get('quick') else ''}",
         "",
         f"Pretrained all-MiniLM-L6-v2{layers}, fine-tuned {hp['epochs']} epochs, batch {hp['batch_size']}, "
         f"{hp['max_len']} tokens, AdamW lr {hp['lr']:g} (warm-up {hp['warmup']:g}, cosine), weight decay "
         f"{hp['weight_decay']:g}, compute {hp['dtype']}, fp32 master weights; sparse runs use GMP from step 0 "
         f"to {hp['prune_end']:g} of training through the kernel-eligible ladder (2:4 → V:2:8 → V:2:16)"
+        f"{fade}"
         f"{compressed_note(payload)}{distill_note(payload)}. "
         f"Test splits: {', '.join(f'{t} {n}' for t, n in payload.get('test_examples', {}).items())} examples. "
         f"Grid {done}; {payload.get('wall_seconds', 0) / 60:.1f} min wall.",
@@ -335,9 +340,10 @@ def render_docs(paths: Sequence[Path], docs: Path) -> str:
 
 
 def default_result_files() -> list[Path]:
-    """``benchmarks/results/*/accuracy.json`` of full (not ``--quick``) runs."""
+    """``benchmarks/results/*/accuracy*.json`` of full (not ``--quick``) runs: ``accuracy.json`` (the current
+    recipe) first, then earlier recipes kept for comparison (``accuracy_<label>.json``)."""
     out = []
-    for path in sorted(glob.glob(str(HERE / "results" / "*" / "accuracy.json"))):
+    for path in sorted(glob.glob(str(HERE / "results" / "*" / "accuracy*.json"))):
         if not json.loads(Path(path).read_text()).get("hyperparameters", {}).get("quick"):
             out.append(Path(path))
     return out
@@ -532,8 +538,7 @@ def merge(paths: Sequence[Path], out_dir: Path) -> dict:
             runs.append(r)
     union = lambda key: list(dict.fromkeys(x for p in payloads for x in p["grid"][key]))  # noqa: E731
     tasks, sparsities = union("tasks"), union("sparsities")
-    order = {"dense": -1, **{s: i for i, s in enumerate(sparsities)}}
-    sparsities.sort(key=order.get)
+    sparsities.sort(key=lambda s: -1.0 if s == "dense" else 1.0 - fmt.VNM.parse(s).density)  # dense, then sparser
     seed_values = sorted({x for p in payloads for x in p["grid"]["seeds"]})
     seeds = len(seed_values)
     merged = dict(payloads[0])
