@@ -89,12 +89,28 @@ def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None) -> jax.
                              unsupported=cuda_calls.sddmm_unsupported(sw))
 
 
+def _dense_dx(dy2: jax.Array, sw: SparseWeight) -> jax.Array:
+    """``dy @ W^T`` as XLA's dense product over the weight decompressed by the CUDA handler."""
+    w = cuda_calls.decompress(sw)  # [K, R]
+    dx = jax.lax.dot_general(dy2, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return dx.astype(dy2.dtype)
+
+
 def spmm_t(dy: jax.Array, sw: SparseWeight) -> jax.Array:
-    """Input gradient ``dy @ W^T`` with ``dy`` of shape ``[..., R]``; returns ``[..., K]``."""
+    """Input gradient ``dy @ W^T`` with ``dy`` of shape ``[..., R]``; returns ``[..., K]``.
+
+    On the GPU: the structured ``jaxsparse_spmm_t`` kernel for ``V:2:M`` with ``M >= 8``; XLA's dense
+    product over the decompressed weight for 2:4 (see the comment below).
+    """
     _check_weight(sw)
     _check_activation(dy, sw, "dy", sw.shape[1])
+    # At 2:4 the pattern runs along dX's output columns, so a sparse dX kernel does dense work on slower
+    # MMAs: the v1 kernel measured 6.5x slower than XLA's dense product (docs/kernel-notes.md), so on
+    # the GPU 2:4 takes the dense product over the decompressed weight (a transient bf16 [K, R]
+    # weight, never a dense gradient). M >= 8 uses the structured kernel.
+    cuda = _dense_dx if sw.spec.m == 4 else cuda_calls.spmm_t
     with jax.named_scope("jaxsparse_spmm_t"):
-        dx = dispatch.call("spmm_t", reference.spmm_t, cuda_calls.spmm_t, _flatten(dy), sw,
+        dx = dispatch.call("spmm_t", reference.spmm_t, cuda, _flatten(dy), sw,
                            unsupported=cuda_calls.spmm_t_unsupported(sw))
     return dx.reshape(*dy.shape[:-1], sw.shape[0])
 

@@ -242,3 +242,17 @@ def test_sparse_linear_grad_hlo_has_kernels_and_no_transpose(monkeypatch):
     for name in ("jaxsparse_spmm", "jaxsparse_sddmm", "jaxsparse_spmm_t"):
         assert f'custom_call_target="{name}"' in text, name
     assert not layout_moves(text), (layout_moves(text), text)
+
+
+def test_2_4_dx_takes_the_dense_product_without_transposes(monkeypatch):
+    """At 2:4 the input gradient is XLA's dense product over the decompressed weight (docs/kernel-notes.md)."""
+    _force_backward_kernels(monkeypatch)
+    x, _, sw = _make(key("grad-hlo-24"), 256, 512, 256, "2:4", jnp.bfloat16)
+    bias = jnp.zeros((256,), jnp.bfloat16)
+    target = jnp.ones((256, 256), jnp.float32)
+    vg = jax.jit(jax.value_and_grad(_loss(sw), argnums=(0, 1, 2)))
+    text = vg.lower(x, sw.values, bias, target).compile().as_text()
+    for name in ("jaxsparse_spmm", "jaxsparse_sddmm", "jaxsparse_decompress"):
+        assert f'custom_call_target="{name}"' in text, name
+    assert 'custom_call_target="jaxsparse_spmm_t"' not in text
+    assert not layout_moves(text), (layout_moves(text), text)

@@ -216,3 +216,18 @@ def test_sddmm_out_dtype_is_checked():
     assert ops.sddmm(x, dy, sw, jnp.float32).dtype == jnp.float32
     with pytest.raises(ValueError, match="out_dtype must be the values dtype"):
         ops.sddmm(x, dy, sw, jnp.float16)
+
+
+def test_dense_dx_route_of_2_4(monkeypatch):
+    """2:4's dX on the GPU is the dense product over the decompressed weight: its maths, with the CUDA
+    decompression replaced by the format's."""
+    from jaxsparse.ffi import calls
+
+    monkeypatch.setattr(calls, "decompress", F.decompress)
+    x, sw, _, _ = make(2, "2:4", dtype=jnp.bfloat16)
+    dy = jax.random.normal(jax.random.key(5), (*x.shape[:-1], sw.shape[1])).astype(jnp.bfloat16)
+    dy2 = dy.reshape(-1, sw.shape[1])
+    got = ops._dense_dx(dy2, sw)
+    ref = reference.spmm_t(dy2.astype(jnp.float32), sw.replace(values=sw.values.astype(jnp.float32)))
+    assert got.dtype == jnp.bfloat16 and got.shape == (dy2.shape[0], sw.shape[0])
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref), rtol=2e-2, atol=2e-2)
