@@ -17,6 +17,14 @@
 // CTA, so each thread keeps its two source offsets in registers); for M = 4 Xc is the x slab itself.
 // Epilogue: accumulators -> fp32 shared tile [BR][4GC] -> pick 2 of 4 by metadata -> [R, 2G] output in
 // the values dtype or float32 (row-contiguous 4- or 8-byte stores).
+//
+// Split over tokens (attribute `split`: 1 = none, 0 = auto, n > 1 = n ranges): a layer with few
+// (row, group) tiles (R/64 x G/GC CTAs: 64 for a 1024x1024 layer at M = 8, half the H100's SMs) gets
+// grid.z token ranges; each writes float32 partial sums into an XLA scratch buffer [S, R, 2G] and
+// SddmmReduceKernel adds them into the output.  Auto aims at two CTAs per SM with >= 4 token tiles per range.
+#include <algorithm>
+#include <optional>
+
 #include "common.cuh"
 #include "handlers.h"
 #include "mma_common.cuh"
@@ -30,8 +38,10 @@ struct SddmmParams {
   const uint8_t* cols;    // [R/V, G, 4] or null (M = 4)
   const uint32_t* meta;   // [R, G/8]
   void* out;              // [R, 2G], T or float
+  float* partial;         // [S, R, 2G] float32 partial sums when split over tokens, else null
   int tokens, k, rows, groups, v;
   int out_f32;
+  int kt_per_split;       // token tiles per grid.z range
 };
 
 constexpr int kSdBR = 64;       // rows (output features) per CTA; divides V = 64 and 128
@@ -96,7 +106,10 @@ __global__ void __launch_bounds__(kSdThreads) SddmmKernel(const SddmmParams p) {
   const int row0 = blockIdx.x * kSdBR;
   const int g0 = blockIdx.y * GC;
   const int groups = p.groups;
-  const int num_kt = (p.tokens + kSdBT - 1) / kSdBT;
+  // This CTA's token tiles: [kt_begin, kt_begin + num_kt) of the whole range.
+  const int all_kt = (p.tokens + kSdBT - 1) / kSdBT;
+  const int kt_begin = blockIdx.z * p.kt_per_split;
+  const int num_kt = max(min(all_kt - kt_begin, p.kt_per_split), 0);
   const T* __restrict__ x = static_cast<const T*>(p.x);
   const T* __restrict__ dy = static_cast<const T*>(p.dy);
 
@@ -154,7 +167,7 @@ __global__ void __launch_bounds__(kSdThreads) SddmmKernel(const SddmmParams p) {
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < num_kt) load_stage(s, s);
+    if (s < num_kt) load_stage(s, kt_begin + s);
     CpAsyncCommit();
   }
 
@@ -172,7 +185,7 @@ __global__ void __launch_bounds__(kSdThreads) SddmmKernel(const SddmmParams p) {
     __syncthreads();  // stage kt landed for all threads; everyone is done with stage kt-1 and Xc
     {
       const int next = kt + STAGES - 1;
-      if (next < num_kt) load_stage(next % STAGES, next);
+      if (next < num_kt) load_stage(next % STAGES, kt_begin + next);
       CpAsyncCommit();
     }
     const uint32_t base = smem_base + (kt % STAGES) * L::kStageBytes;
@@ -245,7 +258,10 @@ __global__ void __launch_bounds__(kSdThreads) SddmmKernel(const SddmmParams p) {
     const float v0 = tile[r * L::kEpiRowFloats + 4 * gl + (nib & 3u)];
     const float v1 = tile[r * L::kEpiRowFloats + 4 * gl + (nib >> 2)];
     const int64_t o = static_cast<int64_t>(row) * (2 * groups) + 2 * g;
-    if (p.out_f32) {
+    if (p.partial != nullptr) {
+      const int64_t plane = static_cast<int64_t>(p.rows) * (2 * groups);
+      *reinterpret_cast<float2*>(p.partial + blockIdx.z * plane + o) = make_float2(v0, v1);
+    } else if (p.out_f32) {
       *reinterpret_cast<float2*>(static_cast<float*>(p.out) + o) = make_float2(v0, v1);
     } else {
       *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + o) = PackPair<T>(v0, v1);
@@ -253,10 +269,56 @@ __global__ void __launch_bounds__(kSdThreads) SddmmKernel(const SddmmParams p) {
   }
 }
 
+// out[i] = sum over the S token ranges of partial[s, i], in T or float32; n = R * 2G (a multiple of 4).
+template <typename T>
+__global__ void __launch_bounds__(256) SddmmReduceKernel(const float* __restrict__ partial, void* out, int64_t n,
+                                                         int splits, int out_f32) {
+  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x * 4) {
+    float4 acc = *reinterpret_cast<const float4*>(partial + i);
+    for (int s = 1; s < splits; ++s) {
+      const float4 v = *reinterpret_cast<const float4*>(partial + s * n + i);
+      acc.x += v.x;
+      acc.y += v.y;
+      acc.z += v.z;
+      acc.w += v.w;
+    }
+    if (out_f32) {
+      *reinterpret_cast<float4*>(static_cast<float*>(out) + i) = acc;
+    } else {
+      uint2 packed = make_uint2(PackPair<T>(acc.x, acc.y), PackPair<T>(acc.z, acc.w));
+      *reinterpret_cast<uint2*>(static_cast<T*>(out) + i) = packed;
+    }
+  }
+}
+
 // ---------------------------------------------------------------- host side
 
+int SmCount() {
+  static int count = 0;  // benign race: every thread computes the same value
+  if (count == 0) {
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) == cudaSuccess && cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess)
+      count = n;
+    else
+      count = 132;
+  }
+  return count;
+}
+
+// Token ranges for a grid of `tiles` (row, group) CTAs over `all_kt` token tiles: `split` as the attribute
+// says (1 = none, 0 = auto, n > 1 = n), never more than the token tiles.
+int ChooseSplits(int split, int tiles, int all_kt) {
+  int s = split;
+  if (s == 0) {
+    const int want = (2 * SmCount() + tiles - 1) / tiles;
+    s = std::min(std::min(want, all_kt / 4), 16);
+  }
+  return std::max(1, std::min(s, all_kt));
+}
+
 template <typename T, int M>
-ffi::Error Launch(cudaStream_t stream, const SddmmParams& p) {
+ffi::Error Launch(cudaStream_t stream, SddmmParams p, int split, ffi::ScratchAllocator& scratch) {
   constexpr int kSmem = SddmmLayout<M>::kSmemBytes;
   auto kernel = SddmmKernel<T, M>;
   static bool attr_set = false;  // per instantiation; benign race (idempotent)
@@ -266,18 +328,36 @@ ffi::Error Launch(cudaStream_t stream, const SddmmParams& p) {
     attr_set = true;
   }
   constexpr int GC = SddmmCfg<M>::GC;
-  dim3 grid(p.rows / kSdBR, (p.groups + GC - 1) / GC);
+  const int tiles = (p.rows / kSdBR) * ((p.groups + GC - 1) / GC);
+  const int all_kt = (p.tokens + kSdBT - 1) / kSdBT;
+  int splits = ChooseSplits(split, tiles, all_kt);
+  p.kt_per_split = splits > 1 ? (all_kt + splits - 1) / splits : std::max(all_kt, 1);
+  splits = splits > 1 ? (all_kt + p.kt_per_split - 1) / p.kt_per_split : 1;  // no empty range
+  const int64_t n = static_cast<int64_t>(p.rows) * 2 * p.groups;
+  p.partial = nullptr;
+  if (splits > 1) {
+    std::optional<void*> buf = scratch.Allocate(static_cast<size_t>(splits) * n * sizeof(float), 16);
+    if (!buf.has_value())
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted, "jaxsparse_sddmm: no scratch for the token split");
+    p.partial = static_cast<float*>(*buf);
+  }
+  dim3 grid(p.rows / kSdBR, (p.groups + GC - 1) / GC, splits);
   kernel<<<grid, kSdThreads, kSmem, stream>>>(p);
-  return LastLaunchError("SddmmKernel");
+  if (ffi::Error e = LastLaunchError("SddmmKernel"); e.failure() || splits == 1) return e;
+  const int blocks = static_cast<int>(std::min<int64_t>((n / 4 + 255) / 256, 4 * SmCount()));
+  SddmmReduceKernel<T><<<blocks, 256, 0, stream>>>(p.partial, p.out, n, splits, p.out_f32);
+  return LastLaunchError("SddmmReduceKernel");
 }
 
 template <typename T>
-ffi::Error Dispatch(cudaStream_t stream, const SddmmParams& p, int m) {
-  return DispatchGroupWidth("jaxsparse_sddmm", m, [&](auto width) { return Launch<T, decltype(width)::value>(stream, p); });
+ffi::Error Dispatch(cudaStream_t stream, const SddmmParams& p, int m, int split, ffi::ScratchAllocator& scratch) {
+  return DispatchGroupWidth("jaxsparse_sddmm", m,
+                            [&](auto width) { return Launch<T, decltype(width)::value>(stream, p, split, scratch); });
 }
 
-ffi::Error SddmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Buffer<ffi::U8> columns,
-                     ffi::Buffer<ffi::U32> metadata, ffi::Result<ffi::AnyBuffer> out, int32_t v, int32_t m) {
+ffi::Error SddmmImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::AnyBuffer dy,
+                     ffi::Buffer<ffi::U8> columns, ffi::Buffer<ffi::U32> metadata, ffi::Result<ffi::AnyBuffer> out,
+                     int32_t v, int32_t m, int32_t split) {
   if (x.dimensions().size() != 2 || dy.dimensions().size() != 2 || metadata.dimensions().size() != 2 ||
       out->dimensions().size() != 2)
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: x, dy, metadata and output must be 2-D");
@@ -293,6 +373,7 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: x and dy must share one dtype");
   if (out->element_type() != dt && out->element_type() != ffi::F32)
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: the output must be in the input dtype or float32");
+  if (split < 0) return ffi::Error::InvalidArgument("jaxsparse_sddmm: split must be >= 0 (0 = auto, 1 = none)");
   if (rows == 0 || groups == 0) return ffi::Error::Success();
   if (tokens >= (int64_t(1) << 30) || k >= (int64_t(1) << 30) || rows >= (int64_t(1) << 30) ||
       (groups + 7) / 8 > 65535)
@@ -310,8 +391,8 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
   p.groups = static_cast<int>(groups);
   p.v = v;
   p.out_f32 = out->element_type() == ffi::F32;
-  if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, m);
-  if (dt == ffi::F16) return Dispatch<__half>(stream, p, m);
+  if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, m, split, scratch);
+  if (dt == ffi::F16) return Dispatch<__half>(stream, p, m, split, scratch);
   return ffi::Error::InvalidArgument("jaxsparse_sddmm: x must be bfloat16 or float16");
 }
 
@@ -321,10 +402,12 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSddmm, jaxsparse::SddmmImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::ScratchAllocator>()        // token-split partial sums
                                   .Arg<xla::ffi::AnyBuffer>()               // x [T, K]
                                   .Arg<xla::ffi::AnyBuffer>()               // dy [T, R]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // columns [R/V, G, 4] or [0]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // metadata [R, G/8]
                                   .Ret<xla::ffi::AnyBuffer>()               // dvalues [R, 2G], T or f32
                                   .Attr<int32_t>("v")
-                                  .Attr<int32_t>("m"));
+                                  .Attr<int32_t>("m")
+                                  .Attr<int32_t>("split"));  // 1 = none, 0 = auto, n > 1 = n ranges

@@ -64,10 +64,10 @@ def _spmm_t_ref(dy, sw):
     return jnp.dot(dy.astype(jnp.float32), F.decompress(sw).astype(jnp.float32).T, precision=HIGHEST)
 
 
-def _check_sddmm(x, dy, sw, out_dtype, tol):
+def _check_sddmm(x, dy, sw, out_dtype, tol, split=1):
     out_dt = jnp.dtype(out_dtype or sw.values.dtype)
     poison(sw.values.shape, out_dt)
-    out = jax.jit(lambda x, dy, sw: calls.sddmm(x, dy, sw, out_dtype))(x, dy, sw)
+    out = jax.jit(lambda x, dy, sw: calls.sddmm(x, dy, sw, out_dtype, split))(x, dy, sw)
     out.block_until_ready()
     assert out.shape == sw.values.shape and out.dtype == out_dt
     return _compare(out, _sddmm_ref(x, dy, sw), tol, "sddmm")
@@ -114,6 +114,18 @@ def test_sddmm_float32_output(spec, dtype):
     k = _small_k(F.VNM.parse(spec).m)
     x, dy, sw = _make(key("sddmm-f32", spec, str(dtype)), 333, k, _rows(spec), spec, dtype)
     _check_sddmm(x, dy, sw, jnp.float32, 1e-4)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("split", [2, 3, 0], ids=["split2", "split3", "auto"])
+@pytest.mark.parametrize("t", [200, 1000])
+@pytest.mark.parametrize("out_dtype", [None, jnp.float32], ids=["values-dtype", "f32"])
+def test_sddmm_token_split(spec, split, t, out_dtype):
+    """Token ranges reduced through the scratch buffer: same result as one pass (T = 200: 7 tiles, so
+    3 ranges of 3, 3 and 1; auto picks ranges from the grid size)."""
+    k = _small_k(F.VNM.parse(spec).m)
+    x, dy, sw = _make(key("sddmm-split", spec, split, t), t, k, _rows(spec), spec, jnp.bfloat16)
+    _check_sddmm(x, dy, sw, out_dtype, TOL[jnp.bfloat16] if out_dtype is None else 1e-4, split)
 
 
 # ----------------------------------------------------------------------------- dX

@@ -231,3 +231,20 @@ def test_dense_dx_route_of_2_4(monkeypatch):
     ref = reference.spmm_t(dy2.astype(jnp.float32), sw.replace(values=sw.values.astype(jnp.float32)))
     assert got.dtype == jnp.bfloat16 and got.shape == (dy2.shape[0], sw.shape[0])
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref), rtol=2e-2, atol=2e-2)
+
+
+def test_sddmm_split_setting(monkeypatch):
+    from jaxsparse.ffi import calls
+
+    monkeypatch.delenv(calls.SDDMM_SPLIT_ENV, raising=False)
+    assert calls.sddmm_split() == 1  # one pass until the split is measured on a GPU
+    assert calls.sddmm_split("auto") == 0 and calls.sddmm_split(4) == 4
+    monkeypatch.setenv(calls.SDDMM_SPLIT_ENV, "auto")
+    assert calls.sddmm_split() == 0
+    monkeypatch.setenv(calls.SDDMM_SPLIT_ENV, "3")
+    assert calls.sddmm_split() == 3
+    monkeypatch.setenv(calls.SDDMM_SPLIT_ENV, "many")
+    with pytest.raises(ValueError, match="JAXSPARSE_SDDMM_SPLIT"):
+        calls.sddmm_split()
+    with pytest.raises(ValueError, match="split"):
+        calls.sddmm_split(-1)

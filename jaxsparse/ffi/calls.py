@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -133,13 +135,38 @@ def spmm(x: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activati
     )
 
 
-def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None) -> jax.Array:
+SDDMM_SPLIT_ENV = "JAXSPARSE_SDDMM_SPLIT"
+
+
+def sddmm_split(split: int | str | None = None) -> int:
+    """The SDDMM's token-split attribute: 1 = one pass over all tokens, 0 = auto, n > 1 = n token ranges.
+
+    ``None`` reads ``JAXSPARSE_SDDMM_SPLIT`` (``auto``, ``none`` or an integer; default ``none`` until the
+    split has been measured on a GPU, see docs/kernel-notes.md).
+    """
+    if split is None:
+        split = os.environ.get(SDDMM_SPLIT_ENV, "none").strip().lower() or "none"
+    if isinstance(split, str):
+        named = {"auto": 0, "none": 1}
+        if split in named:
+            return named[split]
+        try:
+            split = int(split)
+        except ValueError:
+            raise ValueError(f"{SDDMM_SPLIT_ENV} must be 'auto', 'none' or an integer >= 1, got {split!r}") from None
+    if split < 0:
+        raise ValueError(f"the SDDMM split must be 0 (auto), 1 (none) or more token ranges, got {split}")
+    return int(split)
+
+
+def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None, split: int | str | None = None) -> jax.Array:
     """Weight gradient ``x^T dy`` at ``sw``'s kept positions by the CUDA handler ``jaxsparse_sddmm``.
 
     ``x [T, K]`` and ``dy [T, R]`` -> ``[R, 2G]`` in the layout of ``sw.values``, accumulated in float32
     and returned in ``out_dtype`` (``sw.values.dtype`` when None, or float32). Constraints (``ValueError``
     here, before anything is launched): ``x`` and ``dy`` 2-D with one token count and the dtype of
-    ``sw.values``; ``sddmm_unsupported(sw)`` is None. Any ``T`` (``T = 0`` gives zeros).
+    ``sw.values``; ``sddmm_unsupported(sw)`` is None. Any ``T`` (``T = 0`` gives zeros). ``split``: see
+    :func:`sddmm_split` (token ranges reduced in float32 through an XLA scratch buffer).
     """
     if x.ndim != 2 or dy.ndim != 2:
         raise ValueError(f"sddmm: x and dy must be 2-D, got shapes {x.shape} and {dy.shape}")
@@ -156,7 +183,7 @@ def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None) -> jax.
         raise ValueError(f"sddmm: {problem}")
     return _call(
         "jaxsparse_sddmm", sw.values.shape, out, x, dy, _columns_operand(sw), sw.metadata,
-        v=np.int32(sw.spec.v), m=np.int32(sw.spec.m),
+        v=np.int32(sw.spec.v), m=np.int32(sw.spec.m), split=np.int32(sddmm_split(split)),
     )
 
 
