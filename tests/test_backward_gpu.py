@@ -242,29 +242,29 @@ def test_sparse_linear_grad_on_kernels(monkeypatch, spec, dtype, t):
     _compare(gb[None], target.sum(0)[None], TOL[dtype], "dbias")
 
 
-def test_sparse_linear_grad_hlo_has_kernels_and_no_transpose(monkeypatch):
-    """The jitted gradient runs the three kernels, and XLA puts no transpose or copy around them."""
+def _grad_hlo(monkeypatch, spec: str) -> str:
+    """Optimized HLO of the jitted value-and-gradient of a sparse layer, every product on its GPU path."""
     _force_backward_kernels(monkeypatch)
-    x, _, sw = _make(key("grad-hlo"), 256, 512, 256, "64:2:8", jnp.bfloat16)
+    x, _, sw = _make(key("grad-hlo", spec), 256, 512, 256, spec, jnp.bfloat16)
     bias = jnp.zeros((256,), jnp.bfloat16)
     target = jnp.ones((256, 256), jnp.float32)
     # value_and_grad: the loss value keeps the forward SpMM alive (a linear loss's gradient needs no y).
     vg = jax.jit(jax.value_and_grad(_loss(sw), argnums=(0, 1, 2)))
     text = vg.lower(x, sw.values, bias, target).compile().as_text()
+    assert not layout_moves(text), (layout_moves(text), text)  # no transpose or copy around the calls
+    return text
+
+
+def test_sparse_linear_grad_hlo_has_kernels_and_no_transpose(monkeypatch):
+    """The jitted gradient runs the three kernels, and XLA puts no transpose or copy around them."""
+    text = _grad_hlo(monkeypatch, "64:2:8")
     for name in ("jaxsparse_spmm", "jaxsparse_sddmm", "jaxsparse_spmm_t"):
         assert f'custom_call_target="{name}"' in text, name
-    assert not layout_moves(text), (layout_moves(text), text)
 
 
 def test_2_4_dx_takes_the_dense_product_without_transposes(monkeypatch):
     """At 2:4 the input gradient is XLA's dense product over the decompressed weight (docs/kernel-notes.md)."""
-    _force_backward_kernels(monkeypatch)
-    x, _, sw = _make(key("grad-hlo-24"), 256, 512, 256, "2:4", jnp.bfloat16)
-    bias = jnp.zeros((256,), jnp.bfloat16)
-    target = jnp.ones((256, 256), jnp.float32)
-    vg = jax.jit(jax.value_and_grad(_loss(sw), argnums=(0, 1, 2)))
-    text = vg.lower(x, sw.values, bias, target).compile().as_text()
+    text = _grad_hlo(monkeypatch, "2:4")
     for name in ("jaxsparse_spmm", "jaxsparse_sddmm", "jaxsparse_decompress"):
         assert f'custom_call_target="{name}"' in text, name
     assert 'custom_call_target="jaxsparse_spmm_t"' not in text
-    assert not layout_moves(text), (layout_moves(text), text)
