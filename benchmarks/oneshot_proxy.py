@@ -1,0 +1,118 @@
+"""How well one-shot masks preserve the pretrained MiniLM: magnitude against activation-weighted scores.
+
+A cheap, CPU-sized proxy for the accuracy study (issue 5): the encoder's linear kernels of pretrained
+all-MiniLM-L6-v2 are pruned once to each pattern, and the pruned model's token states and mean-pooled
+sentence embeddings are compared with the dense model's on held-out Rotten Tomatoes sentences. Two
+selection scores feed ``jaxsparse.format.select_mask``:
+
+* ``magnitude``: ``|W|`` (what ``gmp_prune`` uses);
+* ``activation``: ``|W_jr| * ||X_j||``, each input feature's weight scaled by the norm of that feature
+  over calibration tokens (the score of Wanda, Sun et al. 2023): for V:2:M this changes which 4 columns
+  a block keeps, the step that loses most (``benchmarks/mask_energy.py``).
+
+Calibration and evaluation use disjoint sentences. Writes ``benchmarks/results/cpu/oneshot_proxy.json``.
+
+    python benchmarks/oneshot_proxy.py [--calibration 256 --evaluation 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from jaxsparse import format as F
+from jaxsparse import pruning, train
+from jaxsparse.models import bert
+from jaxsparse.nn import NMDense
+
+PATTERNS = ["2:4", "64:2:8", "128:2:16"]
+CRITERIA = ["magnitude", "activation"]
+
+
+def input_norms(model: bert.BertModel, params: dict, batch: tuple) -> dict[tuple, np.ndarray]:
+    """``{module path: ||X_j|| over the unpadded tokens}`` of every NMDense input."""
+    ids, types, mask = batch
+    weight = mask[..., None].astype(jnp.float32)
+    sums: dict[tuple, jax.Array] = {}
+
+    def record(next_fun, args, kwargs, context):
+        if isinstance(context.module, NMDense) and context.method_name == "__call__":
+            x = args[0].astype(jnp.float32)
+            sums[context.module.path] = sums.get(context.module.path, 0.0) + jnp.sum(x * x * weight, axis=(0, 1))
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(record):
+        model.apply({"params": params}, ids, types, mask)
+    return {p: np.sqrt(np.asarray(s)) for p, s in sums.items()}
+
+
+def masks_for(params: dict, pattern: str, criterion: str, norms: dict[tuple, np.ndarray]) -> dict:
+    """A params-shaped mask tree (None where not pruned) of the encoder kernels."""
+    spec = F.VNM.parse(pattern)
+    flat = traverse_util.flatten_dict(params)
+    out = {}
+    for path, w in flat.items():
+        if path[-1] == "kernel" and pruning.encoder_kernels(("bert",) + path if path[0] != "bert" else path, w):
+            scores = jnp.abs(w) if criterion == "magnitude" else jnp.abs(w) * jnp.asarray(norms[path[:-1]])[:, None]
+            out[path] = F.select_mask(scores, spec)
+        else:
+            out[path] = None
+    return traverse_util.unflatten_dict(out)
+
+
+def compare(model, params, masks, batch, dense_h) -> dict[str, float]:
+    ids, types, mask = batch
+    variables = pruning.model_variables(params, masks=masks)
+    h, _ = jax.jit(lambda v: model.apply(v, ids, types, mask))(variables)
+    m = mask[..., None].astype(jnp.float32)
+    rel = float(jnp.sqrt(jnp.sum(((h - dense_h) * m) ** 2) / jnp.sum((dense_h * m) ** 2)))
+    e, d = bert.mean_pool(h, mask), bert.mean_pool(dense_h, mask)
+    cos = jnp.sum(e * d, -1) / (jnp.linalg.norm(e, axis=-1) * jnp.linalg.norm(d, axis=-1))
+    return {"token_state_rel_error": rel, "embedding_cosine_mean": float(cos.mean()), "embedding_cosine_min": float(cos.min())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calibration", type=int, default=256, help="sentences for the input norms")
+    parser.add_argument("--evaluation", type=int, default=256, help="held-out sentences compared with dense")
+    parser.add_argument("--max-len", type=int, default=64)
+    parser.add_argument("--out", default="benchmarks/results/cpu/oneshot_proxy.json")
+    args = parser.parse_args()
+    t0 = time.time()
+    cfg, params = bert.load_minilm()
+    data = train.load_data("rt", args.calibration + args.evaluation, 16, args.max_len).train
+    arrays = (data.input_ids, data.token_type_ids, data.attention_mask)
+    calib = tuple(jnp.asarray(a[: args.calibration]) for a in arrays)
+    evalb = tuple(jnp.asarray(a[args.calibration:]) for a in arrays)
+    model = bert.BertModel(cfg, add_pooler=False)
+    norms = input_norms(model, params, calib)
+    dense_h, _ = jax.jit(lambda p: model.apply({"params": p}, *evalb))(params)
+    rows = []
+    print(f"{'pattern':>9} {'criterion':>10} {'token-state rel. error':>23} {'embedding cos (mean, min)':>27}")
+    for pattern in PATTERNS:
+        for criterion in CRITERIA:
+            masks = masks_for(params, pattern, criterion, norms)
+            assert all(F.check_mask(m, pattern) for m in jax.tree_util.tree_leaves(masks))
+            r = {"pattern": pattern, "criterion": criterion, **compare(model, params, masks, evalb, dense_h)}
+            rows.append(r)
+            print(f"{pattern:>9} {criterion:>10} {r['token_state_rel_error']:23.4f} "
+                  f"{r['embedding_cosine_mean']:14.4f} ({r['embedding_cosine_min']:.4f})", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(jax=jax.__version__, python=platform.python_version(), model="all-MiniLM-L6-v2",
+                                   calibration_sentences=args.calibration, evaluation_sentences=len(evalb[0]),
+                                   max_len=args.max_len, rows=rows, seconds=time.time() - t0), indent=1))
+    print(f"wrote {out} ({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
