@@ -82,6 +82,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="sparse runs learn from a dense teacher (one per task, seed 0, same settings): weight of "
                         "the soft loss, as jaxsparse-train --distill")
     p.add_argument("--temperature", type=float, default=2.0, help="distillation temperature")
+    p.add_argument("--score", default="magnitude", choices=("magnitude", "activation"),
+                   help="GMP mask score (jaxsparse-train --score)")
     p.add_argument("--fade", type=float, default=0.0,
                    help="GMP fade window before each stage, fraction of all steps (jaxsparse-train --fade)")
     p.add_argument("--teacher-dir", type=Path, default=None,
@@ -142,7 +144,7 @@ def hyperparameters(args: argparse.Namespace) -> dict[str, Any]:
             "lr": args.lr, "schedule": "linear warm-up, cosine decay to 0", "warmup": args.warmup,
             "weight_decay": args.weight_decay, "optimizer": "adamw (no decay on vectors)", "max_len": args.max_len,
             "distill": args.distill, "temperature": args.temperature if args.distill > 0 else None,
-            "fade": args.fade,
+            "fade": args.fade, "score": args.score,
             "max_train": args.max_train, "max_eval": args.max_eval, "dtype": args.dtype,
             "param_dtype": "float32", "compress": args.compress, "quick": bool(args.quick)}
 
@@ -156,7 +158,7 @@ def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> a
             "--warmup", str(args.warmup), "--seed", str(seed), "--max-train", str(args.max_train),
             "--max-eval", str(args.max_eval), "--max-len", str(args.max_len), "--dtype", args.dtype,
             "--distill", str(args.distill if sparsity != "dense" else 0.0), "--temperature", str(args.temperature),
-            "--fade", str(args.fade),
+            "--fade", str(args.fade), "--score", args.score,
             "--no-progress"]
     return train.parse_args(argv)
 
@@ -286,7 +288,8 @@ def section(payload: dict) -> str:
     fade = "" if not hp.get("fade") else f", each stage faded in over {hp['fade']:g} of all steps"
     recipe = ", ".join([f"{hp['epochs']} epochs, GMP to {hp['prune_end']:g}"]
                        + ([f"distillation {hp['distill']:g}"] if hp.get("distill") else [])
-                       + ([f"fade {hp['fade']:g}"] if hp.get("fade") else []))
+                       + ([f"fade {hp['fade']:g}"] if hp.get("fade") else [])
+                       + ([f"{hp['score']} score"] if hp.get("score", "magnitude") != "magnitude" else []))
     return "\n".join([
         f"### {env['device']} ({env['platform']}): {recipe}{' — quick smoke run, not a result' if hp.get('quick') else ''}",
         "",

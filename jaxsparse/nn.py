@@ -30,10 +30,14 @@ from flax.linen import dtypes
 from jaxsparse import format as fmt
 from jaxsparse import ops
 
-__all__ = ["NMDense", "SPARSITY", "compress_variables", "compress_tree", "sparse_weight"]
+__all__ = ["NMDense", "SPARSITY", "INPUT_STATS", "compress_variables", "compress_tree", "sparse_weight"]
 
 SPARSITY = "sparsity"
 """Name of the variable collection that carries masks (master mode) or the fixed pattern (compressed)."""
+
+INPUT_STATS = "input_stats"
+"""Collection in which a master-mode layer sums its input features' squares (``sq``, ``[K]``) when the
+caller makes it mutable: the activation-weighted pruning score of :func:`jaxsparse.pruning.gmp_prune`."""
 
 Array = jax.Array
 Initializer = Callable[..., Array]
@@ -84,6 +88,9 @@ class NMDense(nn.Module):
             return self._compressed(x, bias, spec)
 
         kernel = self.param("kernel", self.kernel_init, (k, r), self.param_dtype)
+        if spec is not None and not self.is_initializing() and self.is_mutable_collection(INPUT_STATS):
+            sq = jnp.sum(jnp.square(jax.lax.stop_gradient(x).astype(jnp.float32)).reshape(-1, k), axis=0)
+            self.sow(INPUT_STATS, "sq", sq, init_fn=lambda: jnp.zeros((k,), jnp.float32), reduce_fn=jnp.add)
         x, kernel, bias = dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
         if self.has_variable(SPARSITY, "mask"):
             mask = self.get_variable(SPARSITY, "mask")

@@ -47,6 +47,8 @@ __all__ = [
     "gmp_prune",
     "default_ladder",
     "PUBLISHED_LADDER",
+    "SCORES",
+    "input_norms_tree",
     "path_filter",
     "encoder_kernels",
     "find_state",
@@ -57,6 +59,9 @@ __all__ = [
     "sparsity_of",
     "to_compressed",
 ]
+
+SCORES = ("magnitude", "activation")
+"""Mask selection scores of :func:`gmp_prune`."""
 
 PUBLISHED_LADDER = ("64:6:8", "64:4:8", "64:2:8")
 """The ladder of the published V:N:M GMP recipe (its N > 2 stages run masked-dense)."""
@@ -195,8 +200,24 @@ def _map_selected(fn, selected, *trees):
                                   is_leaf=lambda x: x is None)
 
 
-def _select_all(params, selected, spec: fmt.VNM):
-    return _map_selected(lambda p: fmt.select_mask(p, spec), selected, params)
+def _select_all(params, selected, spec: fmt.VNM, input_sq=None):
+    """Masks of ``spec`` by ``|W|``, or by ``|W_jr| * ||X_j||`` where ``input_sq`` (params-shaped, ``[K]``
+    sums of squared inputs per kernel) is given."""
+    if input_sq is None:
+        return _map_selected(lambda p: fmt.select_mask(p, spec), selected, params)
+    return _map_selected(lambda p, q: fmt.select_mask(jnp.abs(p) * jnp.sqrt(q)[:, None], spec), selected, params,
+                         input_sq)
+
+
+def input_norms_tree(stats, params) -> Any:
+    """Params-shaped tree of ``[K]`` input sums of squares (at each ``.../module/kernel``; None elsewhere)
+    from the :data:`jaxsparse.nn.INPUT_STATS` collection (``.../module/sq``)."""
+    from jaxsparse.nn import INPUT_STATS  # noqa: F401 - the collection's name, for the reader
+
+    flat = traverse_util.flatten_dict(dict(stats))
+    by_module = {p[:-1]: v for p, v in flat.items() if p[-1] == "sq"}
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: by_module.get(_path_names(path)[:-1]) if _path_names(path)[-1] == "kernel" else None, params)
 
 
 def gmp_prune(
@@ -206,6 +227,7 @@ def gmp_prune(
     frequency: int = 1,
     filter_fn: FilterFn = encoder_kernels,
     fade_steps: int = 0,
+    score: str = "magnitude",
 ) -> optax.GradientTransformationExtraArgs:
     """Gradual magnitude pruning through ``ladder`` on the cubic schedule (see the module doc).
 
@@ -221,6 +243,11 @@ def gmp_prune(
         updates left, so they decay linearly to ``1 / (fade_steps + 1)`` of their value) before the
         stage cuts them. Large jumps (``2:4 -> 64:2:8`` drops about half of the weight magnitude) then
         reach the network gradually. 0 (default): masks change at once.
+      score: ``"magnitude"`` (``|W|``) or ``"activation"`` (``|W_jr| * ||X_j||``, each weight scaled by the
+        norm of its input feature, as Wanda does). ``"activation"`` needs the extra argument
+        ``input_sq`` in ``update`` (a params-shaped tree of ``[K]`` sums of squared inputs:
+        :func:`input_norms_tree` of the model's :data:`jaxsparse.nn.INPUT_STATS` collection);
+        :func:`jaxsparse.train.make_step` passes it.
 
     Returns:
       A transform whose ``update(updates, state, params)`` requires ``params``; chain it last.
@@ -231,6 +258,8 @@ def gmp_prune(
     entries = jnp.asarray(schedule.stage_steps, jnp.int32)
     if fade_steps < 0:
         raise ValueError(f"fade_steps must be >= 0, got {fade_steps}")
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
     starts = (0,) + schedule.stage_steps[:-1]
     fade_starts = jnp.asarray([max(e - fade_steps, s) for e, s in zip(schedule.stage_steps, starts)], jnp.int32)
     n_stages = len(schedule.ladder)
@@ -254,17 +283,21 @@ def gmp_prune(
         target = masks if fade_steps > 0 else ()
         return GMPState(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32), masks, target)
 
-    def update(updates, state: GMPState, params=None, **extra_args):
+    def update(updates, state: GMPState, params=None, input_sq=None, **extra_args):
         del extra_args
         if params is None:
             raise ValueError("gmp_prune needs params: call tx.update(grads, state, params)")
+        if score == "activation" and input_sq is None:
+            raise ValueError("gmp_prune(score='activation') needs input_sq: tx.update(grads, state, params, "
+                             "input_sq=input_norms_tree(stats, params)) (jaxsparse.train.make_step does this)")
+        sq = input_sq if score == "activation" else None
         selected = _selected(params, filter_fn)
         updates_in = updates
         stage = jnp.sum(entries <= state.count).astype(jnp.int32)
         new_params = _map_selected(lambda p, u: p + u, selected, params, updates)
 
         def recompute(_):
-            branches = [lambda np_, spec=spec: _select_all(np_, selected, spec) for spec in schedule.ladder]
+            branches = [lambda np_, spec=spec: _select_all(np_, selected, spec, sq) for spec in schedule.ladder]
             return jax.lax.switch(stage - 1, branches, new_params)
 
         masks = jax.lax.cond(stage != state.stage, recompute, lambda _: state.masks, None)
@@ -276,7 +309,7 @@ def gmp_prune(
             fading = (stage < n_stages) & (state.count >= start) & (state.count < entry)
 
             def choose(_):
-                branches = [lambda np_, spec=spec: _select_all(np_, selected, spec) for spec in schedule.ladder]
+                branches = [lambda np_, spec=spec: _select_all(np_, selected, spec, sq) for spec in schedule.ladder]
                 return jax.lax.switch(nxt, branches, new_params)
 
             target = jax.lax.cond(fading & (state.count == start), choose, lambda _: state.target, None)
@@ -294,6 +327,7 @@ def gmp_prune(
 
     tx = optax.GradientTransformationExtraArgs(init, update)
     tx.schedule = schedule  # type: ignore[attr-defined]  # read by tests and the trainer
+    tx.score = score  # type: ignore[attr-defined]  # the trainer collects input statistics for "activation"
     return tx
 
 

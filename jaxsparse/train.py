@@ -30,6 +30,7 @@ from jaxsparse import parallel
 from jaxsparse import format as fmt
 from jaxsparse import pruning
 from jaxsparse.models import bert
+from jaxsparse.nn import INPUT_STATS
 
 __all__ = ["main", "parse_args", "run", "fit", "load_data", "load_model", "TaskTokens", "JitCache",
            "save_checkpoint", "load_checkpoint", "make_step", "loss_fn", "predict_logits", "fit_teacher", "teacher_args"]
@@ -54,6 +55,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fade", type=float, default=0.0,
                    help="GMP: before each stage, fade the weights it will prune to zero over this fraction of all "
                         "steps (0 = masks change at once; see jaxsparse.pruning.gmp_prune fade_steps)")
+    p.add_argument("--score", default="magnitude", choices=("magnitude", "activation"),
+                   help="GMP mask score: |W|, or |W| times the norm of each input feature (Wanda's score)")
     p.add_argument("--compress", default="auto", choices=("auto", "on", "off"),
                    help="after the final N=2 mask: train the compressed values (auto: on when the CUDA kernels run)")
     p.add_argument("--epochs", type=int, default=1)
@@ -259,7 +262,7 @@ def loss_fn(logits: jax.Array, labels: jax.Array, teacher_logits: jax.Array | No
 
 def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: jax.sharding.Mesh | None = None,
               axis: str = parallel.DATA_AXIS, donate: bool = False, distill: float = 0.0,
-              temperature: float = 2.0) -> Callable:
+              temperature: float = 2.0, mask_score: str = "magnitude") -> Callable:
     """The jitted training step ``(params, opt_state, extra, batch, rng) -> (params, opt_state, loss)``.
 
     Args:
@@ -274,11 +277,15 @@ def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: j
       donate: donate ``params`` and ``opt_state`` to the step (the caller must not reuse them).
       distill, temperature: with ``distill > 0`` the batch carries a fifth array, the teacher's logits
         ``[B, labels]``, and the loss is :func:`loss_fn`'s distillation loss.
+      mask_score: the ``score`` of the ``gmp_prune`` in ``tx``; with ``"activation"`` the forward collects
+        the sparse layers' input statistics (:data:`jaxsparse.nn.INPUT_STATS`) and hands them to the
+        optimizer update as ``input_sq``.
 
     The optimizer update runs in the named scope ``OPTIMIZER_SCOPE``, so ``jaxsparse-profile`` can
     attribute its kernels.
     """
     dp = axis if mesh is not None else None
+    with_stats = with_masks and mask_score == "activation"
 
     def step(params, opt_state, extra, batch, rng):
         variables = pruning.model_variables(params, opt_state) if with_masks else dict(extra)
@@ -287,15 +294,19 @@ def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: j
             rng = jax.random.fold_in(rng, jax.lax.axis_index(dp))
 
         def lf(p):
-            logits = model.apply({**variables, "params": p}, *batch[:3], deterministic=False,
-                                 rngs={"dropout": rng})
+            out = model.apply({**variables, "params": p}, *batch[:3], deterministic=False,
+                              rngs={"dropout": rng}, mutable=[INPUT_STATS] if with_stats else False)
+            logits, stats = out if with_stats else (out, None)
             teacher = batch[4] if distill > 0 else None
-            return loss_fn(logits, batch[3], teacher, distill, temperature)
+            return loss_fn(logits, batch[3], teacher, distill, temperature), stats
 
-        loss, grads = jax.value_and_grad(lf)(params)
+        (loss, stats), grads = jax.value_and_grad(lf, has_aux=True)(params)
         grads, loss = parallel.pmean_grads((grads, loss), dp)
+        extra_args = {}
+        if with_stats:  # the activation-weighted mask score: input sums of squares of this batch (all devices)
+            extra_args["input_sq"] = parallel.pmean_grads(pruning.input_norms_tree(stats[INPUT_STATS], params), dp)
         with jax.named_scope(OPTIMIZER_SCOPE):
-            updates, opt_state = tx.update(grads, opt_state, params)
+            updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
             params = optax.apply_updates(params, updates)
         return params, opt_state, loss
 
@@ -375,13 +386,15 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         ladder = args.ladder.split(",") if args.ladder else args.sparsity
         begin, end = int(args.prune_begin * total), int(args.prune_end * total)
         prune = pruning.gmp_prune(ladder, begin, end, frequency=max(1, (end - begin) // 20),
-                                  fade_steps=int(getattr(args, "fade", 0.0) * total))
+                                  fade_steps=int(getattr(args, "fade", 0.0) * total),
+                                  score=getattr(args, "score", "magnitude"))
     elif args.prune == "oneshot":
-        prune = pruning.gmp_prune([spec], 0, 0)
+        prune = pruning.gmp_prune([spec], 0, 0, score=getattr(args, "score", "magnitude"))
     if prune is not None and str(prune.schedule.ladder[-1]) != str(spec):
         raise ValueError(f"the ladder must end at --sparsity {spec}, got {prune.schedule.ladder[-1]}")
     tx = optax.chain(base, prune) if prune is not None else base
-    tx_key = base_key + ((prune.schedule, int(getattr(args, "fade", 0.0) * total)) if prune is not None else ())
+    score = prune.score if prune is not None else "magnitude"
+    tx_key = base_key + ((prune.schedule, int(getattr(args, "fade", 0.0) * total), score) if prune is not None else ())
     opt_state = tx.init(params)
     compress = _use_compressed(args.compress, spec, cfg)
     switch_step = prune.schedule.stage_steps[-1] + 1 if prune is not None else None
@@ -390,7 +403,8 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         return jax.jit(lambda variables, *a: model.apply(variables, *a))
 
     step = cache.get("step", (model, tx_key, prune is not None, mesh, kd),
-                     lambda: make_step(model, tx, prune is not None, mesh, distill=kd[0], temperature=kd[1]))
+                     lambda: make_step(model, tx, prune is not None, mesh, distill=kd[0], temperature=kd[1],
+                                       mask_score=score))
     logits_fn = cache.get("logits", master_key, lambda: make_logits(master))
     extra: dict = {}
     evaluate_dev, evaluate_test = _Evaluator(dev, args.batch_size), _Evaluator(test, args.batch_size)

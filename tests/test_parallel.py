@@ -82,6 +82,18 @@ def _worker() -> dict:
         "control_close": close(single[0], half[0]), "control_max_rel": max_rel(single[0], half[0], params0),
     }
 
+    # the activation-weighted mask score: each device's input statistics are averaged before selection,
+    # so the data-parallel masks are the full batch's
+    tx_act = optax.chain(tx_sgd, pruning.gmp_prune([spec], 0, 0, score="activation"))
+    act_s = run(train.make_step(master, tx_act, True, mask_score="activation"), params0, tx_act.init(params0), {}, batch)
+    act_d = run(train.make_step(master, tx_act, True, mesh, mask_score="activation"), params0, tx_act.init(params0),
+                {}, batch)
+    out["activation"] = {
+        "close": close(act_s[0], act_d[0]),
+        "masks_equal": all(bool(np.array_equal(x, y)) for x, y in zip(
+            jax.tree_util.tree_leaves(pruning.masks_of(act_s[1])), jax.tree_util.tree_leaves(pruning.masks_of(act_d[1])))),
+    }
+
     # compressed mode: values are the trainable params, the pattern is replicated in "sparsity"
     masks = pruning.oneshot_masks(params0, spec)
     c_params, pattern = pruning.to_compressed(params0, masks, spec)
@@ -146,6 +158,10 @@ def test_master_mode_with_gmp_mask_matches_the_full_batch_step(report):
     assert r["loss_dp"] == pytest.approx(r["loss_single"], rel=1e-5)
     # the tolerance can tell a half batch (one device's gradient alone) from the averaged one
     assert not r["control_close"] and r["control_max_rel"] > 0.05, r
+
+
+def test_activation_score_masks_match_the_full_batch_step(report):
+    assert report["activation"]["masks_equal"] and report["activation"]["close"], report["activation"]
 
 
 def test_compressed_mode_matches_the_full_batch_step(report):

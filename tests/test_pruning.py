@@ -239,3 +239,36 @@ def test_fade_shrinks_the_next_stage_pruned_weights_then_cuts_them():
     assert pruning.gmp_prune("2:4", 0, 10).init(_params()).target == ()
     with pytest.raises(ValueError, match="fade_steps"):
         pruning.gmp_prune("2:4", 0, 10, fade_steps=-1)
+
+
+def test_activation_score_follows_the_input_norms():
+    """score="activation": |W_jr| * ||X_j||: inputs that never fire lose their weights whatever |W| is."""
+    params = _params(4)
+    tx = pruning.gmp_prune("2:4", 0, 0, score="activation")
+    state = tx.init(params)
+    zero = jax.tree_util.tree_map(jnp.zeros_like, params)
+    with pytest.raises(ValueError, match="needs input_sq"):
+        tx.update(zero, state, params)
+    k = params["encoder_layer_0"]["query"]["kernel"].shape[0]
+    silent = jnp.tile(jnp.array([0.0, 0.0, 1.0, 4.0]), k // 4)  # features 0, 1 of every group never fire
+    input_sq = jax.tree_util.tree_map_with_path(
+        lambda path, x: silent if pruning._path_names(path)[-1] == "kernel" and x.ndim == 2 else None, params)
+    _, state = jax.jit(tx.update)(zero, state, params, input_sq=input_sq)
+    for name in ("query", "output"):
+        mask = np.asarray(state.masks["encoder_layer_0"][name]["kernel"])
+        assert fmt.check_mask(mask, "2:4")
+        np.testing.assert_array_equal(mask, np.tile(np.array([False, False, True, True]), k // 4)[:, None]
+                                      .repeat(mask.shape[1], 1))
+    with pytest.raises(ValueError, match="score"):
+        pruning.gmp_prune("2:4", score="hessian")
+
+
+def test_input_norms_tree_maps_layer_stats_to_kernels():
+    layer = NMDense(8, sparsity="2:4")
+    x = jax.random.normal(jax.random.key(0), (3, 5, 16))
+    variables = layer.init(jax.random.key(1), x)
+    assert "input_stats" not in variables  # nothing recorded at init
+    _, stats = layer.apply(variables, x, mutable=["input_stats"])
+    np.testing.assert_allclose(stats["input_stats"]["sq"], np.sum(np.asarray(x) ** 2, axis=(0, 1)), rtol=1e-5)
+    tree = pruning.input_norms_tree({"dense": stats["input_stats"]}, {"dense": variables["params"]})
+    assert tree["dense"]["bias"] is None and tree["dense"]["kernel"].shape == (16,)

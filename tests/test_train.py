@@ -109,3 +109,16 @@ def test_distill_needs_a_sparse_run_and_teacher_logits(tmp_path, capsys):
         train.parse_args(["--sparsity", "dense", "--distill", "0.5"])
     with pytest.raises(SystemExit):
         train.parse_args(["--distill", "1.0"])
+
+
+def test_tiny_run_with_activation_score(tmp_path):
+    """--score activation: the forward collects input statistics and GMP selects with them."""
+    out = tmp_path / "run"
+    metrics = train.run(train.parse_args(TINY + ["--epochs", "2", "--sparsity", "2:4", "--prune", "gmp",
+                                                  "--score", "activation", "--compress", "off", "--out", str(out)]))
+    hist = metrics["history"]
+    assert hist[-1]["train_loss"] < hist[0]["first_loss"] - 0.1, hist
+    restored = train.load_checkpoint(out / "checkpoint")
+    masks = list(_leaves(restored["sparsity"]))
+    assert len(masks) == 12 and all(fmt.check_mask(np.asarray(m), "2:4") for m in masks)
+    assert metrics["weight_sparsity"] >= 0.5
