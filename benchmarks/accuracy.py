@@ -78,14 +78,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (warm-up, then cosine to 0)")
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--warmup", type=float, default=0.1, help="warm-up, fraction of all steps")
-    p.add_argument("--distill", type=float, default=0.0,
-                   help="sparse runs learn from a dense teacher (one per task, seed 0, same settings): weight of "
-                        "the soft loss, as jaxsparse-train --distill")
-    p.add_argument("--temperature", type=float, default=2.0, help="distillation temperature")
-    p.add_argument("--score", default="magnitude", choices=("magnitude", "activation"),
-                   help="GMP mask score (jaxsparse-train --score)")
-    p.add_argument("--fade", type=float, default=0.0,
-                   help="GMP fade window before each stage, fraction of all steps (jaxsparse-train --fade)")
+    train.add_recipe_arguments(p)  # --fade, --score, --distill (one teacher per task, seed 0), --temperature
     p.add_argument("--teacher-dir", type=Path, default=None,
                    help="share distillation teachers between processes: the first trains and saves "
                         "teacher-<task>.npz here (under a file lock), the others load it")
@@ -130,6 +123,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                 p.error(f"--sparsities: {e}")
     args.seed_values = ([int(x) for x in args.seed_list.split(",") if x.strip()] if args.seed_list
                         else list(range(args.seeds)))
+    train.check_recipe_arguments(p, args)
     if not args.tasks or not args.sparsities or args.seeds < 1 or not args.seed_values:
         p.error("need at least one task, one sparsity and --seeds >= 1")
     if args.dtype == "auto":

@@ -26,7 +26,6 @@ from pathlib import Path
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import traverse_util
 
 from jaxsparse import format as F
@@ -38,8 +37,8 @@ PATTERNS = ["2:4", "64:2:8", "128:2:16"]
 CRITERIA = ["magnitude", "activation"]
 
 
-def input_norms(model: bert.BertModel, params: dict, batch: tuple) -> dict[tuple, np.ndarray]:
-    """``{module path: ||X_j|| over the unpadded tokens}`` of every NMDense input."""
+def input_sq(model: bert.BertModel, params: dict, batch: tuple) -> dict:
+    """Params-shaped tree of each sparse kernel's input sums of squares over the unpadded tokens."""
     ids, types, mask = batch
     weight = mask[..., None].astype(jnp.float32)
     sums: dict[tuple, jax.Array] = {}
@@ -47,26 +46,13 @@ def input_norms(model: bert.BertModel, params: dict, batch: tuple) -> dict[tuple
     def record(next_fun, args, kwargs, context):
         if isinstance(context.module, NMDense) and context.method_name == "__call__":
             x = args[0].astype(jnp.float32)
-            sums[context.module.path] = sums.get(context.module.path, 0.0) + jnp.sum(x * x * weight, axis=(0, 1))
+            sums[context.module.path + ("sq",)] = sums.get(context.module.path + ("sq",), 0.0) + jnp.sum(
+                x * x * weight, axis=(0, 1))
         return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(record):
         model.apply({"params": params}, ids, types, mask)
-    return {p: np.sqrt(np.asarray(s)) for p, s in sums.items()}
-
-
-def masks_for(params: dict, pattern: str, criterion: str, norms: dict[tuple, np.ndarray]) -> dict:
-    """A params-shaped mask tree (None where not pruned) of the encoder kernels."""
-    spec = F.VNM.parse(pattern)
-    flat = traverse_util.flatten_dict(params)
-    out = {}
-    for path, w in flat.items():
-        if path[-1] == "kernel" and pruning.encoder_kernels(("bert",) + path if path[0] != "bert" else path, w):
-            scores = jnp.abs(w) if criterion == "magnitude" else jnp.abs(w) * jnp.asarray(norms[path[:-1]])[:, None]
-            out[path] = F.select_mask(scores, spec)
-        else:
-            out[path] = None
-    return traverse_util.unflatten_dict(out)
+    return pruning.input_norms_tree(traverse_util.unflatten_dict(sums), params)
 
 
 def compare(model, params, masks, batch, dense_h) -> dict[str, float]:
@@ -94,13 +80,13 @@ def main() -> None:
     calib = tuple(jnp.asarray(a[: args.calibration]) for a in arrays)
     evalb = tuple(jnp.asarray(a[args.calibration:]) for a in arrays)
     model = bert.BertModel(cfg, add_pooler=False)
-    norms = input_norms(model, params, calib)
+    sq = input_sq(model, params, calib)
     dense_h, _ = jax.jit(lambda p: model.apply({"params": p}, *evalb))(params)
     rows = []
     print(f"{'pattern':>9} {'criterion':>10} {'token-state rel. error':>23} {'embedding cos (mean, min)':>27}")
     for pattern in PATTERNS:
         for criterion in CRITERIA:
-            masks = masks_for(params, pattern, criterion, norms)
+            masks = pruning.oneshot_masks(params, pattern, input_sq=sq if criterion == "activation" else None)
             assert all(F.check_mask(m, pattern) for m in jax.tree_util.tree_leaves(masks))
             r = {"pattern": pattern, "criterion": criterion, **compare(model, params, masks, evalb, dense_h)}
             rows.append(r)

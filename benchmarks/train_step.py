@@ -60,8 +60,8 @@ def _take_turn(turn: dict | None):
     open(ready, "w").close()
     deadline = time.time() + turn["wait_s"]
     while time.time() < deadline:
-        done = sum(os.path.exists(os.path.join(turn["dir"], f"{w}-{i}")) for i in range(turn["n"])
-                   for w in ("ready", "exit"))
+        done = sum(any(os.path.exists(os.path.join(turn["dir"], f"{w}-{i}")) for w in ("ready", "exit"))
+                   for i in range(turn["n"]))  # a worker counts once, compiled or gone
         if done >= turn["n"]:
             break
         time.sleep(0.5)

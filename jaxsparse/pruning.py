@@ -212,8 +212,6 @@ def _select_all(params, selected, spec: fmt.VNM, input_sq=None):
 def input_norms_tree(stats, params) -> Any:
     """Params-shaped tree of ``[K]`` input sums of squares (at each ``.../module/kernel``; None elsewhere)
     from the :data:`jaxsparse.nn.INPUT_STATS` collection (``.../module/sq``)."""
-    from jaxsparse.nn import INPUT_STATS  # noqa: F401 - the collection's name, for the reader
-
     flat = traverse_util.flatten_dict(dict(stats))
     by_module = {p[:-1]: v for p, v in flat.items() if p[-1] == "sq"}
     return jax.tree_util.tree_map_with_path(
@@ -383,10 +381,11 @@ def model_variables(params, opt_state=None, masks=None, **collections) -> dict:
     return out
 
 
-def oneshot_masks(params, spec: str | fmt.VNM, filter_fn: FilterFn = encoder_kernels) -> Any:
-    """Magnitude masks of pattern ``spec`` for the kernels ``filter_fn`` selects (None elsewhere)."""
+def oneshot_masks(params, spec: str | fmt.VNM, filter_fn: FilterFn = encoder_kernels, input_sq=None) -> Any:
+    """Masks of pattern ``spec`` for the kernels ``filter_fn`` selects (None elsewhere): by magnitude, or by
+    ``|W_jr| * ||X_j||`` with ``input_sq`` (see :func:`gmp_prune`'s ``score="activation"``)."""
     spec = fmt.VNM.parse(spec)
-    return _select_all(params, _selected(params, filter_fn), spec)
+    return _select_all(params, _selected(params, filter_fn), spec, input_sq)
 
 
 def sparsity_of(params, masks) -> float:

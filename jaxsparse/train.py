@@ -33,9 +33,32 @@ from jaxsparse.models import bert
 from jaxsparse.nn import INPUT_STATS
 
 __all__ = ["main", "parse_args", "run", "fit", "load_data", "load_model", "TaskTokens", "JitCache",
-           "save_checkpoint", "load_checkpoint", "make_step", "loss_fn", "predict_logits", "fit_teacher", "teacher_args"]
+           "save_checkpoint", "load_checkpoint", "make_step", "loss_fn", "predict_logits", "fit_teacher", "teacher_args",
+           "add_recipe_arguments", "check_recipe_arguments"]
 
 MODELS = ("minilm",) + tuple(n for n in bert.PRESETS if n != "minilm")
+
+
+def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
+    """The sparse fine-tuning recipe options shared by ``jaxsparse-train`` and ``benchmarks/accuracy.py``:
+    ``--fade``, ``--score``, ``--distill``, ``--temperature``."""
+    p.add_argument("--fade", type=float, default=0.0,
+                   help="GMP: before each stage, fade the weights it will prune to zero over this fraction of all "
+                        "steps (0 = masks change at once; see jaxsparse.pruning.gmp_prune fade_steps)")
+    p.add_argument("--score", default="magnitude", choices=pruning.SCORES,
+                   help="GMP mask score: |W|, or |W| times the norm of each input feature (Wanda's score)")
+    p.add_argument("--distill", type=float, default=0.0,
+                   help="knowledge distillation weight in [0, 1): sparse runs learn from a dense teacher fine-tuned "
+                        "with the same settings, on (1 - w) * cross-entropy + w * T^2 * KL(teacher || student)")
+    p.add_argument("--temperature", type=float, default=2.0, help="distillation temperature T")
+
+
+def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``p.error`` for recipe options out of range (see :func:`add_recipe_arguments`)."""
+    if not 0.0 <= args.fade < 1.0:
+        p.error("need 0 <= --fade < 1")
+    if not 0.0 <= args.distill < 1.0 or args.temperature <= 0:
+        p.error("need 0 <= --distill < 1 and --temperature > 0")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -52,11 +75,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="comma-separated GMP stages, e.g. 64:6:8,64:4:8,64:2:8 (default: kernel-eligible ladder)")
     p.add_argument("--prune-begin", type=float, default=0.0, help="GMP ramp start, fraction of all steps")
     p.add_argument("--prune-end", type=float, default=0.5, help="GMP ramp end, fraction of all steps")
-    p.add_argument("--fade", type=float, default=0.0,
-                   help="GMP: before each stage, fade the weights it will prune to zero over this fraction of all "
-                        "steps (0 = masks change at once; see jaxsparse.pruning.gmp_prune fade_steps)")
-    p.add_argument("--score", default="magnitude", choices=("magnitude", "activation"),
-                   help="GMP mask score: |W|, or |W| times the norm of each input feature (Wanda's score)")
     p.add_argument("--compress", default="auto", choices=("auto", "on", "off"),
                    help="after the final N=2 mask: train the compressed values (auto: on when the CUDA kernels run)")
     p.add_argument("--epochs", type=int, default=1)
@@ -64,10 +82,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--warmup", type=float, default=0.1, help="linear warm-up, fraction of all steps")
-    p.add_argument("--distill", type=float, default=0.0,
-                   help="knowledge distillation weight in [0, 1): a sparse run first fine-tunes a dense teacher with "
-                        "the same settings, then trains on (1 - w) * cross-entropy + w * T^2 * KL(teacher || student)")
-    p.add_argument("--temperature", type=float, default=2.0, help="distillation temperature T")
+    add_recipe_arguments(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-train", type=int, default=2000, help="training examples (0 = all)")
     p.add_argument("--max-eval", type=int, default=0, help="dev/test examples (0 = all)")
@@ -99,10 +114,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error("--devices must be >= 1")
     if not 0.0 <= args.prune_begin <= args.prune_end <= 1.0:
         p.error("need 0 <= --prune-begin <= --prune-end <= 1")
-    if not 0.0 <= args.fade < 1.0:
-        p.error("need 0 <= --fade < 1")
-    if not 0.0 <= args.distill < 1.0 or args.temperature <= 0:
-        p.error("need 0 <= --distill < 1 and --temperature > 0")
+    check_recipe_arguments(p, args)
     if args.distill > 0 and args.sparsity == "dense":
         p.error("--distill trains a sparse student from a dense teacher: give a --sparsity pattern")
     return args
@@ -382,19 +394,19 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
     base = optax.adamw(lr, weight_decay=args.weight_decay, mask=lambda p: jax.tree_util.tree_map(lambda x: x.ndim > 1, p))
     base_key = (args.lr, args.weight_decay, warmup, max(total, 2))
     prune = None
+    score = getattr(args, "score", "magnitude")
+    fade_steps = int(getattr(args, "fade", 0.0) * total)
     if args.prune == "gmp":
         ladder = args.ladder.split(",") if args.ladder else args.sparsity
         begin, end = int(args.prune_begin * total), int(args.prune_end * total)
         prune = pruning.gmp_prune(ladder, begin, end, frequency=max(1, (end - begin) // 20),
-                                  fade_steps=int(getattr(args, "fade", 0.0) * total),
-                                  score=getattr(args, "score", "magnitude"))
+                                  fade_steps=fade_steps, score=score)
     elif args.prune == "oneshot":
-        prune = pruning.gmp_prune([spec], 0, 0, score=getattr(args, "score", "magnitude"))
+        prune = pruning.gmp_prune([spec], 0, 0, score=score)
     if prune is not None and str(prune.schedule.ladder[-1]) != str(spec):
         raise ValueError(f"the ladder must end at --sparsity {spec}, got {prune.schedule.ladder[-1]}")
     tx = optax.chain(base, prune) if prune is not None else base
-    score = prune.score if prune is not None else "magnitude"
-    tx_key = base_key + ((prune.schedule, int(getattr(args, "fade", 0.0) * total), score) if prune is not None else ())
+    tx_key = base_key + ((prune.schedule, fade_steps, score) if prune is not None else ())
     opt_state = tx.init(params)
     compress = _use_compressed(args.compress, spec, cfg)
     switch_step = prune.schedule.stage_steps[-1] + 1 if prune is not None else None
