@@ -6,7 +6,11 @@ One process; the shapes of ``benchmarks/spmm.py`` (tokens 4096 and 16384; K x N 
 * ``fwd``: y (jaxsparse: ``jaxsparse_spmm``; dense: ``x @ w + b``);
 * ``dW``: the weight gradient (jaxsparse: ``jaxsparse_sddmm`` into the compressed values; dense: ``x^T dy``);
 * ``dX``: the input gradient (jaxsparse: ``jaxsparse_spmm_t``; dense: ``dy @ w^T``);
-* ``fwd+bwd``: ``jax.vjp`` of the whole layer (y, dx, dW, db) under one ``jit``.
+* ``fwd+bwd``: ``jax.vjp`` of the whole layer (y, dx, dW, db) under one ``jit``, on the routes the ops
+  take by default (``ops.dx_route``, ``calls.sddmm_split``; set ``JAXSPARSE_DX`` / ``JAXSPARSE_SDDMM_SPLIT``
+  to time others);
+* ``dW split=auto`` and ``dX dense route``: the alternatives the ops choose between, timed beside the
+  kernels (the SDDMM split over tokens; XLA's dense product over the decompressed weight).
 
 Roofline floor per product (``floor_ms``; constants in ``benchmarks/common.py``): the larger of the
 useful MMA work and the HBM traffic. Useful work is ``2*T*K*N`` at the dense rate for dense, and
@@ -117,6 +121,11 @@ def main() -> None:
         "dX": jax.jit(lambda x, dy, sw, b: calls.spmm_t(dy, sw)),
         "fwd+bwd": jax.jit(lambda x, dy, sw, b: sparse_vjp(x, dy, sw.values, b, sw)),
     }
+    # The alternatives the ops choose between, timed beside the kernels: (row label, product, function).
+    variants = [
+        ("dW split=auto", "dW", jax.jit(lambda x, dy, sw, b: calls.sddmm(x, dy, sw, split="auto"))),
+        ("dX dense route", "dX", jax.jit(lambda x, dy, sw, b: ops._dense_dx(dy, sw))),
+    ]
     select = jax.jit(F.select_mask, static_argnums=1)
     rows: list[dict] = []
     key = jax.random.PRNGKey(7)
@@ -128,6 +137,7 @@ def main() -> None:
             versions=common.versions(),
             roofline=dict(dense_tflops=common.DENSE_TFLOPS, sparse_tflops=common.SPARSE_TFLOPS,
                           hbm_tbps=common.HBM_TBPS, note=__doc__.split("Roofline")[1].split("Writes")[0].strip()),
+            fwd_bwd_routes=dict(dx=ops.dx_route(), sddmm_split=calls.sddmm_split()),
             timing="median over 15 batches of 20 async calls (host clock between syncs), 3 rotating input sets",
             results=rows,
         )
@@ -178,6 +188,17 @@ def main() -> None:
                                      compute_ms=round(fl["compute_ms"], 4), memory_ms=round(fl["memory_ms"], 4),
                                      over_floor=round(ms / fl["floor_ms"], 2), bound=fl["bound"],
                                      err=f"{errs[prod]:.1e}"))
+                    print(rows[-1], flush=True)
+                for label, prod, fn in variants:
+                    err = _rel(fn(x0, dy0, sw, b)[:512] if prod == "dX" else fn(x0, dy0, sw, b),
+                               jnp.dot(dy0[:512].astype(jnp.float32), wd.T, precision=hi) if prod == "dX" else
+                               F.compress_like(jnp.dot(x0.astype(jnp.float32).T, dy0.astype(jnp.float32), precision=hi), sw))
+                    ms = common.time_jax(fn, [(x, dy, sw, b) for x, dy in zip(xs, dys)], **reps)
+                    fl = floors(prod, tokens, k, n, spec.m, spec.v)
+                    rows.append(dict(base, product=label, impl=f"jaxsparse {spec_s}", ms=round(ms, 4),
+                                     speedup=round(dense_ms[prod] / ms, 2), floor_ms=round(fl["floor_ms"], 4),
+                                     compute_ms=round(fl["compute_ms"], 4), memory_ms=round(fl["memory_ms"], 4),
+                                     over_floor=round(ms / fl["floor_ms"], 2), bound=fl["bound"], err=f"{err:.1e}"))
                     print(rows[-1], flush=True)
                 del sw, wd
             del xs, dys, w

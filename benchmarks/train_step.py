@@ -119,8 +119,17 @@ def run_config(cfg: dict, turn: dict | None = None) -> dict:
         cuda_extension=ffi.available(),
         jaxsparse_path=os.path.dirname(jaxsparse.__file__),
         jaxsparse_backend=os.environ.get("JAXSPARSE_BACKEND", "auto"),
+        routes=_routes(),
     )
     return row
+
+
+def _routes() -> dict:
+    """The product routes this process runs (dX route, SDDMM split, ops sent to the reference)."""
+    from jaxsparse import dispatch, ops
+    from jaxsparse.ffi import calls
+
+    return dict(dx=ops.dx_route(), sddmm_split=calls.sddmm_split(), reference_ops=sorted(dispatch.reference_ops()))
 
 
 def _worker_cmd(cfg: dict, turn: dict | None = None) -> tuple[list[str], dict]:

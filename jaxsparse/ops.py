@@ -8,6 +8,7 @@ Activations may carry any leading dimensions; they are flattened to ``[tokens, f
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import jax
@@ -19,7 +20,7 @@ from jaxsparse.ffi import calls as cuda_calls
 from jaxsparse.ffi.calls import spmm_unsupported
 from jaxsparse.format import SparseWeight, decompress as _reference_decompress
 
-__all__ = ["decompress", "spmm", "sddmm", "spmm_t", "sparse_linear", "masked_linear", "spmm_unsupported"]
+__all__ = ["decompress", "spmm", "sddmm", "spmm_t", "dx_route", "sparse_linear", "masked_linear", "spmm_unsupported"]
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -96,19 +97,37 @@ def _dense_dx(dy2: jax.Array, sw: SparseWeight) -> jax.Array:
     return dx.astype(dy2.dtype)
 
 
-def spmm_t(dy: jax.Array, sw: SparseWeight) -> jax.Array:
+DX_ROUTE_ENV = "JAXSPARSE_DX"
+DX_ROUTES = ("dense", "kernel")
+
+
+def dx_route(route: Optional[str] = None) -> str:
+    """How the GPU computes the input gradient ``dy @ W^T``: ``"dense"`` or ``"kernel"``.
+
+    ``"dense"`` (the default): XLA's dense product over the weight decompressed by ``jaxsparse_decompress``
+    (a transient ``[K, R]`` weight in the values dtype, never a dense gradient). ``"kernel"``: the structured
+    ``jaxsparse_spmm_t`` kernel for ``M >= 8`` (2:4 stays dense: its pattern runs along dX's output
+    columns, so a sparse kernel does dense work on slower MMAs). ``None`` reads ``JAXSPARSE_DX``.
+    The default follows the measurements in docs/kernel-notes.md: the v1 kernel is slower than the dense
+    route at every M measured on the H100 (64:2:8 at 16384x1024x4096: 0.92 ms against 0.20 ms), so it
+    is opt-in until a faster version lands; ``benchmarks/linear.py`` times both routes side by side.
+    """
+    if route is None:
+        route = os.environ.get(DX_ROUTE_ENV, "dense").strip().lower() or "dense"
+    if route not in DX_ROUTES:
+        raise ValueError(f"the dX route ({DX_ROUTE_ENV}) must be one of {DX_ROUTES}, got {route!r}")
+    return route
+
+
+def spmm_t(dy: jax.Array, sw: SparseWeight, route: Optional[str] = None) -> jax.Array:
     """Input gradient ``dy @ W^T`` with ``dy`` of shape ``[..., R]``; returns ``[..., K]``.
 
-    On the GPU: the structured ``jaxsparse_spmm_t`` kernel for ``V:2:M`` with ``M >= 8``; XLA's dense
-    product over the decompressed weight for 2:4 (see the comment below).
+    On the GPU the product follows :func:`dx_route` (``route`` or ``JAXSPARSE_DX``).
     """
     _check_weight(sw)
     _check_activation(dy, sw, "dy", sw.shape[1])
-    # At 2:4 the pattern runs along dX's output columns, so a sparse dX kernel does dense work on slower
-    # MMAs: the v1 kernel measured 6.5x slower than XLA's dense product (docs/kernel-notes.md), so on
-    # the GPU 2:4 takes the dense product over the decompressed weight (a transient bf16 [K, R]
-    # weight, never a dense gradient). M >= 8 uses the structured kernel.
-    cuda = _dense_dx if sw.spec.m == 4 else cuda_calls.spmm_t
+    use_kernel = dx_route(route) == "kernel" and sw.spec.m > 4
+    cuda = cuda_calls.spmm_t if use_kernel else _dense_dx
     with jax.named_scope("jaxsparse_spmm_t"):
         dx = dispatch.call("spmm_t", reference.spmm_t, cuda, _flatten(dy), sw,
                            unsupported=cuda_calls.spmm_t_unsupported(sw))

@@ -199,9 +199,10 @@ def test_backward_no_transpose_in_hlo():
 # jax.grad of ops.sparse_linear under jit, with every product forced onto its kernel.
 
 
-def _force_backward_kernels(monkeypatch) -> None:
-    """Every sparse product on its kernel (an unsupported operand raises instead of falling back)."""
+def _force_backward_kernels(monkeypatch, dx_route: str = "kernel") -> None:
+    """Every sparse product on its GPU path (an unsupported operand raises instead of falling back)."""
     monkeypatch.setenv("JAXSPARSE_BACKEND", "cuda")
+    monkeypatch.setenv("JAXSPARSE_DX", dx_route)
     monkeypatch.delenv("JAXSPARSE_REFERENCE_OPS", raising=False)
 
 
@@ -222,8 +223,9 @@ def _grad_fn(sw):
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("t", [17, 1000])
-def test_sparse_linear_grad_on_kernels(monkeypatch, spec, dtype, t):
-    _force_backward_kernels(monkeypatch)
+@pytest.mark.parametrize("dx_route", ["kernel", "dense"])
+def test_sparse_linear_grad_on_kernels(monkeypatch, spec, dtype, t, dx_route):
+    _force_backward_kernels(monkeypatch, dx_route)
     k = _small_k(F.VNM.parse(spec).m)
     r = _rows(spec)
     x, _, sw = _make(key("grad", spec, str(dtype), t), t, k, r, spec, dtype)
@@ -242,9 +244,9 @@ def test_sparse_linear_grad_on_kernels(monkeypatch, spec, dtype, t):
     _compare(gb[None], target.sum(0)[None], TOL[dtype], "dbias")
 
 
-def _grad_hlo(monkeypatch, spec: str) -> str:
+def _grad_hlo(monkeypatch, spec: str, dx_route: str = "kernel") -> str:
     """Optimized HLO of the jitted value-and-gradient of a sparse layer, every product on its GPU path."""
-    _force_backward_kernels(monkeypatch)
+    _force_backward_kernels(monkeypatch, dx_route)
     x, _, sw = _make(key("grad-hlo", spec), 256, 512, 256, spec, jnp.bfloat16)
     bias = jnp.zeros((256,), jnp.bfloat16)
     target = jnp.ones((256, 256), jnp.float32)
@@ -262,9 +264,10 @@ def test_sparse_linear_grad_hlo_has_kernels_and_no_transpose(monkeypatch):
         assert f'custom_call_target="{name}"' in text, name
 
 
-def test_2_4_dx_takes_the_dense_product_without_transposes(monkeypatch):
-    """At 2:4 the input gradient is XLA's dense product over the decompressed weight (docs/kernel-notes.md)."""
-    text = _grad_hlo(monkeypatch, "2:4")
+@pytest.mark.parametrize("spec,dx_route", [("2:4", "kernel"), ("2:4", "dense"), ("64:2:8", "dense")])
+def test_dense_dx_route_takes_the_dense_product_without_transposes(monkeypatch, spec, dx_route):
+    """2:4 always, and any M on the dense route: dX is XLA's product over the decompressed weight."""
+    text = _grad_hlo(monkeypatch, spec, dx_route)
     for name in ("jaxsparse_spmm", "jaxsparse_sddmm", "jaxsparse_decompress"):
         assert f'custom_call_target="{name}"' in text, name
     assert 'custom_call_target="jaxsparse_spmm_t"' not in text

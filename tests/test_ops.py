@@ -248,3 +248,17 @@ def test_sddmm_split_setting(monkeypatch):
         calls.sddmm_split()
     with pytest.raises(ValueError, match="split"):
         calls.sddmm_split(-1)
+
+
+def test_dx_route_setting(monkeypatch):
+    monkeypatch.delenv(ops.DX_ROUTE_ENV, raising=False)
+    assert ops.dx_route() == "dense"  # the v1 kernel loses to the dense route on the H100 (kernel-notes)
+    assert ops.dx_route("kernel") == "kernel"
+    monkeypatch.setenv(ops.DX_ROUTE_ENV, " Kernel ")
+    assert ops.dx_route() == "kernel"
+    monkeypatch.setenv(ops.DX_ROUTE_ENV, "sparse")
+    with pytest.raises(ValueError, match="JAXSPARSE_DX"):
+        ops.dx_route()
+    x, sw, _, _ = make(3, "64:2:8")
+    with pytest.raises(ValueError, match="JAXSPARSE_DX"):
+        ops.spmm_t(jnp.ones((4, sw.shape[1]), x.dtype), sw)  # a bad setting fails loudly, not silently dense
