@@ -9,8 +9,9 @@ One process; the shapes of ``benchmarks/spmm.py`` (tokens 4096 and 16384; K x N 
 * ``fwd+bwd``: ``jax.vjp`` of the whole layer (y, dx, dW, db) under one ``jit``, on the routes the ops
   take by default (``ops.dx_route``, ``calls.sddmm_split``; set ``JAXSPARSE_DX`` / ``JAXSPARSE_SDDMM_SPLIT``
   to time others);
-* ``dW split=auto`` and ``dX dense route``: the alternatives the ops choose between, timed beside the
-  kernels (the SDDMM split over tokens; XLA's dense product over the decompressed weight).
+* ``dW mma.sync engine``, ``dW split=none`` and ``dX dense route``: the alternatives, timed beside the
+  defaults (the SDDMM's portable engine and its one-pass grid; XLA's dense product over the decompressed
+  weight).
 
 Roofline floor per product (``floor_ms``; constants in ``benchmarks/common.py``): the larger of the
 useful MMA work and the HBM traffic. Useful work is ``2*T*K*N`` at the dense rate for dense, and
@@ -123,7 +124,8 @@ def main() -> None:
     }
     # The alternatives the ops choose between, timed beside the kernels: (row label, product, function).
     variants = [
-        ("dW split=auto", "dW", jax.jit(lambda x, dy, sw, b: calls.sddmm(x, dy, sw, split="auto"))),
+        ("dW mma.sync engine", "dW", jax.jit(lambda x, dy, sw, b: calls.sddmm(x, dy, sw, engine="mma"))),
+        ("dW split=none", "dW", jax.jit(lambda x, dy, sw, b: calls.sddmm(x, dy, sw, split="none"))),
         ("dX dense route", "dX", jax.jit(lambda x, dy, sw, b: ops._dense_dx(dy, sw))),
     ]
     select = jax.jit(F.select_mask, static_argnums=1)
@@ -137,7 +139,7 @@ def main() -> None:
             versions=common.versions(),
             roofline=dict(dense_tflops=common.DENSE_TFLOPS, sparse_tflops=common.SPARSE_TFLOPS,
                           hbm_tbps=common.HBM_TBPS, note=__doc__.split("Roofline")[1].split("Writes")[0].strip()),
-            fwd_bwd_routes=dict(dx=ops.dx_route(), sddmm_split=calls.sddmm_split()),
+            fwd_bwd_routes=dict(dx=ops.dx_route(), sddmm_split=calls.sddmm_split(), sddmm_engine=calls.sddmm_engine()),
             timing="median over 15 batches of 20 async calls (host clock between syncs), 3 rotating input sets",
             results=rows,
         )

@@ -129,7 +129,8 @@ def _routes() -> dict:
     from jaxsparse import dispatch, ops
     from jaxsparse.ffi import calls
 
-    return dict(dx=ops.dx_route(), sddmm_split=calls.sddmm_split(), reference_ops=sorted(dispatch.reference_ops()))
+    return dict(dx=ops.dx_route(), sddmm_split=calls.sddmm_split(), sddmm_engine=calls.sddmm_engine(),
+                reference_ops=sorted(dispatch.reference_ops()))
 
 
 def _worker_cmd(cfg: dict, turn: dict | None = None) -> tuple[list[str], dict]:

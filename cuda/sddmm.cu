@@ -21,13 +21,15 @@
 // Split over tokens (attribute `split`: 1 = none, 0 = auto, n > 1 = n ranges): a layer with few
 // (row, group) tiles (R/64 x G/GC CTAs: 64 for a 1024x1024 layer at M = 8, half the H100's SMs) gets
 // grid.z token ranges; each writes float32 partial sums into an XLA scratch buffer [S, R, 2G] and
-// SddmmReduceKernel adds them into the output.  Auto aims at two CTAs per SM with >= 4 token tiles per range.
+// SddmmReduceKernel adds them into the output.  Auto splits only grids of fewer tiles than SMs, aiming at two
+// CTAs per SM with >= 4 token tiles per range.
 #include <algorithm>
 #include <optional>
 
 #include "common.cuh"
 #include "handlers.h"
 #include "mma_common.cuh"
+#include "wgmma.cuh"
 
 namespace jaxsparse {
 namespace {
@@ -86,6 +88,21 @@ struct SddmmLayout {
   static constexpr int kSmemBytes = kPipeBytes > kEpiBytes ? kPipeBytes : kEpiBytes;
   static_assert(kStageBytes % 16 == 0 && kCOff % 16 == 0, "16-byte alignment");
 };
+
+// The two kept values (v0, v1) of (row, group g): into this grid.z range's float32 partial plane, or the
+// output in float32 or T.
+template <typename T>
+__device__ __forceinline__ void StorePair(const SddmmParams& p, int row, int g, float v0, float v1) {
+  const int64_t o = static_cast<int64_t>(row) * (2 * p.groups) + 2 * g;
+  if (p.partial != nullptr) {
+    const int64_t plane = static_cast<int64_t>(p.rows) * (2 * p.groups);
+    *reinterpret_cast<float2*>(p.partial + blockIdx.z * plane + o) = make_float2(v0, v1);
+  } else if (p.out_f32) {
+    *reinterpret_cast<float2*>(static_cast<float*>(p.out) + o) = make_float2(v0, v1);
+  } else {
+    *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + o) = PackPair<T>(v0, v1);
+  }
+}
 
 template <typename T, int M>
 __global__ void __launch_bounds__(kSdThreads) SddmmKernel(const SddmmParams p) {
@@ -257,16 +274,228 @@ __global__ void __launch_bounds__(kSdThreads) SddmmKernel(const SddmmParams p) {
     const uint32_t nib = (p.meta[static_cast<int64_t>(row) * meta_stride + g / 8] >> (4 * (g % 8))) & 0xFu;
     const float v0 = tile[r * L::kEpiRowFloats + 4 * gl + (nib & 3u)];
     const float v1 = tile[r * L::kEpiRowFloats + 4 * gl + (nib >> 2)];
-    const int64_t o = static_cast<int64_t>(row) * (2 * groups) + 2 * g;
-    if (p.partial != nullptr) {
-      const int64_t plane = static_cast<int64_t>(p.rows) * (2 * groups);
-      *reinterpret_cast<float2*>(p.partial + blockIdx.z * plane + o) = make_float2(v0, v1);
-    } else if (p.out_f32) {
-      *reinterpret_cast<float2*>(static_cast<float*>(p.out) + o) = make_float2(v0, v1);
-    } else {
-      *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + o) = PackPair<T>(v0, v1);
+    StorePair<T>(p, row, g, v0, v1);
+  }
+}
+
+// ---------------------------------------------------------------- Hopper engine (wgmma, sm_90a)
+//
+// The same product on warpgroup MMAs: CTA = 128 rows (two warpgroups of 64, each inside one V block) x
+// NC condensed columns; 8 warps.  Per 32-token stage (cp.async, STAGES deep): dy [32 t][128 r] stored as
+// two MN-major 128-byte-swizzled halves (the A operand of each warpgroup, read by wgmma straight from the
+// copy), and the dense x slab.  For M = 4 the x slab is copied into the swizzled B layout and read
+// directly; for M > 4 it is copied plainly and a gather pass writes each warpgroup's condensed slab Xc
+// (its own V block's columns) into a double-buffered swizzled B tile while the previous stage's wgmmas
+// run.  The x slab is shared by both warpgroups: it is read R/128 times from L2 instead of R/64.
+constexpr int kWgBR = 128;
+constexpr int kWgBT = 32;
+constexpr int kWgThreads = 256;
+
+template <int M>
+struct WgCfg;
+template <>
+struct WgCfg<4> {
+  static constexpr int GC = 32, STAGES = 4;
+};
+template <>
+struct WgCfg<8> {
+  static constexpr int GC = 32, STAGES = 3;
+};
+template <>
+struct WgCfg<16> {
+  static constexpr int GC = 16, STAGES = 3;
+};
+
+template <int M>
+struct WgLayout {
+  using C = WgCfg<M>;
+  static constexpr int NC = 4 * C::GC;                       // condensed columns (wgmma N)
+  static constexpr int W = C::GC * M;                        // dense x columns per CTA
+  static constexpr int kHalfBytes = kWgBT * 128;             // one 64-row dy half: 32 k-rows of 128 B
+  static constexpr int kBColBytes = kWgBT * 128;             // one 64-wide column of B atoms (LBO)
+  static constexpr int kBBytes = (NC / 64) * kBColBytes;     // one B tile [32 t][NC]
+  static constexpr int kXRowBytes = (W + 8) * 2;             // plain x slab row (M > 4)
+  static constexpr int kDyOff = 0;
+  static constexpr int kXOff = 2 * kHalfBytes;
+  static constexpr int kXBytes = M == 4 ? kBBytes : kWgBT * kXRowBytes;
+  static constexpr int kStageBytes = (kXOff + kXBytes + 1023) / 1024 * 1024;
+  static constexpr int kXcOff = C::STAGES * kStageBytes;    // [2 buffers][2 halves] B tiles (M > 4)
+  static constexpr int kPipeBytes = kXcOff + (M > 4 ? 4 * kBBytes : 0);
+  static constexpr int kEpiRowFloats = NC + 4;
+  static constexpr int kEpiBytes = kWgBR * kEpiRowFloats * 4;
+  // +1024: the kernel rounds the dynamic shared-memory base up to a swizzle-atom boundary.
+  static constexpr int kSmemBytes = (kPipeBytes > kEpiBytes ? kPipeBytes : kEpiBytes) + 1024;
+  static_assert(NC % 64 == 0 && kHalfBytes % 1024 == 0 && kBBytes % 1024 == 0, "swizzle atoms");
+};
+
+template <typename T, int M>
+__global__ void __launch_bounds__(kWgThreads, 2) SddmmWgmmaKernel(const SddmmParams p) {
+#ifdef JAXSPARSE_WGMMA
+  using C = WgCfg<M>;
+  using L = WgLayout<M>;
+  constexpr int GC = C::GC, NC = L::NC, W = L::W, STAGES = C::STAGES;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t raw_base = SmemAddr(smem_raw);
+  const uint32_t pad = ((raw_base + 1023u) & ~1023u) - raw_base;
+  unsigned char* smem = smem_raw + pad;
+  const uint32_t smem_base = raw_base + pad;  // 1024-byte aligned: swizzle atoms start on their boundary
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int wg = warp >> 2;  // warpgroup: rows 64*wg .. 64*wg+63 of the tile
+  const int row0 = blockIdx.x * kWgBR;
+  const int g0 = blockIdx.y * GC;
+  const int groups = p.groups;
+  const int all_kt = (p.tokens + kWgBT - 1) / kWgBT;
+  const int kt_begin = blockIdx.z * p.kt_per_split;
+  const int num_kt = max(min(all_kt - kt_begin, p.kt_per_split), 0);
+  const T* __restrict__ x = static_cast<const T*>(p.x);
+  const T* __restrict__ dy = static_cast<const T*>(p.dy);
+
+  // dy: 32 rows x 16 chunks of 16 B; thread copies chunks (dy_t, dy_c) and (dy_t + 16, dy_c).
+  const int dy_t = tid >> 4, dy_c = tid & 15;
+  const T* dy_src0 = dy + static_cast<int64_t>(dy_t) * p.rows + row0 + dy_c * 8;
+  auto dy_dst = [&](int t) {
+    return static_cast<uint32_t>(L::kDyOff + (dy_c >> 3) * L::kHalfBytes + Sw128MnOffset((dy_c & 7) * 8, t, 0));
+  };
+  // x: 32 rows x W/8 chunks.
+  constexpr int kXCpr = W / 8;
+  static_assert(kWgThreads % kXCpr == 0 && (kWgBT * kXCpr) % kWgThreads == 0, "x copy split");
+  constexpr int kXIters = kWgBT * kXCpr / kWgThreads, kXRowStep = kWgThreads / kXCpr;
+  const int x_c = tid % kXCpr, x_t = tid / kXCpr;
+  const bool x_col_ok = g0 + (x_c * 8) / M < groups;
+  const T* x_src0 = x + static_cast<int64_t>(x_t) * p.k + static_cast<int64_t>(g0) * M + x_c * 8;
+
+  auto load_stage = [&](int buf, int kt) {
+    const uint32_t base = smem_base + buf * L::kStageBytes;
+    const int t0 = kt * kWgBT;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int t = dy_t + 16 * h;
+      const bool ok = t0 + t < p.tokens;
+      CpAsync16(base + dy_dst(t), ok ? dy_src0 + static_cast<int64_t>(t0 + 16 * h) * p.rows : dy, ok ? 16 : 0);
+    }
+#pragma unroll
+    for (int it = 0; it < kXIters; ++it) {
+      const int tl = x_t + it * kXRowStep;
+      const bool ok = x_col_ok && t0 + tl < p.tokens;
+      uint32_t dst;
+      if constexpr (M == 4) {
+        dst = L::kXOff + Sw128MnOffset(x_c * 8, tl, L::kBColBytes);
+      } else {
+        dst = L::kXOff + tl * L::kXRowBytes + x_c * 16;
+      }
+      CpAsync16(base + dst, ok ? x_src0 + static_cast<int64_t>(t0 + it * kXRowStep) * p.k : x, ok ? 16 : 0);
+    }
+  };
+
+  // Gather (M > 4): thread writes condensed pair cq (columns 2cq, 2cq+1) of rows cg_t + j*kCgRowStep, for
+  // both halves; each half takes its own V block's column word.
+  constexpr int kCgPairs = NC / 2;
+  constexpr int kCgRowStep = kWgThreads / kCgPairs, kCgIters = kWgBT / kCgRowStep;
+  const int cq = tid % kCgPairs, cg_t = tid / kCgPairs;
+  int cg_off[2][2] = {{0, 0}, {0, 0}};
+  if constexpr (M > 4) {
+    const int gl = cq >> 1, pos = 2 * (cq & 1);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint32_t w = 0;
+      if (g0 + gl < groups)
+        w = *reinterpret_cast<const uint32_t*>(
+            p.cols + (static_cast<int64_t>((row0 + 64 * h) / p.v) * groups + g0 + gl) * 4);
+      cg_off[h][0] = gl * M + ((w >> (8 * pos)) & 0xFF);
+      cg_off[h][1] = gl * M + ((w >> (8 * pos + 8)) & 0xFF);
     }
   }
+  auto gather = [&](int stage_buf, int xc_buf) {
+    if constexpr (M > 4) {
+      const unsigned char* xs = smem + stage_buf * L::kStageBytes + L::kXOff;
+#pragma unroll
+      for (int it = 0; it < kCgIters; ++it) {
+        const int t = cg_t + it * kCgRowStep;
+        const uint16_t* row = reinterpret_cast<const uint16_t*>(xs + t * L::kXRowBytes);
+        const uint32_t off = Sw128MnOffset(2 * cq, t, L::kBColBytes);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t word = static_cast<uint32_t>(row[cg_off[h][0]]) | (static_cast<uint32_t>(row[cg_off[h][1]]) << 16);
+          *reinterpret_cast<uint32_t*>(smem + L::kXcOff + (2 * xc_buf + h) * L::kBBytes + off) = word;
+        }
+      }
+    }
+  };
+
+  float acc[NC / 2];
+#pragma unroll
+  for (int i = 0; i < NC / 2; ++i) acc[i] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < num_kt) load_stage(s, kt_begin + s);
+    CpAsyncCommit();
+  }
+  CpAsyncWait<STAGES - 2>();
+  __syncthreads();  // stage 0 landed for every thread
+  if (num_kt > 0) gather(0, 0);
+  FenceProxyAsyncShared();  // cp.async and gather writes -> visible to the wgmma (async proxy)
+  __syncthreads();
+
+  for (int kt = 0; kt < num_kt; ++kt) {
+    const int buf = kt % STAGES;
+    const uint32_t a_base = smem_base + buf * L::kStageBytes + L::kDyOff + wg * L::kHalfBytes;
+    const uint32_t b_base = M == 4 ? smem_base + buf * L::kStageBytes + L::kXOff
+                                   : smem_base + L::kXcOff + (2 * (kt & 1) + wg) * L::kBBytes;
+    WgmmaFenceOperands(acc);
+    WgmmaFence();
+#pragma unroll
+    for (int ks = 0; ks < kWgBT / 16; ++ks) {
+      const uint64_t da = WgmmaDescSw128(a_base + ks * 2048, L::kHalfBytes, 1024);
+      const uint64_t db = WgmmaDescSw128(b_base + ks * 2048, L::kBColBytes, 1024);
+      Wgmma<NC, T>::Run(acc, da, db);
+    }
+    WgmmaCommit();
+    // Meanwhile: refill the buffer stage kt-1 used, and prepare stage kt+1 (its x gathered into the other Xc).
+    {
+      const int next = kt + STAGES - 1;
+      if (next < num_kt) load_stage(next % STAGES, kt_begin + next);
+      CpAsyncCommit();
+    }
+    if (kt + 1 < num_kt) {
+      CpAsyncWait<STAGES - 2>();
+      __syncthreads();  // stage kt+1 landed for every thread
+      gather((kt + 1) % STAGES, (kt + 1) & 1);
+      FenceProxyAsyncShared();
+    }
+    WgmmaWait<0>();
+    WgmmaFenceOperands(acc);
+    __syncthreads();  // every warpgroup's wgmma(kt) done; stage kt+1's B visible to all
+  }
+
+  // ---------------------------------------------------------------- epilogue (as the mma.sync engine)
+  CpAsyncWait<0>();
+  __syncthreads();
+  float* tile = reinterpret_cast<float*>(smem);
+  {
+    const int wq = warp & 3;
+#pragma unroll
+    for (int i = 0; i < NC / 2; ++i) {
+      const int r = 64 * wg + 16 * wq + (lane >> 2) + 8 * ((i >> 1) & 1);
+      const int c = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+      tile[r * L::kEpiRowFloats + c] = acc[i];
+    }
+  }
+  __syncthreads();
+  const int meta_stride = groups / 8;
+  for (int i = tid; i < kWgBR * GC; i += kWgThreads) {
+    const int r = i / GC, gl = i % GC, g = g0 + gl;
+    if (g >= groups) continue;
+    const int row = row0 + r;
+    const uint32_t nib = (p.meta[static_cast<int64_t>(row) * meta_stride + g / 8] >> (4 * (g % 8))) & 0xFu;
+    const float v0 = tile[r * L::kEpiRowFloats + 4 * gl + (nib & 3u)];
+    const float v1 = tile[r * L::kEpiRowFloats + 4 * gl + (nib >> 2)];
+    StorePair<T>(p, row, g, v0, v1);
+  }
+#else
+  __trap();  // launched only where the sm_90a image exists (see UseWgmma)
+#endif
 }
 
 // out[i] = sum over the S token ranges of partial[s, i], in T or float32; n = R * 2G (a multiple of 4).
@@ -311,25 +540,50 @@ int SmCount() {
 int ChooseSplits(int split, int tiles, int all_kt) {
   int s = split;
   if (s == 0) {
+    // Measured on the H100 (docs/kernel-notes.md): splitting a grid that already fills the GPU costs more
+    // than it gains (1024x4096 at M = 8: 256 tiles, 0.64 -> 0.69 ms with 2 ranges); a grid under one CTA
+    // per SM gains 2.4x (1024x1024 at M = 8: 64 tiles, 0.42 -> 0.18 ms with 5 ranges).
+    if (tiles >= SmCount()) return 1;
     const int want = (2 * SmCount() + tiles - 1) / tiles;
     s = std::min(std::min(want, all_kt / 4), 16);
   }
   return std::max(1, std::min(s, all_kt));
 }
 
-template <typename T, int M>
-ffi::Error Launch(cudaStream_t stream, SddmmParams p, int split, ffi::ScratchAllocator& scratch) {
-  constexpr int kSmem = SddmmLayout<M>::kSmemBytes;
-  auto kernel = SddmmKernel<T, M>;
-  static bool attr_set = false;  // per instantiation; benign race (idempotent)
-  if (!attr_set) {
-    cudaError_t st = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (st != cudaSuccess) return CudaError(st, "cudaFuncSetAttribute(SddmmKernel)");
-    attr_set = true;
+// Sets a kernel's dynamic shared-memory limit once per instantiation (benign race: idempotent).
+template <auto Kernel>
+ffi::Error RaiseSmemLimit(int bytes, const char* name) {
+  static bool done = false;
+  if (!done) {
+    cudaError_t st = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (st != cudaSuccess) return CudaError(st, name);
+    done = true;
   }
-  constexpr int GC = SddmmCfg<M>::GC;
-  const int tiles = (p.rows / kSdBR) * ((p.groups + GC - 1) / GC);
-  const int all_kt = (p.tokens + kSdBT - 1) / kSdBT;
+  return ffi::Error::Success();
+}
+
+// Whether the wgmma engine's sm_90a image is what this device would run (an sm_80-only build, or another
+// GPU, runs the mma.sync engine).
+template <typename T, int M>
+bool WgmmaImageLoaded() {
+  static int ok = -1;  // benign race: every thread computes the same value
+  if (ok < 0) {
+    cudaFuncAttributes attr;
+    ok = cudaFuncGetAttributes(&attr, SddmmWgmmaKernel<T, M>) == cudaSuccess && attr.binaryVersion == 90;
+    cudaGetLastError();
+  }
+  return ok == 1;
+}
+
+// Engine attribute: 0 = auto (wgmma where it applies), 1 = mma.sync, 2 = wgmma (an error where it cannot run).
+constexpr int kEngineAuto = 0, kEngineMma = 1, kEngineWgmma = 2;
+
+// Splits the token range (`split` as ChooseSplits reads it) over `tiles` CTAs of BT-token stages, takes the
+// float32 partial planes from XLA's scratch, launches `launch(grid_z)` and the ordered reduction.
+template <typename T, typename LaunchFn>
+ffi::Error LaunchSplit(cudaStream_t stream, SddmmParams p, int split, int tiles, int bt, ffi::ScratchAllocator& scratch,
+                       LaunchFn launch) {
+  const int all_kt = (p.tokens + bt - 1) / bt;
   int splits = ChooseSplits(split, tiles, all_kt);
   p.kt_per_split = splits > 1 ? (all_kt + splits - 1) / splits : std::max(all_kt, 1);
   splits = splits > 1 ? (all_kt + p.kt_per_split - 1) / p.kt_per_split : 1;  // no empty range
@@ -341,23 +595,56 @@ ffi::Error Launch(cudaStream_t stream, SddmmParams p, int split, ffi::ScratchAll
       return ffi::Error(ffi::ErrorCode::kResourceExhausted, "jaxsparse_sddmm: no scratch for the token split");
     p.partial = static_cast<float*>(*buf);
   }
-  dim3 grid(p.rows / kSdBR, (p.groups + GC - 1) / GC, splits);
-  kernel<<<grid, kSdThreads, kSmem, stream>>>(p);
-  if (ffi::Error e = LastLaunchError("SddmmKernel"); e.failure() || splits == 1) return e;
+  if (ffi::Error e = launch(p, splits); e.failure() || splits == 1) return e;
   const int blocks = static_cast<int>(std::min<int64_t>((n / 4 + 255) / 256, 4 * SmCount()));
   SddmmReduceKernel<T><<<blocks, 256, 0, stream>>>(p.partial, p.out, n, splits, p.out_f32);
   return LastLaunchError("SddmmReduceKernel");
 }
 
+template <typename T, int M>
+ffi::Error Launch(cudaStream_t stream, const SddmmParams& p, int split, int engine, ffi::ScratchAllocator& scratch) {
+  if constexpr (M <= 16) {
+    const bool fits = p.rows % kWgBR == 0;
+    if (engine == kEngineWgmma && !(fits && WgmmaImageLoaded<T, M>()))
+      return ffi::Error::InvalidArgument(
+          "jaxsparse_sddmm: the wgmma engine needs an sm_90a build on a Hopper GPU and R a multiple of 128");
+    if (engine != kEngineMma && fits && WgmmaImageLoaded<T, M>()) {
+      constexpr int kSmem = WgLayout<M>::kSmemBytes;
+      constexpr int GC = WgCfg<M>::GC;
+      if (ffi::Error e = RaiseSmemLimit<SddmmWgmmaKernel<T, M>>(kSmem, "cudaFuncSetAttribute(SddmmWgmmaKernel)");
+          e.failure())
+        return e;
+      const int gy = (p.groups + GC - 1) / GC;
+      return LaunchSplit<T>(stream, p, split, (p.rows / kWgBR) * gy, kWgBT, scratch, [&](const SddmmParams& q, int z) {
+        SddmmWgmmaKernel<T, M><<<dim3(p.rows / kWgBR, gy, z), kWgThreads, kSmem, stream>>>(q);
+        return LastLaunchError("SddmmWgmmaKernel");
+      });
+    }
+  } else if (engine == kEngineWgmma) {
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: the wgmma engine takes M in {4, 8, 16}");
+  }
+  constexpr int kSmem = SddmmLayout<M>::kSmemBytes;
+  constexpr int GC = SddmmCfg<M>::GC;
+  if (ffi::Error e = RaiseSmemLimit<SddmmKernel<T, M>>(kSmem, "cudaFuncSetAttribute(SddmmKernel)"); e.failure())
+    return e;
+  const int gy = (p.groups + GC - 1) / GC;
+  return LaunchSplit<T>(stream, p, split, (p.rows / kSdBR) * gy, kSdBT, scratch, [&](const SddmmParams& q, int z) {
+    SddmmKernel<T, M><<<dim3(p.rows / kSdBR, gy, z), kSdThreads, kSmem, stream>>>(q);
+    return LastLaunchError("SddmmKernel");
+  });
+}
+
 template <typename T>
-ffi::Error Dispatch(cudaStream_t stream, const SddmmParams& p, int m, int split, ffi::ScratchAllocator& scratch) {
-  return DispatchGroupWidth("jaxsparse_sddmm", m,
-                            [&](auto width) { return Launch<T, decltype(width)::value>(stream, p, split, scratch); });
+ffi::Error Dispatch(cudaStream_t stream, const SddmmParams& p, int m, int split, int engine,
+                    ffi::ScratchAllocator& scratch) {
+  return DispatchGroupWidth("jaxsparse_sddmm", m, [&](auto width) {
+    return Launch<T, decltype(width)::value>(stream, p, split, engine, scratch);
+  });
 }
 
 ffi::Error SddmmImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::AnyBuffer dy,
                      ffi::Buffer<ffi::U8> columns, ffi::Buffer<ffi::U32> metadata, ffi::Result<ffi::AnyBuffer> out,
-                     int32_t v, int32_t m, int32_t split) {
+                     int32_t v, int32_t m, int32_t split, int32_t engine) {
   if (x.dimensions().size() != 2 || dy.dimensions().size() != 2 || metadata.dimensions().size() != 2 ||
       out->dimensions().size() != 2)
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: x, dy, metadata and output must be 2-D");
@@ -374,6 +661,8 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::An
   if (out->element_type() != dt && out->element_type() != ffi::F32)
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: the output must be in the input dtype or float32");
   if (split < 0) return ffi::Error::InvalidArgument("jaxsparse_sddmm: split must be >= 0 (0 = auto, 1 = none)");
+  if (engine < kEngineAuto || engine > kEngineWgmma)
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: engine must be 0 (auto), 1 (mma.sync) or 2 (wgmma)");
   if (rows == 0 || groups == 0) return ffi::Error::Success();
   if (tokens >= (int64_t(1) << 30) || k >= (int64_t(1) << 30) || rows >= (int64_t(1) << 30) ||
       (groups + 7) / 8 > 65535)
@@ -391,8 +680,8 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::An
   p.groups = static_cast<int>(groups);
   p.v = v;
   p.out_f32 = out->element_type() == ffi::F32;
-  if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, m, split, scratch);
-  if (dt == ffi::F16) return Dispatch<__half>(stream, p, m, split, scratch);
+  if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, m, split, engine, scratch);
+  if (dt == ffi::F16) return Dispatch<__half>(stream, p, m, split, engine, scratch);
   return ffi::Error::InvalidArgument("jaxsparse_sddmm: x must be bfloat16 or float16");
 }
 
@@ -410,4 +699,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSddmm, jaxsparse::SddmmImpl,
                                   .Ret<xla::ffi::AnyBuffer>()               // dvalues [R, 2G], T or f32
                                   .Attr<int32_t>("v")
                                   .Attr<int32_t>("m")
-                                  .Attr<int32_t>("split"));  // 1 = none, 0 = auto, n > 1 = n ranges
+                                  .Attr<int32_t>("split")    // 1 = none, 0 = auto, n > 1 = n ranges
+                                  .Attr<int32_t>("engine"));  // 0 = auto, 1 = mma.sync, 2 = wgmma

@@ -64,10 +64,34 @@ def _spmm_t_ref(dy, sw):
     return jnp.dot(dy.astype(jnp.float32), F.decompress(sw).astype(jnp.float32).T, precision=HIGHEST)
 
 
-def _check_sddmm(x, dy, sw, out_dtype, tol, split=1):
+def _hopper() -> bool:
+    return any(getattr(d, "compute_capability", "") == "9.0" for d in jax.devices("gpu"))
+
+
+def _engines(spec: str) -> list:
+    """The SDDMM engines to test for a spec: mma.sync everywhere, wgmma on Hopper for M <= 16."""
+    wg = F.VNM.parse(spec).m <= 16 and cuda_ready("jaxsparse_sddmm") and _hopper()
+    return ["mma", "wgmma"] if wg else ["mma"]
+
+
+ENGINE_CASES = [(s, e) for s in SPECS for e in ("mma", "wgmma")]
+
+
+def _engine_rows(spec: str, engine: str) -> int:
+    """Rows for the engine's row tile: the wgmma engine takes R % 128 == 0 (384 = three 128-row tiles)."""
+    r = _rows(spec)
+    return r if engine == "mma" or r % 128 == 0 else 384
+
+
+def _skip_unless_engine(spec: str, engine: str) -> None:
+    if engine not in _engines(spec):
+        pytest.skip(f"the {engine} engine does not run {spec} on this GPU")
+
+
+def _check_sddmm(x, dy, sw, out_dtype, tol, split=1, engine="auto"):
     out_dt = jnp.dtype(out_dtype or sw.values.dtype)
     poison(sw.values.shape, out_dt)
-    out = jax.jit(lambda x, dy, sw: calls.sddmm(x, dy, sw, out_dtype, split))(x, dy, sw)
+    out = jax.jit(lambda x, dy, sw: calls.sddmm(x, dy, sw, out_dtype, split, engine))(x, dy, sw)
     out.block_until_ready()
     assert out.shape == sw.values.shape and out.dtype == out_dt
     return _compare(out, _sddmm_ref(x, dy, sw), tol, "sddmm")
@@ -90,42 +114,54 @@ def _rows(spec: str) -> int:
 # ----------------------------------------------------------------------------- SDDMM
 
 
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec,engine", ENGINE_CASES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("t", [1, 17, 200, 1000])
-def test_sddmm_small(spec, dtype, t):
+def test_sddmm_small(spec, engine, dtype, t):
+    _skip_unless_engine(spec, engine)
     k = _small_k(F.VNM.parse(spec).m)
-    x, dy, sw = _make(key("sddmm", spec, str(dtype), t), t, k, _rows(spec), spec, dtype)
-    _check_sddmm(x, dy, sw, None, TOL[dtype])
+    x, dy, sw = _make(key("sddmm", spec, engine, str(dtype), t), t, k, _engine_rows(spec, engine), spec, dtype)
+    _check_sddmm(x, dy, sw, None, TOL[dtype], engine=engine)
 
 
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec,engine", ENGINE_CASES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-def test_sddmm_large_tiles(spec, dtype):
+def test_sddmm_large_tiles(spec, engine, dtype):
+    _skip_unless_engine(spec, engine)
     t, k, r = 1000, 1024, 2176
-    x, dy, sw = _make(key("sddmm-large", spec, str(dtype)), t, k, r, spec, dtype)
-    _check_sddmm(x, dy, sw, None, TOL[dtype])
+    x, dy, sw = _make(key("sddmm-large", spec, engine, str(dtype)), t, k, r, spec, dtype)
+    _check_sddmm(x, dy, sw, None, TOL[dtype], engine=engine)
 
 
 @pytest.mark.parametrize("spec", ["2:4", "64:2:8", "128:2:16", "64:2:32"])
+@pytest.mark.parametrize("engine", ["mma", "wgmma"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-def test_sddmm_float32_output(spec, dtype):
+def test_sddmm_float32_output(spec, engine, dtype):
     """float32 output (for float32 master weights): only accumulation order differs from the reference."""
+    _skip_unless_engine(spec, engine)
     k = _small_k(F.VNM.parse(spec).m)
-    x, dy, sw = _make(key("sddmm-f32", spec, str(dtype)), 333, k, _rows(spec), spec, dtype)
-    _check_sddmm(x, dy, sw, jnp.float32, 1e-4)
+    x, dy, sw = _make(key("sddmm-f32", spec, engine, str(dtype)), 333, k, _engine_rows(spec, engine), spec, dtype)
+    _check_sddmm(x, dy, sw, jnp.float32, 1e-4, engine=engine)
 
 
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec,engine", ENGINE_CASES)
 @pytest.mark.parametrize("split", [2, 3, 0], ids=["split2", "split3", "auto"])
 @pytest.mark.parametrize("t", [200, 1000])
 @pytest.mark.parametrize("out_dtype", [None, jnp.float32], ids=["values-dtype", "f32"])
-def test_sddmm_token_split(spec, split, t, out_dtype):
+def test_sddmm_token_split(spec, engine, split, t, out_dtype):
     """Token ranges reduced through the scratch buffer: same result as one pass (T = 200: 7 tiles, so
     3 ranges of 3, 3 and 1; auto picks ranges from the grid size)."""
+    _skip_unless_engine(spec, engine)
     k = _small_k(F.VNM.parse(spec).m)
-    x, dy, sw = _make(key("sddmm-split", spec, split, t), t, k, _rows(spec), spec, jnp.bfloat16)
-    _check_sddmm(x, dy, sw, out_dtype, TOL[jnp.bfloat16] if out_dtype is None else 1e-4, split)
+    x, dy, sw = _make(key("sddmm-split", spec, engine, split, t), t, k, _engine_rows(spec, engine), spec, jnp.bfloat16)
+    _check_sddmm(x, dy, sw, out_dtype, TOL[jnp.bfloat16] if out_dtype is None else 1e-4, split, engine)
+
+
+def test_sddmm_wgmma_engine_refuses_what_it_cannot_take():
+    """Forcing the wgmma engine where it cannot run fails loudly (here R = 192, not a multiple of 128)."""
+    x, dy, sw = _make(key("wgmma-rej"), 64, 512, 192, "2:4", jnp.bfloat16)
+    with pytest.raises(Exception, match="wgmma engine"):
+        jax.block_until_ready(jax.jit(lambda x, dy, sw: calls.sddmm(x, dy, sw, engine="wgmma"))(x, dy, sw))
 
 
 # ----------------------------------------------------------------------------- dX

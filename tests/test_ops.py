@@ -237,10 +237,10 @@ def test_sddmm_split_setting(monkeypatch):
     from jaxsparse.ffi import calls
 
     monkeypatch.delenv(calls.SDDMM_SPLIT_ENV, raising=False)
-    assert calls.sddmm_split() == 1  # one pass until the split is measured on a GPU
+    assert calls.sddmm_split() == 0  # auto: measured on the H100 (docs/kernel-notes.md)
     assert calls.sddmm_split("auto") == 0 and calls.sddmm_split(4) == 4
-    monkeypatch.setenv(calls.SDDMM_SPLIT_ENV, "auto")
-    assert calls.sddmm_split() == 0
+    monkeypatch.setenv(calls.SDDMM_SPLIT_ENV, "none")
+    assert calls.sddmm_split() == 1
     monkeypatch.setenv(calls.SDDMM_SPLIT_ENV, "3")
     assert calls.sddmm_split() == 3
     monkeypatch.setenv(calls.SDDMM_SPLIT_ENV, "many")
@@ -262,3 +262,15 @@ def test_dx_route_setting(monkeypatch):
     x, sw, _, _ = make(3, "64:2:8")
     with pytest.raises(ValueError, match="JAXSPARSE_DX"):
         ops.spmm_t(jnp.ones((4, sw.shape[1]), x.dtype), sw)  # a bad setting fails loudly, not silently dense
+
+
+def test_sddmm_engine_setting(monkeypatch):
+    from jaxsparse.ffi import calls
+
+    monkeypatch.delenv(calls.SDDMM_ENGINE_ENV, raising=False)
+    assert calls.sddmm_engine() == 0 and calls.sddmm_engine("mma") == 1 and calls.sddmm_engine("wgmma") == 2
+    monkeypatch.setenv(calls.SDDMM_ENGINE_ENV, "wgmma")
+    assert calls.sddmm_engine() == 2
+    monkeypatch.setenv(calls.SDDMM_ENGINE_ENV, "tensor")
+    with pytest.raises(ValueError, match="JAXSPARSE_SDDMM_ENGINE"):
+        calls.sddmm_engine()

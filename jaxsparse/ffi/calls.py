@@ -141,11 +141,12 @@ SDDMM_SPLIT_ENV = "JAXSPARSE_SDDMM_SPLIT"
 def sddmm_split(split: int | str | None = None) -> int:
     """The SDDMM's token-split attribute: 1 = one pass over all tokens, 0 = auto, n > 1 = n token ranges.
 
-    ``None`` reads ``JAXSPARSE_SDDMM_SPLIT`` (``auto``, ``none`` or an integer; default ``none`` until the
-    split has been measured on a GPU, see docs/kernel-notes.md).
+    ``None`` reads ``JAXSPARSE_SDDMM_SPLIT`` (``auto``, ``none`` or an integer; default ``auto``, which splits
+    only grids of fewer (row, group) tiles than the GPU has SMs: measured on the H100, 2.4x on a 1024x1024
+    layer at 64:2:8, and a loss on layers whose grid already fills the GPU; docs/kernel-notes.md).
     """
     if split is None:
-        split = os.environ.get(SDDMM_SPLIT_ENV, "none").strip().lower() or "none"
+        split = os.environ.get(SDDMM_SPLIT_ENV, "auto").strip().lower() or "auto"
     if isinstance(split, str):
         named = {"auto": 0, "none": 1}
         if split in named:
@@ -159,14 +160,32 @@ def sddmm_split(split: int | str | None = None) -> int:
     return int(split)
 
 
-def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None, split: int | str | None = None) -> jax.Array:
+SDDMM_ENGINE_ENV = "JAXSPARSE_SDDMM_ENGINE"
+SDDMM_ENGINES = {"auto": 0, "mma": 1, "wgmma": 2}
+
+
+def sddmm_engine(engine: str | None = None) -> int:
+    """The SDDMM's engine attribute: ``auto`` (0; wgmma where it runs), ``mma`` (1; mma.sync, any GPU from
+    sm_80), ``wgmma`` (2; Hopper warpgroup MMAs: an sm_90a build on a Hopper GPU, M in {4, 8, 16} and R a
+    multiple of 128, else the call fails). ``None`` reads ``JAXSPARSE_SDDMM_ENGINE`` (default ``auto``).
+    """
+    if engine is None:
+        engine = os.environ.get(SDDMM_ENGINE_ENV, "auto").strip().lower() or "auto"
+    if engine not in SDDMM_ENGINES:
+        raise ValueError(f"the SDDMM engine ({SDDMM_ENGINE_ENV}) must be one of {sorted(SDDMM_ENGINES)}, got {engine!r}")
+    return SDDMM_ENGINES[engine]
+
+
+def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None, split: int | str | None = None,
+          engine: str | None = None) -> jax.Array:
     """Weight gradient ``x^T dy`` at ``sw``'s kept positions by the CUDA handler ``jaxsparse_sddmm``.
 
     ``x [T, K]`` and ``dy [T, R]`` -> ``[R, 2G]`` in the layout of ``sw.values``, accumulated in float32
     and returned in ``out_dtype`` (``sw.values.dtype`` when None, or float32). Constraints (``ValueError``
     here, before anything is launched): ``x`` and ``dy`` 2-D with one token count and the dtype of
     ``sw.values``; ``sddmm_unsupported(sw)`` is None. Any ``T`` (``T = 0`` gives zeros). ``split``: see
-    :func:`sddmm_split` (token ranges reduced in float32 through an XLA scratch buffer).
+    :func:`sddmm_split` (token ranges reduced in float32 through an XLA scratch buffer). ``engine``: see
+    :func:`sddmm_engine`.
     """
     if x.ndim != 2 or dy.ndim != 2:
         raise ValueError(f"sddmm: x and dy must be 2-D, got shapes {x.shape} and {dy.shape}")
@@ -184,6 +203,7 @@ def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None, split: 
     return _call(
         "jaxsparse_sddmm", sw.values.shape, out, x, dy, _columns_operand(sw), sw.metadata,
         v=np.int32(sw.spec.v), m=np.int32(sw.spec.m), split=np.int32(sddmm_split(split)),
+        engine=np.int32(sddmm_engine(engine)),
     )
 
 
