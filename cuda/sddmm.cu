@@ -21,7 +21,7 @@
 // Split over tokens (attribute `split`: 1 = none, 0 = auto, n > 1 = n ranges): a layer with few
 // (row, group) tiles (R/64 x G/GC CTAs: 64 for a 1024x1024 layer at M = 8, half the H100's SMs) gets
 // grid.z token ranges; each writes float32 partial sums into an XLA scratch buffer [S, R, 2G] and
-// SddmmReduceKernel adds them into the output.  Auto splits only grids of fewer tiles than SMs, aiming at two
+// SddmmReduceKernel adds them into the output.  Auto splits only grids of fewer tiles than half the SMs, aiming at two
 // CTAs per SM with >= 4 token tiles per range.
 #include <algorithm>
 #include <optional>
@@ -389,7 +389,8 @@ __global__ void __launch_bounds__(kWgThreads, 2) SddmmWgmmaKernel(const SddmmPar
   };
 
   // Gather (M > 4): thread writes condensed pair cq (columns 2cq, 2cq+1) of rows cg_t + j*kCgRowStep, for
-  // both halves; each half takes its own V block's column word.
+  // both halves; each half takes its own V block's column word (one slab for both when V >= 128).
+  const bool one_block = p.v % kWgBR == 0;
   constexpr int kCgPairs = NC / 2;
   constexpr int kCgRowStep = kWgThreads / kCgPairs, kCgIters = kWgBT / kCgRowStep;
   const int cq = tid % kCgPairs, cg_t = tid / kCgPairs;
@@ -416,6 +417,7 @@ __global__ void __launch_bounds__(kWgThreads, 2) SddmmWgmmaKernel(const SddmmPar
         const uint32_t off = Sw128MnOffset(2 * cq, t, L::kBColBytes);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
+          if (h == 1 && one_block) break;  // both halves in one V block: one condensed slab serves both
           const uint32_t word = static_cast<uint32_t>(row[cg_off[h][0]]) | (static_cast<uint32_t>(row[cg_off[h][1]]) << 16);
           *reinterpret_cast<uint32_t*>(smem + L::kXcOff + (2 * xc_buf + h) * L::kBBytes + off) = word;
         }
@@ -442,7 +444,7 @@ __global__ void __launch_bounds__(kWgThreads, 2) SddmmWgmmaKernel(const SddmmPar
     const int buf = kt % STAGES;
     const uint32_t a_base = smem_base + buf * L::kStageBytes + L::kDyOff + wg * L::kHalfBytes;
     const uint32_t b_base = M == 4 ? smem_base + buf * L::kStageBytes + L::kXOff
-                                   : smem_base + L::kXcOff + (2 * (kt & 1) + wg) * L::kBBytes;
+                                   : smem_base + L::kXcOff + (2 * (kt & 1) + (one_block ? 0 : wg)) * L::kBBytes;
     WgmmaFenceOperands(acc);
     WgmmaFence();
 #pragma unroll
@@ -543,7 +545,7 @@ int ChooseSplits(int split, int tiles, int all_kt) {
     // Measured on the H100 (docs/kernel-notes.md): splitting a grid that already fills the GPU costs more
     // than it gains (1024x4096 at M = 8: 256 tiles, 0.64 -> 0.69 ms with 2 ranges); a grid under one CTA
     // per SM gains 2.4x (1024x1024 at M = 8: 64 tiles, 0.42 -> 0.18 ms with 5 ranges).
-    if (tiles >= SmCount()) return 1;
+    if (2 * tiles > SmCount()) return 1;  // wgmma engine, 1024x4096 at M = 8: 128 tiles, 0.57 -> 0.61 ms split in 2
     const int want = (2 * SmCount() + tiles - 1) / tiles;
     s = std::min(std::min(want, all_kt / 4), 16);
   }

@@ -142,7 +142,7 @@ def sddmm_split(split: int | str | None = None) -> int:
     """The SDDMM's token-split attribute: 1 = one pass over all tokens, 0 = auto, n > 1 = n token ranges.
 
     ``None`` reads ``JAXSPARSE_SDDMM_SPLIT`` (``auto``, ``none`` or an integer; default ``auto``, which splits
-    only grids of fewer (row, group) tiles than the GPU has SMs: measured on the H100, 2.4x on a 1024x1024
+    only grids of fewer (row, group) tiles than half the GPU's SMs: measured on the H100, 2.4x on a 1024x1024
     layer at 64:2:8, and a loss on layers whose grid already fills the GPU; docs/kernel-notes.md).
     """
     if split is None:
