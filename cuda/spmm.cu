@@ -52,7 +52,7 @@ struct StageLayout {
   static constexpr int kXRowBytes = 2 * GS * M + 16;    // GS groups of M values + 16 B pad
   static constexpr int kABytes = BM * kARowBytes;
   static constexpr int kEBytes = BM * 4 * (GS / 8);     // [BM][GS/8] metadata words
-  static constexpr int kCBytes = 4 * GS;
+  static constexpr int kCBytes = 4 * GS * (BM / 64);    // column words of each 64-row block of the tile
   static constexpr int kXBytes = BN * kXRowBytes;
   static constexpr int kAOff = 0;
   static constexpr int kEOff = kAOff + kABytes;
@@ -90,6 +90,7 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MIN_BLOCKS)
   constexpr int MI = WM / 16, NI = WN / 8;
   constexpr int KS = GS / 8;  // mma k-steps (32 condensed k, one metadata word) per stage
   static_assert(WM % 16 == 0 && WN % 8 == 0 && GS % 8 == 0, "tile");
+  static_assert(64 % WM == 0 && BM % 64 == 0, "a warp's rows must lie in one 64-row block");
 
   extern __shared__ __align__(16) unsigned char smem[];
   const uint32_t smem_base = SmemAddr(smem);
@@ -137,7 +138,13 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MIN_BLOCKS)
   const uint32_t* e_src0 = p.meta + static_cast<int64_t>(row0 + e_r) * meta_stride + e_c;
   const int64_t e_step = static_cast<int64_t>(kThreads / KS) * meta_stride;
   const uint32_t e_dst0 = L::kEOff + (e_r * KS + e_c) * 4;
-  const uint8_t* c_src0 = (M > 4) ? p.cols + static_cast<int64_t>(row0 / p.v) * groups * 4 + tid * 16 : nullptr;
+  // Column words: GS/4 chunks of 16 B per 64-row block of the tile (a V = 64 block each; with V = 128 both
+  // blocks of a 128-row tile read the same words).  Thread c_blk*GS/4 + c_chunk copies one chunk.
+  constexpr int kCChunks = (GS / 4) * (BM / 64);
+  const int c_blk = tid / (GS / 4), c_chunk = tid % (GS / 4);
+  const uint8_t* c_src0 =
+      (M > 4 && tid < kCChunks) ? p.cols + static_cast<int64_t>((row0 + 64 * c_blk) / p.v) * groups * 4 + c_chunk * 16
+                                : nullptr;
 
   auto load_stage = [&](int buf, int kt) {
     const uint32_t base = smem_base + buf * L::kBytes;
@@ -157,7 +164,7 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MIN_BLOCKS)
           CpAsync4(base + e_dst0 + it * (kThreads / KS) * KS * 4, e_src0 + it * e_step + g0 / 8);
       }
     }
-    if (M > 4 && tid < GS / 4 && tid / 2 < steps_valid) CpAsync16(base + L::kCOff + tid * 16, c_src0 + g0 * 4, 16);
+    if (M > 4 && tid < kCChunks && c_chunk / 2 < steps_valid) CpAsync16(base + L::kCOff + tid * 16, c_src0 + g0 * 4, 16);
 #pragma unroll
     for (int it = 0; it < kXIters; ++it) {
       // chunk x_c covers groups (x_c*8)/M ..: valid while inside the stage's valid k-steps
@@ -222,7 +229,8 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MIN_BLOCKS)
         }
       } else {
         // Element offsets (within a token row of the slab) of the two dense columns behind each register.
-        const uint32_t* cw = reinterpret_cast<const uint32_t*>(sbase + L::kCOff);
+        // This warp's rows lie in one 64-row block (WM <= 64): its V block's column words.
+        const uint32_t* cw = reinterpret_cast<const uint32_t*>(sbase + L::kCOff) + ((warp_m * WM) / 64) * GS;
         uint32_t off0[4], off1[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -310,13 +318,14 @@ ffi::Error LaunchConfig(cudaStream_t stream, const SpmmParams& p) {
   return LastLaunchError("SpmmKernel");
 }
 
-// Tile table.  BM must divide V for M > 4 (one column set per tile); BN shrinks for M = 32, whose dense
+// Tile table.  For M > 4 every warp's rows lie in one V block (WM = 64 divides V); BN shrinks for M = 32, whose dense
 // X slab (8 groups x 32 columns per token) would otherwise not fit several stages.
 template <typename T>
 ffi::Error Dispatch(cudaStream_t stream, const SpmmParams& p, int m, int sm_count) {
   const int64_t tiles_n = (p.tokens + 127) / 128;
   // BM = 128 when the rows and V allow it and it still fills the GPU; else BM = 64.
-  const bool can128 = (p.rows % 128 == 0) && (m == 4 || p.v % 128 == 0);
+  // V = 64 takes 128-row tiles too: each warp gathers with its own block's columns from the shared X slab.
+  const bool can128 = p.rows % 128 == 0;
   const bool use128 = can128 && (static_cast<int64_t>(p.rows / 128) * tiles_n >= sm_count);
   // <T, M, BM, BN, WM, WN, groups per stage, stages, min blocks per SM>: two blocks per SM everywhere.
   switch (m) {
