@@ -103,6 +103,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
                    help="only merge result files of one study (same hyper-parameters, e.g. one per task run side "
                         "by side) into <--out-dir>/accuracy.json")
+    p.add_argument("--dense-from", type=Path, nargs="+", default=[], metavar="JSON",
+                   help="with --merge: take the dense runs of these result files too (their settings may differ "
+                        "only in options that change sparse runs: --score, --fade, --distill, ...)")
     p.add_argument("--json", type=Path, nargs="*", default=None,
                    help="with --render-docs: result files (default: benchmarks/results/*/accuracy*.json, quick runs skipped)")
     p.add_argument("--docs", type=Path, default=REPO / "docs" / "results.md", help="with --render-docs: file to update")
@@ -300,7 +303,9 @@ def section(payload: dict) -> str:
         "",
         f"jax {v.get('jax')}, flax {v.get('flax')}, optax {v.get('optax')}, jaxsparse {v.get('jaxsparse_commit') or 'n/a'}; "
         f"data from {'JAXSPARSE_DATA_DIR' if env.get('data_dir') else 'the installed packages'}. "
-        f"Per-run accuracies: `{payload.get('path', 'accuracy.json')}`.",
+        f"Per-run accuracies: `{payload.get('path', 'accuracy.json')}`."
+        + (f" Dense rows: the dense runs of {', '.join(f'`{d}`' for d in payload['dense_runs_from'])} (the same "
+           f"settings for dense runs)." if payload.get("dense_runs_from") else ""),
     ])
 
 
@@ -513,17 +518,43 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
     return payload
 
 
-def merge(paths: Sequence[Path], out_dir: Path) -> dict:
+# Hyper-parameters that change only sparse runs: dense baselines measured under another pruning recipe are
+# the same experiment, so --dense-from may take them into a study that differs only in these.
+SPARSE_ONLY_HYPERPARAMETERS = ("prune", "ladder", "prune_begin", "prune_end", "fade", "score", "distill",
+                               "temperature", "compress")
+
+
+def _dense_settings(hp: dict) -> dict:
+    return {k: v for k, v in hp.items() if k not in SPARSE_ONLY_HYPERPARAMETERS}
+
+
+def _dense_runs_of(path: Path) -> dict:
+    """An accuracy.json reduced to its dense runs (for ``merge(dense_from=...)``)."""
+    p = json.loads(Path(path).read_text())
+    runs = [r for r in p["runs"] if r["sparsity"] == "dense"]
+    if not runs:
+        raise ValueError(f"--dense-from: {path} holds no dense runs")
+    grid = dict(p["grid"], sparsities=["dense"])
+    return dict(p, runs=runs, grid=grid, teachers={}, dense_only=True, source=str(path))
+
+
+def merge(paths: Sequence[Path], out_dir: Path, dense_from: Sequence[Path] = ()) -> dict:
     """Merge result files of one study (equal hyper-parameters) into ``out_dir/accuracy.json``.
 
     The grid is the union of the files' grids; a (task, sparsity, seed) present in two files is an error
-    (the same run measured twice would hide a difference).
+    (the same run measured twice would hide a difference). ``dense_from``: files whose dense runs join the
+    study; their hyper-parameters may differ only in ``SPARSE_ONLY_HYPERPARAMETERS`` (recorded in
+    ``dense_runs_from``).
     """
-    payloads = [json.loads(Path(p).read_text()) for p in paths]
+    payloads = [json.loads(Path(p).read_text()) for p in paths] + [_dense_runs_of(p) for p in dense_from]
+    paths = [*paths, *dense_from]
     for path, p in zip(paths, payloads):
         if p.get("benchmark") != "accuracy":
             raise ValueError(f"{path} is not an accuracy.json written by benchmarks/accuracy.py")
-        if p["hyperparameters"] != payloads[0]["hyperparameters"]:
+        if p.get("dense_only"):
+            if _dense_settings(p["hyperparameters"]) != _dense_settings(payloads[0]["hyperparameters"]):
+                raise ValueError(f"{path}: its dense runs were trained with other settings than {paths[0]}")
+        elif p["hyperparameters"] != payloads[0]["hyperparameters"]:
             raise ValueError(f"{path} has other hyper-parameters than {paths[0]}")
     runs, seen = [], set()
     for path, p in zip(paths, payloads):
@@ -555,6 +586,8 @@ def merge(paths: Sequence[Path], out_dir: Path) -> dict:
     teachers = {k: v for p in payloads for k, v in p.get("teachers", {}).items()}
     if teachers:
         merged["teachers"] = teachers
+    if dense_from:
+        merged["dense_runs_from"] = [str(p) for p in dense_from]
     merged.pop("jit_functions_built", None)
     _write(merged, [out_dir / "accuracy.json"])
     (out_dir / "accuracy.md").write_text(section(merged) + "\n")
@@ -575,7 +608,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.merge:
         out_dir = args.out_dir or HERE / "results" / common.gpu_slug(json.loads(args.merge[0].read_text())["environment"]["device"])
-        merged = merge(args.merge, out_dir)
+        merged = merge(args.merge, out_dir, args.dense_from)
         print(table(merged))
         print(f"wrote {out_dir / 'accuracy.json'} ({len(merged['runs'])} runs from {len(args.merge)} files)")
         return 0

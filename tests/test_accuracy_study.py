@@ -128,3 +128,22 @@ def test_seed_slices_share_one_teacher_and_merge(acc, tmp_path, monkeypatch):
     merged = acc.merge([tmp_path / "s0" / "accuracy.json", tmp_path / "s1" / "accuracy.json"], tmp_path / "m")
     assert merged["grid"]["seeds"] == [0, 1] and merged["finished"] and len(merged["runs"]) == 2
     assert "sparse runs distil from a dense teacher" in (tmp_path / "m" / "accuracy.md").read_text()
+
+
+def test_merge_takes_dense_baselines_from_another_recipe(acc, tmp_path):
+    """Dense runs do not depend on the pruning recipe: --dense-from reuses them, and nothing else."""
+    accs = {"dense": [0.9, 0.92], "2:4": [0.9, 0.9]}
+    study = tmp_path / "study.json"
+    study.write_text(json.dumps(_payload(acc, "rt", ["2:4"], accs, score="activation", fade=0.1)))
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(_payload(acc, "rt", ["dense", "2:4"], accs)))  # its 2:4 runs must not come along
+    out = tmp_path / "merged"
+    assert acc.main(["--merge", str(study), "--dense-from", str(old), "--out-dir", str(out)]) == 0
+    merged = json.loads((out / "accuracy.json").read_text())
+    assert sorted((r["sparsity"], r["seed"]) for r in merged["runs"]) == [("2:4", 0), ("2:4", 1), ("dense", 0), ("dense", 1)]
+    assert merged["hyperparameters"]["score"] == "activation" and merged["dense_runs_from"] == [str(old)]
+    row = next(r for r in merged["summary"] if r["sparsity"] == "2:4")
+    assert row["delta"] == pytest.approx(90.0 - 91.0)
+    old.write_text(json.dumps(_payload(acc, "rt", ["dense"], accs, lr=1.0)))  # dense settings differ: refused
+    with pytest.raises(ValueError, match="other settings"):
+        acc.merge([study], out, dense_from=[old])

@@ -182,9 +182,10 @@ class BertModel(_Sparse):
         init = nn.initializers.normal(cfg.initializer_range)
 
         def embed(name: str, num: int, ids: jax.Array) -> jax.Array:
-            # Gathered in the table's own dtype and cast after the sum: the gradient's scatter-add into the
-            # [vocab, hidden] table then runs in float32, not as a bfloat16 compare-and-swap loop (26 ms of
-            # a 306 ms BERT-large step on the H100 when the table was cast to bfloat16 first).
+            # Gathered in the table's own dtype and cast after the sum, so the gradient's scatter-add into
+            # the [vocab, hidden] table runs in float32. With the table cast to bfloat16 first, that scatter
+            # took 26 ms of a BERT-large step on the H100; now it is not among the step's top kernels
+            # (docs/results.md, training step).
             return nn.Embed(num, cfg.hidden_size, embedding_init=init, name=f"embeddings_{name}")(ids)
 
         h = (embed("word_embeddings", cfg.vocab_size, input_ids)
