@@ -388,66 +388,38 @@ __global__ void __launch_bounds__(kWgThreads, 2) SddmmWgmmaKernel(const SddmmPar
     }
   };
 
-  // Gather (M > 4), vectorized: the thread owns group g_gl of tokens g_t + j * kGRowStep.  One (M = 8) or
-  // two (M = 16) 16-byte loads bring the group's M values; registers pick the 4 kept ones of each half
-  // (its V block's column word) and one 8-byte store writes them into that half's condensed slab.  Both
-  // halves share one slab when V >= 128.
+  // Gather (M > 4): thread writes condensed pair cq (columns 2cq, 2cq+1) of rows cg_t + j*kCgRowStep, for
+  // both halves; each half takes its own V block's column word (one slab for both when V >= 128).
   const bool one_block = p.v % kWgBR == 0;
-  constexpr int kGRowStep = kWgThreads / GC, kGIters = kWgBT / kGRowStep;
-  static_assert(kWgThreads % GC == 0 && kWgBT % kGRowStep == 0, "gather split");
-  const int g_gl = tid % GC, g_t = tid / GC;
-  uint32_t pick_word[2] = {0, 0};  // 4 bits per kept value p: the 32-bit word (of M/2) holding it
-  uint32_t pick_perm[2][2] = {{0, 0}, {0, 0}};  // __byte_perm selectors of the pairs (p0, p1), (p2, p3)
+  constexpr int kCgPairs = NC / 2;
+  constexpr int kCgRowStep = kWgThreads / kCgPairs, kCgIters = kWgBT / kCgRowStep;
+  const int cq = tid % kCgPairs, cg_t = tid / kCgPairs;
+  int cg_off[2][2] = {{0, 0}, {0, 0}};
   if constexpr (M > 4) {
+    const int gl = cq >> 1, pos = 2 * (cq & 1);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       uint32_t w = 0;
-      if (g0 + g_gl < groups)
+      if (g0 + gl < groups)
         w = *reinterpret_cast<const uint32_t*>(
-            p.cols + (static_cast<int64_t>((row0 + 64 * h) / p.v) * groups + g0 + g_gl) * 4);
-      uint32_t odd = 0;
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const uint32_t c = (w >> (8 * q)) & 0xFF;
-        pick_word[h] |= (c >> 1) << (4 * q);
-        odd |= (c & 1) << q;
-      }
-      // low half <- value p (bytes 0-1 or 2-3 of the first word), high half <- value p+1 (bytes 4-5 or 6-7).
-      pick_perm[h][0] = ((odd & 1) ? 0x32u : 0x10u) | (((odd >> 1) & 1) ? 0x7600u : 0x5400u);
-      pick_perm[h][1] = (((odd >> 2) & 1) ? 0x32u : 0x10u) | (((odd >> 3) & 1) ? 0x7600u : 0x5400u);
+            p.cols + (static_cast<int64_t>((row0 + 64 * h) / p.v) * groups + g0 + gl) * 4);
+      cg_off[h][0] = gl * M + ((w >> (8 * pos)) & 0xFF);
+      cg_off[h][1] = gl * M + ((w >> (8 * pos + 8)) & 0xFF);
     }
   }
   auto gather = [&](int stage_buf, int xc_buf) {
     if constexpr (M > 4) {
       const unsigned char* xs = smem + stage_buf * L::kStageBytes + L::kXOff;
 #pragma unroll
-      for (int it = 0; it < kGIters; ++it) {
-        const int t = g_t + it * kGRowStep;
-        uint32_t v[M / 2];
-        const uint4* src = reinterpret_cast<const uint4*>(xs + t * L::kXRowBytes + g_gl * M * 2);
-#pragma unroll
-        for (int u = 0; u < M / 8; ++u) {
-          const uint4 q = src[u];
-          v[4 * u] = q.x;
-          v[4 * u + 1] = q.y;
-          v[4 * u + 2] = q.z;
-          v[4 * u + 3] = q.w;
-        }
-        const uint32_t off = Sw128MnOffset(4 * g_gl, t, L::kBColBytes);
+      for (int it = 0; it < kCgIters; ++it) {
+        const int t = cg_t + it * kCgRowStep;
+        const uint16_t* row = reinterpret_cast<const uint16_t*>(xs + t * L::kXRowBytes);
+        const uint32_t off = Sw128MnOffset(2 * cq, t, L::kBColBytes);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          if (h == 1 && one_block) break;
-          uint32_t e[4];
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const uint32_t wi = (pick_word[h] >> (4 * q)) & 0xF;
-            uint32_t r = v[0];
-#pragma unroll
-            for (int j = 1; j < M / 2; ++j) r = wi == static_cast<uint32_t>(j) ? v[j] : r;
-            e[q] = r;
-          }
-          const uint2 out = make_uint2(__byte_perm(e[0], e[1], pick_perm[h][0]), __byte_perm(e[2], e[3], pick_perm[h][1]));
-          *reinterpret_cast<uint2*>(smem + L::kXcOff + (2 * xc_buf + h) * L::kBBytes + off) = out;
+          if (h == 1 && one_block) break;  // both halves in one V block: one condensed slab serves both
+          const uint32_t word = static_cast<uint32_t>(row[cg_off[h][0]]) | (static_cast<uint32_t>(row[cg_off[h][1]]) << 16);
+          *reinterpret_cast<uint32_t*>(smem + L::kXcOff + (2 * xc_buf + h) * L::kBBytes + off) = word;
         }
       }
     }
