@@ -1,7 +1,11 @@
 // SDDMM: the weight gradient of y = x @ W sampled at W's kept positions, written straight into the
 // compressed values layout (docs/format.md):
 //   dvalues[r, 2g+j] = sum_t x[t, g*M + col(r, g, j)] * dy[t, r],   fp32 accumulation over all tokens.
-// No dense [K, R] gradient is formed.  Design notes: docs/kernel-notes.md ("Backward kernels").
+// No dense [K, R] gradient is formed.  Design notes: docs/kernel-notes.md ("Backward kernels", "Session 3").
+//
+// Two engines (attribute `engine`: 0 auto, 1 mma.sync, 2 wgmma): SddmmKernel below (mma.sync, any GPU
+// from sm_80, 64-row tiles) and SddmmWgmmaKernel (Hopper warpgroup MMAs, sm_90a, 128-row tiles, M in
+// {4, 8, 16}, R % 128 == 0), which auto picks where its sm_90a image runs.
 //
 // Math view: for a tile of BR = 64 rows inside one V block (so one column set per group) and GC groups,
 //   C[r, 4*gl + p] = sum_t dy[t, r] * x[t, (g0+gl)*M + cols[blk, g0+gl, p]]      (p = 0..3)
