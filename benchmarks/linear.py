@@ -79,6 +79,21 @@ def _rel(a: jax.Array, ref: jax.Array) -> float:
     return float(jnp.linalg.norm(a - ref) / jnp.linalg.norm(ref))
 
 
+def _err(product: str, fn, args: tuple, refs: dict) -> float:
+    """Relative error of ``fn(*args)`` against the float32 reference of its product (dW whole, fwd and dX
+    on the first 512 tokens)."""
+    out = fn(*args)
+    return _rel(out if product == "dW" else out[:512], refs[product])
+
+
+def _row(base: dict, product: str, impl: str, ms: float, dense_ms: float, fl: dict, err: str) -> dict:
+    """One result row: the time, its speedup over the dense product, and the product's roofline floor."""
+    return dict(base, product=product, impl=impl, ms=round(ms, 4), speedup=round(dense_ms / ms, 2),
+                floor_ms=round(fl["floor_ms"], 4), compute_ms=round(fl["compute_ms"], 4),
+                memory_ms=round(fl["memory_ms"], 4), over_floor=round(ms / fl["floor_ms"], 2), bound=fl["bound"],
+                err=err)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="16384 tokens, three BERT-large shapes")
@@ -162,10 +177,7 @@ def main() -> None:
                 ms = common.time_jax(dense_fns[prod], [(x, dy, w, b) for x, dy in zip(xs, dys)], **reps)
                 dense_ms[prod] = ms
                 fl = floors(prod, tokens, k, n, None)
-                rows.append(dict(base, product=prod, impl="xla-dense", ms=round(ms, 4), speedup=1.0,
-                                 floor_ms=round(fl["floor_ms"], 4), compute_ms=round(fl["compute_ms"], 4),
-                                 memory_ms=round(fl["memory_ms"], 4), over_floor=round(ms / fl["floor_ms"], 2),
-                                 bound=fl["bound"], err=""))
+                rows.append(_row(base, prod, "xla-dense", ms, ms, fl, ""))
                 print(rows[-1], flush=True)
             for spec_s in specs:
                 spec = F.VNM.parse(spec_s)
@@ -173,36 +185,23 @@ def main() -> None:
                 # Errors against float32 references on the first input set (dX, fwd: first 512 tokens).
                 x0, dy0 = xs[0], dys[0]
                 wd = F.decompress(sw).astype(jnp.float32)
-                errs = {
-                    "fwd": _rel(sparse_fns["fwd"](x0, dy0, sw, b)[:512],
-                                jnp.dot(x0[:512].astype(jnp.float32), wd, precision=hi) + b.astype(jnp.float32)),
-                    "dW": _rel(sparse_fns["dW"](x0, dy0, sw, b),
-                               F.compress_like(jnp.dot(x0.astype(jnp.float32).T, dy0.astype(jnp.float32), precision=hi), sw)),
-                    "dX": _rel(sparse_fns["dX"](x0, dy0, sw, b)[:512],
-                               jnp.dot(dy0[:512].astype(jnp.float32), wd.T, precision=hi)),
+                refs = {
+                    "fwd": jnp.dot(x0[:512].astype(jnp.float32), wd, precision=hi) + b.astype(jnp.float32),
+                    "dW": F.compress_like(jnp.dot(x0.astype(jnp.float32).T, dy0.astype(jnp.float32), precision=hi), sw),
+                    "dX": jnp.dot(dy0[:512].astype(jnp.float32), wd.T, precision=hi),
                 }
+                args0 = (x0, dy0, sw, b)
+                errs = {prod: _err(prod, sparse_fns[prod], args0, refs) for prod in refs}
                 errs["fwd+bwd"] = max(errs.values())
-                for prod in PRODUCTS:
-                    ms = common.time_jax(sparse_fns[prod], [(x, dy, sw, b) for x, dy in zip(xs, dys)], **reps)
-                    fl = floors(prod, tokens, k, n, spec.m, spec.v)
-                    rows.append(dict(base, product=prod, impl=f"jaxsparse {spec_s}", ms=round(ms, 4),
-                                     speedup=round(dense_ms[prod] / ms, 2), floor_ms=round(fl["floor_ms"], 4),
-                                     compute_ms=round(fl["compute_ms"], 4), memory_ms=round(fl["memory_ms"], 4),
-                                     over_floor=round(ms / fl["floor_ms"], 2), bound=fl["bound"],
-                                     err=f"{errs[prod]:.1e}"))
-                    print(rows[-1], flush=True)
-                for label, prod, fn in variants:
-                    err = _rel(fn(x0, dy0, sw, b)[:512] if prod == "dX" else fn(x0, dy0, sw, b),
-                               jnp.dot(dy0[:512].astype(jnp.float32), wd.T, precision=hi) if prod == "dX" else
-                               F.compress_like(jnp.dot(x0.astype(jnp.float32).T, dy0.astype(jnp.float32), precision=hi), sw))
+                # The defaults (PRODUCTS), then the alternatives the ops choose between.
+                runs = [(prod, prod, sparse_fns[prod], errs[prod]) for prod in PRODUCTS]
+                runs += [(label, prod, fn, _err(prod, fn, args0, refs)) for label, prod, fn in variants]
+                for label, prod, fn, err in runs:
                     ms = common.time_jax(fn, [(x, dy, sw, b) for x, dy in zip(xs, dys)], **reps)
                     fl = floors(prod, tokens, k, n, spec.m, spec.v)
-                    rows.append(dict(base, product=label, impl=f"jaxsparse {spec_s}", ms=round(ms, 4),
-                                     speedup=round(dense_ms[prod] / ms, 2), floor_ms=round(fl["floor_ms"], 4),
-                                     compute_ms=round(fl["compute_ms"], 4), memory_ms=round(fl["memory_ms"], 4),
-                                     over_floor=round(ms / fl["floor_ms"], 2), bound=fl["bound"], err=f"{err:.1e}"))
+                    rows.append(_row(base, label, f"jaxsparse {spec_s}", ms, dense_ms[prod], fl, f"{err:.1e}"))
                     print(rows[-1], flush=True)
-                del sw, wd
+                del sw, wd, args0
             del xs, dys, w
             save()
 

@@ -26,6 +26,18 @@ inline ffi::Error LastLaunchError(const char* kernel) {
   return ffi::Error::Success();
 }
 
+// Sets a kernel's dynamic shared-memory limit once per instantiation (benign race: idempotent).
+template <auto Kernel>
+ffi::Error RaiseSmemLimit(int bytes, const char* name) {
+  static bool done = false;
+  if (!done) {
+    cudaError_t st = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (st != cudaSuccess) return CudaError(st, name);
+    done = true;
+  }
+  return ffi::Error::Success();
+}
+
 inline int64_t Dim(const ffi::AnyBuffer& b, int i) { return b.dimensions()[i]; }
 
 template <typename B>

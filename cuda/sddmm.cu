@@ -108,6 +108,23 @@ __device__ __forceinline__ void StorePair(const SddmmParams& p, int row, int g, 
   }
 }
 
+// Epilogue of both engines: `tile` [ROWS][row_floats] holds C[r, 4*gl + p] for the CTA's rows and GC groups;
+// per (row, group) the metadata nibble picks the 2 kept of the 4 products, stored by StorePair.
+template <typename T, int ROWS, int GC, int THREADS>
+__device__ __forceinline__ void StoreKeptPairs(const SddmmParams& p, const float* tile, int row_floats, int row0,
+                                               int g0) {
+  const int meta_stride = p.groups / 8;
+  for (int i = threadIdx.x; i < ROWS * GC; i += THREADS) {
+    const int r = i / GC, gl = i % GC, g = g0 + gl;
+    if (g >= p.groups) continue;
+    const int row = row0 + r;
+    const uint32_t nib = (p.meta[static_cast<int64_t>(row) * meta_stride + g / 8] >> (4 * (g % 8))) & 0xFu;
+    const float v0 = tile[r * row_floats + 4 * gl + (nib & 3u)];
+    const float v1 = tile[r * row_floats + 4 * gl + (nib >> 2)];
+    StorePair<T>(p, row, g, v0, v1);
+  }
+}
+
 template <typename T, int M>
 __global__ void __launch_bounds__(kSdThreads) SddmmKernel(const SddmmParams p) {
   using C = SddmmCfg<M>;
@@ -270,16 +287,7 @@ __global__ void __launch_bounds__(kSdThreads) SddmmKernel(const SddmmParams p) {
         tile[r * L::kEpiRowFloats + c] = acc[mi][ni][q];
       }
   __syncthreads();
-  const int meta_stride = groups / 8;
-  for (int i = tid; i < kSdBR * GC; i += kSdThreads) {
-    const int r = i / GC, gl = i % GC, g = g0 + gl;
-    if (g >= groups) continue;
-    const int row = row0 + r;
-    const uint32_t nib = (p.meta[static_cast<int64_t>(row) * meta_stride + g / 8] >> (4 * (g % 8))) & 0xFu;
-    const float v0 = tile[r * L::kEpiRowFloats + 4 * gl + (nib & 3u)];
-    const float v1 = tile[r * L::kEpiRowFloats + 4 * gl + (nib >> 2)];
-    StorePair<T>(p, row, g, v0, v1);
-  }
+  StoreKeptPairs<T, kSdBR, GC, kSdThreads>(p, tile, L::kEpiRowFloats, row0, g0);
 }
 
 // ---------------------------------------------------------------- Hopper engine (wgmma, sm_90a)
@@ -489,18 +497,9 @@ __global__ void __launch_bounds__(kWgThreads, 2) SddmmWgmmaKernel(const SddmmPar
     }
   }
   __syncthreads();
-  const int meta_stride = groups / 8;
-  for (int i = tid; i < kWgBR * GC; i += kWgThreads) {
-    const int r = i / GC, gl = i % GC, g = g0 + gl;
-    if (g >= groups) continue;
-    const int row = row0 + r;
-    const uint32_t nib = (p.meta[static_cast<int64_t>(row) * meta_stride + g / 8] >> (4 * (g % 8))) & 0xFu;
-    const float v0 = tile[r * L::kEpiRowFloats + 4 * gl + (nib & 3u)];
-    const float v1 = tile[r * L::kEpiRowFloats + 4 * gl + (nib >> 2)];
-    StorePair<T>(p, row, g, v0, v1);
-  }
+  StoreKeptPairs<T, kWgBR, GC, kWgThreads>(p, tile, L::kEpiRowFloats, row0, g0);
 #else
-  __trap();  // launched only where the sm_90a image exists (see UseWgmma)
+  __trap();  // launched only where the sm_90a image exists (see WgmmaImageLoaded)
 #endif
 }
 
@@ -554,18 +553,6 @@ int ChooseSplits(int split, int tiles, int all_kt) {
     s = std::min(std::min(want, all_kt / 4), 16);
   }
   return std::max(1, std::min(s, all_kt));
-}
-
-// Sets a kernel's dynamic shared-memory limit once per instantiation (benign race: idempotent).
-template <auto Kernel>
-ffi::Error RaiseSmemLimit(int bytes, const char* name) {
-  static bool done = false;
-  if (!done) {
-    cudaError_t st = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (st != cudaSuccess) return CudaError(st, name);
-    done = true;
-  }
-  return ffi::Error::Success();
 }
 
 // Whether the wgmma engine's sm_90a image is what this device would run (an sm_80-only build, or another

@@ -306,13 +306,8 @@ template <typename T, int M, int BM, int BN, int WM, int WN, int GS, int STAGES,
 ffi::Error LaunchConfig(cudaStream_t stream, const SpmmParams& p) {
   constexpr int kThreads = (BM / WM) * (BN / WN) * 32;
   constexpr int kSmem = SmemBytes<M, BM, BN, GS, STAGES>();
-  auto kernel = SpmmKernel<T, M, BM, BN, WM, WN, GS, STAGES, MIN_BLOCKS>;
-  static bool attr_set = false;  // per instantiation; benign race (idempotent)
-  if (!attr_set) {
-    cudaError_t st = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (st != cudaSuccess) return CudaError(st, "cudaFuncSetAttribute(SpmmKernel)");
-    attr_set = true;
-  }
+  constexpr auto kernel = SpmmKernel<T, M, BM, BN, WM, WN, GS, STAGES, MIN_BLOCKS>;
+  if (ffi::Error e = RaiseSmemLimit<kernel>(kSmem, "cudaFuncSetAttribute(SpmmKernel)"); e.failure()) return e;
   dim3 grid(p.rows / BM, (p.tokens + BN - 1) / BN);
   kernel<<<grid, kThreads, kSmem, stream>>>(p);
   return LastLaunchError("SpmmKernel");

@@ -293,13 +293,8 @@ __global__ void __launch_bounds__(kStThreads) SpmmTKernel(const SpmmTParams p) {
 template <typename T, int M>
 ffi::Error Launch(cudaStream_t stream, const SpmmTParams& p) {
   constexpr int kSmem = SpmmTLayout<M>::kSmemBytes;
-  auto kernel = SpmmTKernel<T, M>;
-  static bool attr_set = false;  // per instantiation; benign race (idempotent)
-  if (!attr_set) {
-    cudaError_t st = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (st != cudaSuccess) return CudaError(st, "cudaFuncSetAttribute(SpmmTKernel)");
-    attr_set = true;
-  }
+  constexpr auto kernel = SpmmTKernel<T, M>;
+  if (ffi::Error e = RaiseSmemLimit<kernel>(kSmem, "cudaFuncSetAttribute(SpmmTKernel)"); e.failure()) return e;
   constexpr int GC = SpmmTLayout<M>::GC;
   dim3 grid((p.tokens + kStBT - 1) / kStBT, (p.groups + GC - 1) / GC);
   kernel<<<grid, kStThreads, kSmem, stream>>>(p);
