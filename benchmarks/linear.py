@@ -138,11 +138,22 @@ def main() -> None:
         "fwd+bwd": jax.jit(lambda x, dy, sw, b: sparse_vjp(x, dy, sw.values, b, sw)),
     }
     # The alternatives the ops choose between, timed beside the kernels: (row label, product, function).
+    # A variant may take x in another form: prep(x) is what its first argument gets.
+    same = lambda x: x
     variants = [
-        ("dW mma.sync engine", "dW", jax.jit(lambda x, dy, sw, b: calls.sddmm(x, dy, sw, engine="mma"))),
-        ("dW split=none", "dW", jax.jit(lambda x, dy, sw, b: calls.sddmm(x, dy, sw, split="none"))),
-        ("dX dense route", "dX", jax.jit(lambda x, dy, sw, b: ops._dense_dx(dy, sw))),
+        ("dW mma.sync engine", "dW", jax.jit(lambda x, dy, sw, b: calls.sddmm(x, dy, sw, engine="mma", x_layout="row")),
+         same),
+        ("dW split=none", "dW", jax.jit(lambda x, dy, sw, b: calls.sddmm(x, dy, sw, split="none")), same),
+        ("dW x row-major", "dW", jax.jit(lambda x, dy, sw, b: calls.sddmm(x, dy, sw, x_layout="row")), same),
+        # x^T [K, T] row-major is x column-major in memory: the transpose below is a bitcast, so this row times
+        # the kernel alone, as in a model whose producer writes x column-major (the default "dW" row, whose x is
+        # a row-major jit argument, includes XLA's copy into that layout).
+        ("dW x col-major given", "dW", jax.jit(lambda xt, dy, sw, b: calls.sddmm(xt.T, dy, sw, x_layout="col")),
+         lambda x: jnp.asarray(x.T)),
+        ("dX dense route", "dX", jax.jit(lambda x, dy, sw, b: ops._dense_dx(dy, sw)), same),
     ]
+    if not calls.hopper_gpu():
+        variants = [v for v in variants if "col-major" not in v[0]]  # not a Hopper GPU: no column-major engine
     select = jax.jit(F.select_mask, static_argnums=1)
     rows: list[dict] = []
     key = jax.random.PRNGKey(7)
@@ -154,7 +165,8 @@ def main() -> None:
             versions=common.versions(),
             roofline=dict(dense_tflops=common.DENSE_TFLOPS, sparse_tflops=common.SPARSE_TFLOPS,
                           hbm_tbps=common.HBM_TBPS, note=__doc__.split("Roofline")[1].split("Writes")[0].strip()),
-            fwd_bwd_routes=dict(dx=ops.dx_route(), sddmm_split=calls.sddmm_split(), sddmm_engine=calls.sddmm_engine()),
+            fwd_bwd_routes=dict(dx=ops.dx_route(), sddmm_split=calls.sddmm_split(), sddmm_engine=calls.sddmm_engine(),
+                                sddmm_x_layout=os.environ.get(calls.SDDMM_X_LAYOUT_ENV, "auto")),
             timing="median over 15 batches of 20 async calls (host clock between syncs), 3 rotating input sets",
             results=rows,
         )
@@ -194,10 +206,11 @@ def main() -> None:
                 errs = {prod: _err(prod, sparse_fns[prod], args0, refs) for prod in refs}
                 errs["fwd+bwd"] = max(errs.values())
                 # The defaults (PRODUCTS), then the alternatives the ops choose between.
-                runs = [(prod, prod, sparse_fns[prod], errs[prod]) for prod in PRODUCTS]
-                runs += [(label, prod, fn, _err(prod, fn, args0, refs)) for label, prod, fn in variants]
-                for label, prod, fn, err in runs:
-                    ms = common.time_jax(fn, [(x, dy, sw, b) for x, dy in zip(xs, dys)], **reps)
+                runs = [(prod, prod, sparse_fns[prod], same, errs[prod]) for prod in PRODUCTS]
+                runs += [(label, prod, fn, prep, _err(prod, fn, (prep(x0), dy0, sw, b), refs))
+                         for label, prod, fn, prep in variants]
+                for label, prod, fn, prep, err in runs:
+                    ms = common.time_jax(fn, [(prep(x), dy, sw, b) for x, dy in zip(xs, dys)], **reps)
                     fl = floors(prod, tokens, k, n, spec.m, spec.v)
                     rows.append(_row(base, label, f"jaxsparse {spec_s}", ms, dense_ms[prod], fl, f"{err:.1e}"))
                     print(rows[-1], flush=True)

@@ -503,6 +503,165 @@ __global__ void __launch_bounds__(kWgThreads, 2) SddmmWgmmaKernel(const SddmmPar
 #endif
 }
 
+// ------------------------------------------------------------------------------------------------------
+// Hopper engine for a column-major x (x_layout = 1: x stored as x^T [K][T], token-contiguous rows).
+//
+// With tokens contiguous, a kept column of x is a contiguous row of x^T, so the condensed operand is
+// copied straight from global memory by cp.async (16 bytes = 8 tokens of one kept column): no gather pass
+// in shared memory, the same code for every M, and 4/M of x's bytes moved instead of all of them.
+// CTA = 128 rows (two warpgroups of 64, each inside one V block) x 128 condensed columns (32 groups);
+// 64-token stages, 4 deep.  Per stage: dy [64 t][128 r] lands as two MN-major 128B-swizzled 64-row halves
+// (A, trans-a = 1, as in SddmmWgmmaKernel); each V block's condensed x^T rows [128 q][64 t] land as a
+// K-major 128B-swizzled B tile (trans-b = 0; two tiles when V = 64, one for V >= 128 and for 2:4).
+// Pipeline: the loads for stage kt+2 are issued right after the barrier of stage kt, whose wgmmas then run
+// while one group of the previous stage may still be in flight (wgmma.wait_group 1), so the tensor cores
+// see back-to-back work; a buffer is refilled only after every warpgroup's wgmmas on it completed.
+// Needs T % 8 == 0 (16-byte rows of x^T) and R % 128 == 0; the Python side asks XLA for this layout only
+// then.  Epilogue: StoreKeptPairs, as both other engines.
+constexpr int kXtBR = 128;
+constexpr int kXtBT = 64;
+constexpr int kXtThreads = 256;
+constexpr int kXtGC = 32;
+constexpr int kXtNC = 4 * kXtGC;
+constexpr int kXtStages = 4;
+
+struct XtLayout {
+  static constexpr int kDyHalf = kXtBT * 128;        // one 64-row dy half: 64 token rows of 128 B
+  static constexpr int kXcTile = kXtNC * 128;        // one B tile: 128 condensed rows of 64 tokens
+  static constexpr int kXcOff = 2 * kDyHalf;
+  static constexpr int kStageBytes = kXcOff + 2 * kXcTile;
+  static constexpr int kPipeBytes = kXtStages * kStageBytes;
+  static constexpr int kEpiRowFloats = kXtNC + 4;
+  static constexpr int kEpiBytes = kXtBR * kEpiRowFloats * 4;
+  static constexpr int kSmemBytes = (kPipeBytes > kEpiBytes ? kPipeBytes : kEpiBytes) + 1024;
+  static_assert(kDyHalf % 1024 == 0 && kXcTile % 1024 == 0 && kStageBytes % 1024 == 0, "swizzle atoms");
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kXtThreads, 1) SddmmWgmmaXtKernel(const SddmmParams p) {
+#ifdef JAXSPARSE_WGMMA
+  using L = XtLayout;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t raw_base = SmemAddr(smem_raw);
+  const uint32_t pad = ((raw_base + 1023u) & ~1023u) - raw_base;
+  unsigned char* smem = smem_raw + pad;
+  const uint32_t smem_base = raw_base + pad;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int wg = warp >> 2;
+  const int row0 = blockIdx.x * kXtBR;
+  const int g0 = blockIdx.y * kXtGC;
+  const int groups = p.groups, m = p.k / p.groups;
+  const int all_kt = (p.tokens + kXtBT - 1) / kXtBT;
+  const int kt_begin = blockIdx.z * p.kt_per_split;
+  const int num_kt = max(min(all_kt - kt_begin, p.kt_per_split), 0);
+  const T* __restrict__ xt = static_cast<const T*>(p.x);  // [K][T]
+  const T* __restrict__ dy = static_cast<const T*>(p.dy);
+  // 2:4 keeps every column and V >= 128 puts both halves in one block: one B tile serves both warpgroups.
+  const bool one_block = p.cols == nullptr || p.v % kXtBR == 0;
+  const int halves = one_block ? 1 : 2;
+
+  // dy: 64 token rows x 16 chunks; thread copies chunk dy_c of rows dy_t + 16 i.
+  const int dy_t = tid >> 4, dy_c = tid & 15;
+  const T* dy_src0 = dy + static_cast<int64_t>(dy_t) * p.rows + row0 + dy_c * 8;
+  // x^T: per half, 128 condensed rows x 8 chunks; thread copies chunk xc_c of condensed rows xc_q + 32 i.
+  const int xc_q = tid >> 3, xc_c = tid & 7;
+  const T* xc_src[2][4];
+  bool xc_ok[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int q = xc_q + 32 * i, g = g0 + q / 4;
+    xc_ok[i] = g < groups;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      int col = q % 4;
+      if (p.cols != nullptr && xc_ok[i] && h < halves) {
+        const int blk = (row0 + 64 * h) / p.v;
+        col = p.cols[(static_cast<int64_t>(blk) * groups + g) * 4 + q % 4];
+      }
+      const int64_t krow = xc_ok[i] ? static_cast<int64_t>(g) * m + col : 0;
+      xc_src[h][i] = xt + krow * p.tokens + xc_c * 8;
+    }
+  }
+
+  auto load_stage = [&](int buf, int kt) {
+    const uint32_t base = smem_base + buf * L::kStageBytes;
+    const int t0 = kt * kXtBT;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int t = dy_t + 16 * i;
+      const bool ok = t0 + t < p.tokens;
+      const uint32_t dst = (dy_c >> 3) * L::kDyHalf + Sw128MnOffset((dy_c & 7) * 8, t, 0);
+      CpAsync16(base + dst, ok ? dy_src0 + static_cast<int64_t>(t0 + 16 * i) * p.rows : dy, ok ? 16 : 0);
+    }
+    const bool tok_ok = t0 + xc_c * 8 < p.tokens;  // T % 8 == 0: a chunk is all in or all out
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (h >= halves) break;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const bool ok = tok_ok && xc_ok[i];
+        const uint32_t dst = L::kXcOff + h * L::kXcTile + Sw128KOffset(xc_q + 32 * i, xc_c * 8);
+        CpAsync16(base + dst, ok ? xc_src[h][i] + t0 : xt, ok ? 16 : 0);
+      }
+    }
+  };
+
+  float acc[kXtNC / 2];
+#pragma unroll
+  for (int i = 0; i < kXtNC / 2; ++i) acc[i] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < kXtStages - 2; ++s) {
+    if (s < num_kt) load_stage(s, kt_begin + s);
+    CpAsyncCommit();
+  }
+  for (int kt = 0; kt < num_kt; ++kt) {
+    CpAsyncWait<kXtStages - 3>();  // this thread's copies of stage kt landed
+    FenceProxyAsyncShared();
+    __syncthreads();  // stage kt visible to all; every warpgroup's wgmmas up to stage kt-2 completed
+    {
+      const int next = kt + kXtStages - 2;  // into the buffer of stage kt-2
+      if (next < num_kt) load_stage(next % kXtStages, kt_begin + next);
+      CpAsyncCommit();
+    }
+    const int buf = kt % kXtStages;
+    const uint32_t a_base = smem_base + buf * L::kStageBytes + wg * L::kDyHalf;
+    const uint32_t b_base = smem_base + buf * L::kStageBytes + L::kXcOff + (one_block ? 0 : wg) * L::kXcTile;
+    WgmmaFenceOperands(acc);
+    WgmmaFence();
+#pragma unroll
+    for (int ks = 0; ks < kXtBT / 16; ++ks) {
+      const uint64_t da = WgmmaDescSw128(a_base + ks * 2048, L::kDyHalf, 1024);
+      const uint64_t db = WgmmaDescSw128(b_base + ks * 32, 16, 1024);
+      Wgmma<kXtNC, T, 0>::Run(acc, da, db);
+    }
+    WgmmaCommit();
+    WgmmaWait<1>();  // stage kt-1's wgmmas of this warpgroup completed
+    WgmmaFenceOperands(acc);
+  }
+  WgmmaWait<0>();
+  WgmmaFenceOperands(acc);
+
+  CpAsyncWait<0>();
+  __syncthreads();  // no wgmma or copy reads or writes the pipeline buffers any more
+  float* tile = reinterpret_cast<float*>(smem);
+  {
+    const int wq = warp & 3;
+#pragma unroll
+    for (int i = 0; i < kXtNC / 2; ++i) {
+      const int r = 64 * wg + 16 * wq + (lane >> 2) + 8 * ((i >> 1) & 1);
+      const int c = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+      tile[r * L::kEpiRowFloats + c] = acc[i];
+    }
+  }
+  __syncthreads();
+  StoreKeptPairs<T, kXtBR, kXtGC, kXtThreads>(p, tile, L::kEpiRowFloats, row0, g0);
+#else
+  __trap();  // launched only where the sm_90a image exists (see XtImageLoaded)
+#endif
+}
+
 // out[i] = sum over the S token ranges of partial[s, i], in T or float32; n = R * 2G (a multiple of 4).
 template <typename T>
 __global__ void __launch_bounds__(256) SddmmReduceKernel(const float* __restrict__ partial, void* out, int64_t n,
@@ -542,14 +701,15 @@ int SmCount() {
 
 // Token ranges for a grid of `tiles` (row, group) CTAs over `all_kt` token tiles: `split` as the attribute
 // says (1 = none, 0 = auto, n > 1 = n), never more than the token tiles.
-int ChooseSplits(int split, int tiles, int all_kt) {
+int ChooseSplits(int split, int tiles, int all_kt, int ctas_per_sm) {
   int s = split;
   if (s == 0) {
     // Measured on the H100 (docs/kernel-notes.md): splitting a grid that already fills the GPU costs more
     // than it gains (1024x4096 at M = 8: 256 tiles, 0.64 -> 0.69 ms with 2 ranges); a grid under one CTA
     // per SM gains 2.4x (1024x1024 at M = 8: 64 tiles, 0.42 -> 0.18 ms with 5 ranges).
     if (2 * tiles > SmCount()) return 1;  // wgmma engine, 1024x4096 at M = 8: 128 tiles, 0.57 -> 0.61 ms split in 2
-    const int want = (2 * SmCount() + tiles - 1) / tiles;
+    // Engines of two CTAs per SM aim at two per SM; the one-CTA x^T engine at one wave of whole SMs.
+    const int want = ctas_per_sm == 1 ? std::max(1, SmCount() / tiles) : (2 * SmCount() + tiles - 1) / tiles;
     s = std::min(std::min(want, all_kt / 4), 16);
   }
   return std::max(1, std::min(s, all_kt));
@@ -568,6 +728,17 @@ bool WgmmaImageLoaded() {
   return ok == 1;
 }
 
+template <typename T>
+bool XtImageLoaded() {
+  static int ok = -1;
+  if (ok < 0) {
+    cudaFuncAttributes attr;
+    ok = cudaFuncGetAttributes(&attr, SddmmWgmmaXtKernel<T>) == cudaSuccess && attr.binaryVersion == 90;
+    cudaGetLastError();
+  }
+  return ok == 1;
+}
+
 // Engine attribute: 0 = auto (wgmma where it applies), 1 = mma.sync, 2 = wgmma (an error where it cannot run).
 constexpr int kEngineAuto = 0, kEngineMma = 1, kEngineWgmma = 2;
 
@@ -575,9 +746,9 @@ constexpr int kEngineAuto = 0, kEngineMma = 1, kEngineWgmma = 2;
 // float32 partial planes from XLA's scratch, launches `launch(grid_z)` and the ordered reduction.
 template <typename T, typename LaunchFn>
 ffi::Error LaunchSplit(cudaStream_t stream, SddmmParams p, int split, int tiles, int bt, ffi::ScratchAllocator& scratch,
-                       LaunchFn launch) {
+                       LaunchFn launch, int ctas_per_sm = 2) {
   const int all_kt = (p.tokens + bt - 1) / bt;
-  int splits = ChooseSplits(split, tiles, all_kt);
+  int splits = ChooseSplits(split, tiles, all_kt, ctas_per_sm);
   p.kt_per_split = splits > 1 ? (all_kt + splits - 1) / splits : std::max(all_kt, 1);
   splits = splits > 1 ? (all_kt + p.kt_per_split - 1) / p.kt_per_split : 1;  // no empty range
   const int64_t n = static_cast<int64_t>(p.rows) * 2 * p.groups;
@@ -592,6 +763,27 @@ ffi::Error LaunchSplit(cudaStream_t stream, SddmmParams p, int split, int tiles,
   const int blocks = static_cast<int>(std::min<int64_t>((n / 4 + 255) / 256, 4 * SmCount()));
   SddmmReduceKernel<T><<<blocks, 256, 0, stream>>>(p.partial, p.out, n, splits, p.out_f32);
   return LastLaunchError("SddmmReduceKernel");
+}
+
+// x^T [K][T] (x_layout = 1): the column-major engine, the only one that reads that layout.
+template <typename T>
+ffi::Error LaunchXt(cudaStream_t stream, const SddmmParams& p, int split, ffi::ScratchAllocator& scratch) {
+  if (!XtImageLoaded<T>())
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: a column-major x needs an sm_90a build on a Hopper GPU");
+  if (p.rows % kXtBR || p.tokens % 8)
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: a column-major x needs R % 128 == 0 and T % 8 == 0");
+  constexpr int kSmem = XtLayout::kSmemBytes;
+  if (ffi::Error e = RaiseSmemLimit<SddmmWgmmaXtKernel<T>>(kSmem, "cudaFuncSetAttribute(SddmmWgmmaXtKernel)");
+      e.failure())
+    return e;
+  const int gy = (p.groups + kXtGC - 1) / kXtGC;
+  return LaunchSplit<T>(
+      stream, p, split, (p.rows / kXtBR) * gy, kXtBT, scratch,
+      [&](const SddmmParams& q, int z) {
+        SddmmWgmmaXtKernel<T><<<dim3(p.rows / kXtBR, gy, z), kXtThreads, kSmem, stream>>>(q);
+        return LastLaunchError("SddmmWgmmaXtKernel");
+      },
+      1);
 }
 
 template <typename T, int M>
@@ -628,8 +820,9 @@ ffi::Error Launch(cudaStream_t stream, const SddmmParams& p, int split, int engi
 }
 
 template <typename T>
-ffi::Error Dispatch(cudaStream_t stream, const SddmmParams& p, int m, int split, int engine,
+ffi::Error Dispatch(cudaStream_t stream, const SddmmParams& p, int m, int split, int engine, int x_layout,
                     ffi::ScratchAllocator& scratch) {
+  if (x_layout == 1) return LaunchXt<T>(stream, p, split, scratch);
   return DispatchGroupWidth("jaxsparse_sddmm", m, [&](auto width) {
     return Launch<T, decltype(width)::value>(stream, p, split, engine, scratch);
   });
@@ -637,7 +830,7 @@ ffi::Error Dispatch(cudaStream_t stream, const SddmmParams& p, int m, int split,
 
 ffi::Error SddmmImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::AnyBuffer dy,
                      ffi::Buffer<ffi::U8> columns, ffi::Buffer<ffi::U32> metadata, ffi::Result<ffi::AnyBuffer> out,
-                     int32_t v, int32_t m, int32_t split, int32_t engine) {
+                     int32_t v, int32_t m, int32_t split, int32_t engine, int32_t x_layout) {
   if (x.dimensions().size() != 2 || dy.dimensions().size() != 2 || metadata.dimensions().size() != 2 ||
       out->dimensions().size() != 2)
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: x, dy, metadata and output must be 2-D");
@@ -656,6 +849,8 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::An
   if (split < 0) return ffi::Error::InvalidArgument("jaxsparse_sddmm: split must be >= 0 (0 = auto, 1 = none)");
   if (engine < kEngineAuto || engine > kEngineWgmma)
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: engine must be 0 (auto), 1 (mma.sync) or 2 (wgmma)");
+  if (x_layout != 0 && x_layout != 1)
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: x_layout must be 0 (row-major [T, K]) or 1 (column-major)");
   if (rows == 0 || groups == 0) return ffi::Error::Success();
   if (tokens >= (int64_t(1) << 30) || k >= (int64_t(1) << 30) || rows >= (int64_t(1) << 30) ||
       (groups + 7) / 8 > 65535)
@@ -673,8 +868,8 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::An
   p.groups = static_cast<int>(groups);
   p.v = v;
   p.out_f32 = out->element_type() == ffi::F32;
-  if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, m, split, engine, scratch);
-  if (dt == ffi::F16) return Dispatch<__half>(stream, p, m, split, engine, scratch);
+  if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, m, split, engine, x_layout, scratch);
+  if (dt == ffi::F16) return Dispatch<__half>(stream, p, m, split, engine, x_layout, scratch);
   return ffi::Error::InvalidArgument("jaxsparse_sddmm: x must be bfloat16 or float16");
 }
 
@@ -685,7 +880,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSddmm, jaxsparse::SddmmImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::ScratchAllocator>()        // token-split partial sums
-                                  .Arg<xla::ffi::AnyBuffer>()               // x [T, K]
+                                  .Arg<xla::ffi::AnyBuffer>()               // x [T, K] (x_layout 1: column-major)
                                   .Arg<xla::ffi::AnyBuffer>()               // dy [T, R]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // columns [R/V, G, 4] or [0]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // metadata [R, G/8]
@@ -693,4 +888,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSddmm, jaxsparse::SddmmImpl,
                                   .Attr<int32_t>("v")
                                   .Attr<int32_t>("m")
                                   .Attr<int32_t>("split")    // 1 = none, 0 = auto, n > 1 = n ranges
-                                  .Attr<int32_t>("engine"));  // 0 = auto, 1 = mma.sync, 2 = wgmma
+                                  .Attr<int32_t>("engine")     // 0 = auto, 1 = mma.sync, 2 = wgmma
+                                  .Attr<int32_t>("x_layout"));  // 0 = row-major, 1 = column-major (x^T [K][T])

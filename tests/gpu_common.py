@@ -63,3 +63,22 @@ def layout_moves(hlo_text: str) -> list[str]:
     moves = ("transpose", "copy")
     return sorted(f"{name}:{info.opcode}" for name, info in parse_hlo(hlo_text).items()
                   if info.opcode in moves or any(op in moves for op in info.fused_opcodes))
+
+
+_PURE_MOVE_OPS = {"parameter", "transpose", "copy", "bitcast", "reshape", "tuple", "get-tuple-element"}
+
+
+def standalone_layout_moves(hlo_text: str) -> list[str]:
+    """The layout moves that run as kernels of their own: a top-level transpose or copy, or a fusion that only
+    moves data. A producer fusion that also computes (and writes its result in the layout a call asked
+    for) is not one: that is the layout change folded into work XLA does anyway.
+    """
+    out = []
+    for name, info in parse_hlo(hlo_text).items():
+        if info.opcode in ("transpose", "copy"):
+            out.append(f"{name}:{info.opcode}")
+        elif info.opcode == "fusion" and info.fused_opcodes and set(info.fused_opcodes) <= _PURE_MOVE_OPS and (
+                {"transpose", "copy"} & set(info.fused_opcodes)):
+            out.append(f"{name}:fusion")
+    return sorted(out)
+

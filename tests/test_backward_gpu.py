@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpu_common import DTYPES, REJECT_CASES, SPECS, TOL, cuda_ready, gpu_marks, key, layout_moves, poison, select_mask
+from gpu_common import (DTYPES, REJECT_CASES, SPECS, TOL, cuda_ready, gpu_marks, key, layout_moves, poison, select_mask,
+                        standalone_layout_moves)
 from jaxsparse import format as F
 
 
@@ -88,10 +89,10 @@ def _skip_unless_engine(spec: str, engine: str) -> None:
         pytest.skip(f"the {engine} engine does not run {spec} on this GPU")
 
 
-def _check_sddmm(x, dy, sw, out_dtype, tol, split=1, engine="auto"):
+def _check_sddmm(x, dy, sw, out_dtype, tol, split=1, engine="auto", x_layout="row"):
     out_dt = jnp.dtype(out_dtype or sw.values.dtype)
     poison(sw.values.shape, out_dt)
-    out = jax.jit(lambda x, dy, sw: calls.sddmm(x, dy, sw, out_dtype, split, engine))(x, dy, sw)
+    out = jax.jit(lambda x, dy, sw: calls.sddmm(x, dy, sw, out_dtype, split, engine, x_layout))(x, dy, sw)
     out.block_until_ready()
     assert out.shape == sw.values.shape and out.dtype == out_dt
     return _compare(out, _sddmm_ref(x, dy, sw), tol, "sddmm")
@@ -164,6 +165,83 @@ def test_sddmm_wgmma_engine_refuses_what_it_cannot_take():
         jax.block_until_ready(jax.jit(lambda x, dy, sw: calls.sddmm(x, dy, sw, engine="wgmma"))(x, dy, sw))
 
 
+# ----------------------------------------------------------------------------- SDDMM, column-major x
+#
+# x_layout="col": XLA hands the kernel x^T [K][T] (tokens contiguous) and the Hopper x^T engine copies the
+# kept columns as rows. T must be a multiple of 8 and R of 128; stages are 64 tokens, tiles 32 groups.
+
+
+def _skip_unless_col():
+    if not _hopper():
+        pytest.skip("the column-major x engine runs on Hopper (sm_90a) only")
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("t", [8, 72, 1000])
+def test_sddmm_col_major_x(spec, dtype, t):
+    """T = 8 (one partial stage), 72 (a full and a partial stage), 1000 (15 full + 40); G % 32 != 0."""
+    _skip_unless_col()
+    k = _small_k(F.VNM.parse(spec).m)
+    x, dy, sw = _make(key("sddmm-col", spec, str(dtype), t), t, k, _engine_rows(spec, "wgmma"), spec, dtype)
+    _check_sddmm(x, dy, sw, None, TOL[dtype], x_layout="col")
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_sddmm_col_major_x_large_tiles(spec, dtype):
+    _skip_unless_col()
+    t, k, r = 1024, 1024, 2176
+    x, dy, sw = _make(key("sddmm-col-large", spec, str(dtype)), t, k, r, spec, dtype)
+    _check_sddmm(x, dy, sw, None, TOL[dtype], x_layout="col")
+
+
+@pytest.mark.parametrize("spec", ["2:4", "64:2:8", "128:2:16", "64:2:32"])
+@pytest.mark.parametrize("split", [1, 3, 0], ids=["one-pass", "split3", "auto"])
+@pytest.mark.parametrize("out_dtype", [None, jnp.float32], ids=["values-dtype", "f32"])
+def test_sddmm_col_major_x_split_and_f32(spec, split, out_dtype):
+    _skip_unless_col()
+    k = _small_k(F.VNM.parse(spec).m)
+    x, dy, sw = _make(key("sddmm-col-split", spec, split), 1000, k, _engine_rows(spec, "wgmma"), spec, jnp.bfloat16)
+    _check_sddmm(x, dy, sw, out_dtype, TOL[jnp.bfloat16] if out_dtype is None else 1e-4, split, x_layout="col")
+
+
+@pytest.mark.parametrize("t, r, what", [(17, 256, "T % 8"), (64, 192, "R % 128")])
+def test_sddmm_col_major_x_rejects(t, r, what):
+    """An explicit column-major x the kernel cannot take raises ValueError before anything is launched."""
+    x, dy, sw = _make(key("sddmm-col-rej", what), t, 512, r, "2:4", jnp.bfloat16)
+    with pytest.raises(ValueError, match=what.replace("%", "%")):
+        calls.sddmm(x, dy, sw, x_layout="col")
+
+
+@pytest.mark.parametrize("spec", ["2:4", "64:2:8", "128:2:16"])
+def test_sddmm_col_major_x_repeatable(spec):
+    """Same inputs twice, bit-identical outputs: no buffer is refilled while a wgmma still reads it."""
+    _skip_unless_col()
+    x, dy, sw = _make(key("rep-col", spec), 4096, 1024, 512, spec, jnp.bfloat16)
+    f = jax.jit(lambda x, dy, sw: calls.sddmm(x, dy, sw, split=1, x_layout="col"))
+    a = np.asarray(f(x, dy, sw).astype(jnp.float32))
+    poison(a.shape, jnp.bfloat16)
+    b = np.asarray(f(x, dy, sw).astype(jnp.float32))
+    assert np.array_equal(a, b)
+    _compare(b, _sddmm_ref(x, dy, sw), TOL[jnp.bfloat16], "sddmm")
+
+
+def test_sddmm_col_major_x_folds_into_the_producer():
+    """The column-major x is written by the fusion that produces x: no transpose or copy kernel of its own."""
+    _skip_unless_col()
+    x, dy, sw = _make(key("hlo-col"), 256, 512, 256, "64:2:8", jnp.bfloat16)
+
+    def backward(x, dy, sw):
+        return calls.sddmm(jnp.tanh(x) * 2, dy * 3, sw, x_layout="col")
+
+    text = jax.jit(backward).lower(x, dy, sw).compile().as_text()
+    assert "jaxsparse_sddmm" in text
+    assert not standalone_layout_moves(text), (standalone_layout_moves(text), text)
+    ref = _sddmm_ref(jnp.tanh(x.astype(jnp.float32)).astype(jnp.bfloat16) * 2, dy * 3, sw)
+    _compare(jax.jit(backward)(x, dy, sw), ref, TOL[jnp.bfloat16], "sddmm (col-major x behind a producer)")
+
+
 # ----------------------------------------------------------------------------- dX
 
 
@@ -223,7 +301,7 @@ def test_backward_no_transpose_in_hlo():
     def backward(x, dy, sw):
         h = jnp.tanh(x) * 2
         g = dy * 3
-        return calls.sddmm(h, g, sw), calls.spmm_t(g, sw)
+        return calls.sddmm(h, g, sw, x_layout="row"), calls.spmm_t(g, sw)
 
     text = jax.jit(backward).lower(x, dy, sw).compile().as_text()
     assert "jaxsparse_sddmm" in text and "jaxsparse_spmm_t" in text
@@ -281,8 +359,10 @@ def test_sparse_linear_grad_on_kernels(monkeypatch, spec, dtype, t, dx_route):
 
 
 def _grad_hlo(monkeypatch, spec: str, dx_route: str = "kernel") -> str:
-    """Optimized HLO of the jitted value-and-gradient of a sparse layer, every product on its GPU path."""
+    """Optimized HLO of the jitted value-and-gradient of a sparse layer, every product on its GPU path, x
+    row-major everywhere (the column-major SDDMM operand has its own test below)."""
     _force_backward_kernels(monkeypatch, dx_route)
+    monkeypatch.setenv("JAXSPARSE_SDDMM_X", "row")
     x, _, sw = _make(key("grad-hlo", spec), 256, 512, 256, spec, jnp.bfloat16)
     bias = jnp.zeros((256,), jnp.bfloat16)
     target = jnp.ones((256, 256), jnp.float32)
@@ -298,6 +378,23 @@ def test_sparse_linear_grad_hlo_has_kernels_and_no_transpose(monkeypatch):
     text = _grad_hlo(monkeypatch, "64:2:8")
     for name in ("jaxsparse_spmm", "jaxsparse_sddmm", "jaxsparse_spmm_t"):
         assert f'custom_call_target="{name}"' in text, name
+
+
+def test_sparse_linear_grad_hlo_col_major_x_has_no_layout_kernel(monkeypatch):
+    """With the SDDMM reading x column-major, the layer input's producer writes that layout itself: no
+    transpose or copy runs as a kernel of its own (the entry parameter goes through a producer, as a layer
+    input always does in a model)."""
+    _skip_unless_col()
+    _force_backward_kernels(monkeypatch, "dense")
+    monkeypatch.setenv("JAXSPARSE_SDDMM_X", "col")
+    x, _, sw = _make(key("grad-hlo-col"), 256, 512, 256, "64:2:8", jnp.bfloat16)
+    bias = jnp.zeros((256,), jnp.bfloat16)
+    target = jnp.ones((256, 256), jnp.float32)
+    loss = _loss(sw)
+    vg = jax.jit(jax.value_and_grad(lambda x, v, b, t: loss(jnp.tanh(x) * 2, v, b, t), argnums=(0, 1, 2)))
+    text = vg.lower(x, sw.values, bias, target).compile().as_text()
+    assert 'custom_call_target="jaxsparse_sddmm"' in text
+    assert not standalone_layout_moves(text), (standalone_layout_moves(text), layout_moves(text))
 
 
 @pytest.mark.parametrize("spec,dx_route", [("2:4", "kernel"), ("2:4", "dense"), ("64:2:8", "dense")])

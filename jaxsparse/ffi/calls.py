@@ -69,12 +69,13 @@ def _varying_axes(a: jax.Array) -> frozenset:
     return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
 
 
-def _call(target: str, shape: tuple[int, ...], dtype, *operands: jax.Array, **attrs) -> jax.Array:
+def _call(target: str, shape: tuple[int, ...], dtype, *operands: jax.Array, input_layouts=None, **attrs) -> jax.Array:
     """One ``ffi_call`` with a single result.
 
     Inside ``shard_map`` the operands may vary over different mesh axes (tokens sharded, weights
     replicated); XLA custom calls need them to agree, so every operand is cast to vary over the union,
     and the result varies over it too. The call itself runs per shard: nothing is gathered.
+    ``input_layouts`` (major-to-minor per operand, None = row-major) asks XLA for other operand layouts.
     """
     register()
     axes = frozenset().union(*(_varying_axes(a) for a in operands))
@@ -85,7 +86,7 @@ def _call(target: str, shape: tuple[int, ...], dtype, *operands: jax.Array, **at
             for a in operands
         )
         result = jax.typeof(operands[0]).update(shape=shape, dtype=jnp.dtype(dtype))
-    return jax.ffi.ffi_call(target, result, vmap_method=_VMAP)(*operands, **attrs)
+    return jax.ffi.ffi_call(target, result, vmap_method=_VMAP, input_layouts=input_layouts)(*operands, **attrs)
 
 
 def decompress(sw: SparseWeight) -> jax.Array:
@@ -176,8 +177,51 @@ def sddmm_engine(engine: str | None = None) -> int:
     return SDDMM_ENGINES[engine]
 
 
+SDDMM_X_LAYOUT_ENV = "JAXSPARSE_SDDMM_X"
+SDDMM_X_LAYOUTS = ("auto", "row", "col")
+COL_MAJOR_ROW_TILE = 128  # output features per CTA of the column-major x engine (cuda/sddmm.cu)
+
+
+def hopper_gpu() -> bool:
+    """True when the first GPU JAX sees is a Hopper (compute capability 9.x); False without a GPU."""
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        return False
+    return bool(gpus) and str(getattr(gpus[0], "compute_capability", "")).startswith("9")
+
+
+def sddmm_x_layout(tokens: int, sw: SparseWeight, layout: str | None = None, engine: str | None = None) -> str:
+    """The layout the SDDMM asks XLA to hand it ``x`` in: ``"row"`` ([T, K], as XLA holds activations) or
+    ``"col"`` (column-major: memory ``x^T [K][T]``, tokens contiguous).
+
+    With tokens contiguous a kept column of ``x`` is a contiguous row of ``x^T``: the Hopper engine copies the
+    condensed operand straight from global memory instead of gathering it from a dense slab in shared
+    memory (docs/kernel-notes.md, session 4). XLA writes the layout in the producer of ``x`` (or copies
+    where it cannot). ``layout`` ``None`` reads ``JAXSPARSE_SDDMM_X`` (``auto``, ``row`` or ``col``; default
+    ``auto``): ``col`` on a Hopper GPU when ``T % 8 == 0``, ``R % 128 == 0`` and the engine is not ``mma``;
+    ``row`` otherwise. An explicit ``col`` that these shapes cannot take raises ``ValueError``.
+    """
+    if layout is None:
+        layout = os.environ.get(SDDMM_X_LAYOUT_ENV, "auto").strip().lower() or "auto"
+    if layout not in SDDMM_X_LAYOUTS:
+        raise ValueError(f"the SDDMM x layout ({SDDMM_X_LAYOUT_ENV}) must be one of {SDDMM_X_LAYOUTS}, got {layout!r}")
+    problem = None
+    if tokens % 8:
+        problem = f"T % 8 == 0 (16-byte rows of x^T), got T = {tokens}"
+    elif sw.shape[1] % COL_MAJOR_ROW_TILE:
+        problem = f"R % {COL_MAJOR_ROW_TILE} == 0, got R = {sw.shape[1]}"
+    elif sddmm_engine(engine) == SDDMM_ENGINES["mma"]:
+        problem = "the wgmma engine (the mma.sync engine reads a row-major x only)"
+    if layout == "col" and problem:
+        raise ValueError(f"sddmm: a column-major x needs {problem}")
+    if layout == "auto":
+        layout = "col" if problem is None and hopper_gpu() else "row"
+    return layout
+
+
 def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None, split: int | str | None = None,
-          engine: str | None = None) -> jax.Array:
+          engine: str | None = None, x_layout: str | None = None) -> jax.Array:
     """Weight gradient ``x^T dy`` at ``sw``'s kept positions by the CUDA handler ``jaxsparse_sddmm``.
 
     ``x [T, K]`` and ``dy [T, R]`` -> ``[R, 2G]`` in the layout of ``sw.values``, accumulated in float32
@@ -185,7 +229,7 @@ def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None, split: 
     here, before anything is launched): ``x`` and ``dy`` 2-D with one token count and the dtype of
     ``sw.values``; ``sddmm_unsupported(sw)`` is None. Any ``T`` (``T = 0`` gives zeros). ``split``: see
     :func:`sddmm_split` (token ranges reduced in float32 through an XLA scratch buffer). ``engine``: see
-    :func:`sddmm_engine`.
+    :func:`sddmm_engine`. ``x_layout``: see :func:`sddmm_x_layout`.
     """
     if x.ndim != 2 or dy.ndim != 2:
         raise ValueError(f"sddmm: x and dy must be 2-D, got shapes {x.shape} and {dy.shape}")
@@ -200,10 +244,12 @@ def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None, split: 
     problem = sddmm_unsupported(sw)
     if problem:
         raise ValueError(f"sddmm: {problem}")
+    col = sddmm_x_layout(x.shape[0], sw, x_layout, engine) == "col"
     return _call(
         "jaxsparse_sddmm", sw.values.shape, out, x, dy, _columns_operand(sw), sw.metadata,
+        input_layouts=[(1, 0) if col else None, None, None, None],
         v=np.int32(sw.spec.v), m=np.int32(sw.spec.m), split=np.int32(sddmm_split(split)),
-        engine=np.int32(sddmm_engine(engine)),
+        engine=np.int32(sddmm_engine(engine)), x_layout=np.int32(col),
     )
 
 
