@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import zlib
 
 import jax
@@ -65,6 +66,21 @@ def layout_moves(hlo_text: str) -> list[str]:
                   if info.opcode in moves or any(op in moves for op in info.fused_opcodes))
 
 
+def _entry_instructions(hlo_text: str) -> list[str]:
+    """Names of the instructions of the module's ENTRY computation (what runs; fused bodies are not in it)."""
+    names, inside = [], False
+    for line in hlo_text.splitlines():
+        if line.startswith("ENTRY "):
+            inside = True
+        elif inside and line.startswith("}"):
+            break
+        elif inside:
+            m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=", line)
+            if m:
+                names.append(m.group(1))
+    return names
+
+
 _PURE_MOVE_OPS = {"parameter", "transpose", "copy", "bitcast", "reshape", "tuple", "get-tuple-element"}
 
 
@@ -74,7 +90,9 @@ def standalone_layout_moves(hlo_text: str) -> list[str]:
     for) is not one: that is the layout change folded into work XLA does anyway.
     """
     out = []
-    for name, info in parse_hlo(hlo_text).items():
+    infos = parse_hlo(hlo_text)
+    for name in _entry_instructions(hlo_text):
+        info = infos[name]
         if info.opcode in ("transpose", "copy"):
             out.append(f"{name}:{info.opcode}")
         elif info.opcode == "fusion" and info.fused_opcodes and set(info.fused_opcodes) <= _PURE_MOVE_OPS and (

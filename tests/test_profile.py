@@ -152,3 +152,14 @@ def test_layout_moves_reads_opcodes_not_metadata():
     no_move = _AD_NAMED_HLO.replace("  %tf = bf16[8,4]{1,0} fusion(%x.1), kind=kLoop, calls=%fused_t\n", "")
     no_move = no_move.replace("ROOT %t = bf16[8,4]{1,0} transpose(%p)", "ROOT %t = bf16[8,4]{1,0} negate(%p)")
     assert layout_moves(no_move) == []
+
+
+def test_standalone_layout_moves_counts_only_kernels_that_just_move():
+    """A fusion that only transposes is a layout kernel of its own; a producer that computes and writes its
+    result transposed is not; moves inside fused bodies are not counted as instructions that run."""
+    from gpu_common import standalone_layout_moves
+
+    assert standalone_layout_moves(_AD_NAMED_HLO) == ["tf:fusion"]
+    computing = _AD_NAMED_HLO.replace("ROOT %t = bf16[8,4]{1,0} transpose(%p)",
+                                      "%n = bf16[4,8]{1,0} tanh(%p)\n  ROOT %t = bf16[8,4]{1,0} transpose(%n)")
+    assert standalone_layout_moves(computing) == []
