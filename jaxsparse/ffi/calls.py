@@ -198,14 +198,15 @@ def sddmm_x_layout(tokens: int, sw: SparseWeight, layout: str | None = None, eng
     With tokens contiguous a kept column of ``x`` is a contiguous row of ``x^T``: the Hopper engine copies the
     condensed operand straight from global memory instead of gathering it from a dense slab in shared
     memory (docs/kernel-notes.md, session 4). XLA writes the layout in the producer of ``x`` (or copies
-    where it cannot). ``layout`` ``None`` reads ``JAXSPARSE_SDDMM_X`` (``auto``, ``row`` or ``col``; default
-    ``auto``): ``col`` on a Hopper GPU for ``M > 4`` when ``T % 8 == 0``, ``R % 128 == 0`` and the engine is
+    where it cannot). ``layout`` ``None`` reads ``JAXSPARSE_SDDMM_X`` (``row``, ``col`` or ``auto``; default
+    ``row``: in the BERT-large step the column-major request slowed the whole step although the kernel
+    alone is 2.7x faster, see docs/kernel-notes.md, session 4). ``auto``: ``col`` on a Hopper GPU for ``M > 4`` when ``T % 8 == 0``, ``R % 128 == 0`` and the engine is
     not ``mma``; ``row`` otherwise (2:4 keeps every column, so it has nothing to gather: measured on the H100,
     the column-major engine ties or loses there, 0.388 / 0.464 ms against 0.389 / 0.387 row-major at
     16384 tokens). An explicit ``col`` that these shapes cannot take raises ``ValueError``.
     """
     if layout is None:
-        layout = os.environ.get(SDDMM_X_LAYOUT_ENV, "auto").strip().lower() or "auto"
+        layout = os.environ.get(SDDMM_X_LAYOUT_ENV, "row").strip().lower() or "row"
     if layout not in SDDMM_X_LAYOUTS:
         raise ValueError(f"the SDDMM x layout ({SDDMM_X_LAYOUT_ENV}) must be one of {SDDMM_X_LAYOUTS}, got {layout!r}")
     problem = None
