@@ -145,15 +145,14 @@ def main() -> None:
          same),
         ("dW split=none", "dW", jax.jit(lambda x, dy, sw, b: calls.sddmm(x, dy, sw, split="none")), same),
         ("dW x row-major", "dW", jax.jit(lambda x, dy, sw, b: calls.sddmm(x, dy, sw, x_layout="row")), same),
-        # x^T [K, T] row-major is x column-major in memory: the transpose below is a bitcast, so this row times
-        # the kernel alone, as in a model whose producer writes x column-major (the default "dW" row, whose x is
-        # a row-major jit argument, includes XLA's copy into that layout).
-        ("dW x col-major given", "dW", jax.jit(lambda xt, dy, sw, b: calls.sddmm(xt.T, dy, sw, x_layout="col")),
+        # The x^T engine alone, x^T given; the "x col-major" row adds jaxsparse_transpose before it.
+        ("dW x col-major", "dW", jax.jit(lambda x, dy, sw, b: calls.sddmm(x, dy, sw, x_layout="col")), same),
+        ("dW x^T given", "dW", jax.jit(lambda xt, dy, sw, b: calls.sddmm_from_xt(xt, dy, sw)),
          lambda x: jnp.asarray(x.T)),
         ("dX dense route", "dX", jax.jit(lambda x, dy, sw, b: ops._dense_dx(dy, sw)), same),
     ]
     if not calls.hopper_gpu():
-        variants = [v for v in variants if "col-major" not in v[0]]  # not a Hopper GPU: no column-major engine
+        variants = [v for v in variants if "col-major" not in v[0] and "x^T" not in v[0]]  # no x^T engine here
     select = jax.jit(F.select_mask, static_argnums=1)
     rows: list[dict] = []
     key = jax.random.PRNGKey(7)

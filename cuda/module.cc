@@ -22,6 +22,7 @@ NB_MODULE(_jaxsparse_cuda, m) {
     d["jaxsparse_spmm"] = Capsule(JaxsparseSpmm);
     d["jaxsparse_sddmm"] = Capsule(JaxsparseSddmm);
     d["jaxsparse_spmm_t"] = Capsule(JaxsparseSpmmT);
+    d["jaxsparse_transpose"] = Capsule(JaxsparseTranspose);
     return d;
   });
 }

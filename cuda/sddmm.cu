@@ -5,7 +5,9 @@
 //
 // Two engines (attribute `engine`: 0 auto, 1 mma.sync, 2 wgmma): SddmmKernel below (mma.sync, any GPU
 // from sm_80, 64-row tiles) and SddmmWgmmaKernel (Hopper warpgroup MMAs, sm_90a, 128-row tiles, M in
-// {4, 8, 16}, R % 128 == 0), which auto picks where its sm_90a image runs.
+// {4, 8, 16}, R % 128 == 0), which auto picks where its sm_90a image runs.  A third, SddmmWgmmaXtKernel,
+// reads x^T [K, T] (attribute x_layout = 1, made by jaxsparse_transpose): its kept columns are contiguous
+// rows, copied by cp.async with no gather pass (docs/kernel-notes.md, "Session 4").
 //
 // Math view: for a tile of BR = 64 rows inside one V block (so one column set per group) and GC groups,
 //   C[r, 4*gl + p] = sum_t dy[t, r] * x[t, (g0+gl)*M + cols[blk, g0+gl, p]]      (p = 0..3)
@@ -504,7 +506,8 @@ __global__ void __launch_bounds__(kWgThreads, 2) SddmmWgmmaKernel(const SddmmPar
 }
 
 // ------------------------------------------------------------------------------------------------------
-// Hopper engine for a column-major x (x_layout = 1: x stored as x^T [K][T], token-contiguous rows).
+// Hopper engine for x^T (x_layout = 1: the operand is x^T [K, T], token-contiguous rows, written by
+// jaxsparse_transpose in cuda/transpose.cu).
 //
 // With tokens contiguous, a kept column of x is a contiguous row of x^T, so the condensed operand is
 // copied straight from global memory by cp.async (16 bytes = 8 tokens of one kept column): no gather pass
@@ -516,8 +519,8 @@ __global__ void __launch_bounds__(kWgThreads, 2) SddmmWgmmaKernel(const SddmmPar
 // Pipeline: the loads for stage kt+2 are issued right after the barrier of stage kt, whose wgmmas then run
 // while one group of the previous stage may still be in flight (wgmma.wait_group 1), so the tensor cores
 // see back-to-back work; a buffer is refilled only after every warpgroup's wgmmas on it completed.
-// Needs T % 8 == 0 (16-byte rows of x^T) and R % 128 == 0; the Python side asks XLA for this layout only
-// then.  Epilogue: StoreKeptPairs, as both other engines.
+// Needs T % 8 == 0 (16-byte rows of x^T) and R % 128 == 0; the Python side takes this path only then.
+// Epilogue: StoreKeptPairs, as both other engines.
 constexpr int kXtBR = 128;
 constexpr int kXtBT = 64;
 constexpr int kXtThreads = 256;
@@ -765,13 +768,13 @@ ffi::Error LaunchSplit(cudaStream_t stream, SddmmParams p, int split, int tiles,
   return LastLaunchError("SddmmReduceKernel");
 }
 
-// x^T [K][T] (x_layout = 1): the column-major engine, the only one that reads that layout.
+// x^T [K, T] (x_layout = 1): the x^T engine, the only one that reads it.
 template <typename T>
 ffi::Error LaunchXt(cudaStream_t stream, const SddmmParams& p, int split, ffi::ScratchAllocator& scratch) {
   if (!XtImageLoaded<T>())
-    return ffi::Error::InvalidArgument("jaxsparse_sddmm: a column-major x needs an sm_90a build on a Hopper GPU");
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: x^T (x_layout 1) needs an sm_90a build on a Hopper GPU");
   if (p.rows % kXtBR || p.tokens % 8)
-    return ffi::Error::InvalidArgument("jaxsparse_sddmm: a column-major x needs R % 128 == 0 and T % 8 == 0");
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: x^T (x_layout 1) needs R % 128 == 0 and T % 8 == 0");
   constexpr int kSmem = XtLayout::kSmemBytes;
   if (ffi::Error e = RaiseSmemLimit<SddmmWgmmaXtKernel<T>>(kSmem, "cudaFuncSetAttribute(SddmmWgmmaXtKernel)");
       e.failure())
@@ -834,7 +837,9 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::An
   if (x.dimensions().size() != 2 || dy.dimensions().size() != 2 || metadata.dimensions().size() != 2 ||
       out->dimensions().size() != 2)
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: x, dy, metadata and output must be 2-D");
-  const int64_t tokens = Dim(x, 0), k = Dim(x, 1), rows = Dim(dy, 1), groups = out->dimensions()[1] / 2;
+  // x_layout 1: the operand is x^T [K, T] (jaxsparse_transpose's output), row-major.
+  const int64_t tokens = Dim(x, x_layout == 1 ? 1 : 0), k = Dim(x, x_layout == 1 ? 0 : 1), rows = Dim(dy, 1),
+                groups = out->dimensions()[1] / 2;
   if (ffi::Error e = CheckSparseWeight("jaxsparse_sddmm", rows, groups, columns, metadata, v, m); e.failure()) return e;
   if (Dim(dy, 0) != tokens || k != groups * m || out->dimensions()[0] != rows ||
       out->dimensions()[1] != 2 * groups || rows % kSdBR)
@@ -850,7 +855,7 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::An
   if (engine < kEngineAuto || engine > kEngineWgmma)
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: engine must be 0 (auto), 1 (mma.sync) or 2 (wgmma)");
   if (x_layout != 0 && x_layout != 1)
-    return ffi::Error::InvalidArgument("jaxsparse_sddmm: x_layout must be 0 (row-major [T, K]) or 1 (column-major)");
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: x_layout must be 0 (x [T, K]) or 1 (x^T [K, T])");
   if (rows == 0 || groups == 0) return ffi::Error::Success();
   if (tokens >= (int64_t(1) << 30) || k >= (int64_t(1) << 30) || rows >= (int64_t(1) << 30) ||
       (groups + 7) / 8 > 65535)
@@ -880,7 +885,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSddmm, jaxsparse::SddmmImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::ScratchAllocator>()        // token-split partial sums
-                                  .Arg<xla::ffi::AnyBuffer>()               // x [T, K] (x_layout 1: column-major)
+                                  .Arg<xla::ffi::AnyBuffer>()               // x [T, K], or x^T [K, T] (x_layout 1)
                                   .Arg<xla::ffi::AnyBuffer>()               // dy [T, R]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // columns [R/V, G, 4] or [0]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // metadata [R, G/8]
@@ -889,4 +894,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSddmm, jaxsparse::SddmmImpl,
                                   .Attr<int32_t>("m")
                                   .Attr<int32_t>("split")    // 1 = none, 0 = auto, n > 1 = n ranges
                                   .Attr<int32_t>("engine")     // 0 = auto, 1 = mma.sync, 2 = wgmma
-                                  .Attr<int32_t>("x_layout"));  // 0 = row-major, 1 = column-major (x^T [K][T])
+                                  .Attr<int32_t>("x_layout"));  // 0 = x [T, K], 1 = x^T [K, T]

@@ -227,8 +227,8 @@ def test_sddmm_col_major_x_repeatable(spec):
     _compare(b, _sddmm_ref(x, dy, sw), TOL[jnp.bfloat16], "sddmm")
 
 
-def test_sddmm_col_major_x_folds_into_the_producer():
-    """The column-major x is written by the fusion that produces x: no transpose or copy kernel of its own."""
+def test_sddmm_col_major_x_transposes_with_its_own_kernel():
+    """x^T comes from jaxsparse_transpose: XLA runs no transpose or copy kernel of its own for it."""
     _skip_unless_col()
     x, dy, sw = _make(key("hlo-col"), 256, 512, 256, "64:2:8", jnp.bfloat16)
 
@@ -236,10 +236,29 @@ def test_sddmm_col_major_x_folds_into_the_producer():
         return calls.sddmm(jnp.tanh(x) * 2, dy * 3, sw, x_layout="col")
 
     text = jax.jit(backward).lower(x, dy, sw).compile().as_text()
-    assert "jaxsparse_sddmm" in text
+    assert 'custom_call_target="jaxsparse_sddmm"' in text and 'custom_call_target="jaxsparse_transpose"' in text
     assert not standalone_layout_moves(text), (standalone_layout_moves(text), text)
     ref = _sddmm_ref(jnp.tanh(x.astype(jnp.float32)).astype(jnp.bfloat16) * 2, dy * 3, sw)
-    _compare(jax.jit(backward)(x, dy, sw), ref, TOL[jnp.bfloat16], "sddmm (col-major x behind a producer)")
+    _compare(jax.jit(backward)(x, dy, sw), ref, TOL[jnp.bfloat16], "sddmm (x^T behind a producer)")
+
+
+@pytest.mark.parametrize("t", [8, 72, 1000, 4096])
+@pytest.mark.parametrize("k", [64, 200, 1024])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_transpose_kernel(t, k, dtype):
+    """jaxsparse_transpose is exact, including partial 64 x 64 tiles in both dimensions."""
+    x = jax.random.normal(key("transpose", t, k, str(dtype)), (t, k), jnp.float32).astype(dtype)
+    poison((k, t), dtype)
+    out = jax.jit(calls.transpose)(x)
+    assert out.shape == (k, t) and out.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), np.asarray(x.astype(jnp.float32)).T)
+
+
+def test_transpose_rejects():
+    with pytest.raises(ValueError, match="T % 8"):
+        calls.transpose(jnp.ones((17, 64), jnp.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        calls.transpose(jnp.ones((16, 64), jnp.float32))
 
 
 # ----------------------------------------------------------------------------- dX
@@ -381,9 +400,7 @@ def test_sparse_linear_grad_hlo_has_kernels_and_no_transpose(monkeypatch):
 
 
 def test_sparse_linear_grad_hlo_col_major_x_has_no_layout_kernel(monkeypatch):
-    """With the SDDMM reading x column-major, the layer input's producer writes that layout itself: no
-    transpose or copy runs as a kernel of its own (the entry parameter goes through a producer, as a layer
-    input always does in a model)."""
+    """With the SDDMM reading x^T, jaxsparse_transpose makes it: XLA runs no transpose or copy kernel."""
     _skip_unless_col()
     _force_backward_kernels(monkeypatch, "dense")
     monkeypatch.setenv("JAXSPARSE_SDDMM_X", "col")
@@ -393,8 +410,8 @@ def test_sparse_linear_grad_hlo_col_major_x_has_no_layout_kernel(monkeypatch):
     loss = _loss(sw)
     vg = jax.jit(jax.value_and_grad(lambda x, v, b, t: loss(jnp.tanh(x) * 2, v, b, t), argnums=(0, 1, 2)))
     text = vg.lower(x, sw.values, bias, target).compile().as_text()
-    assert 'custom_call_target="jaxsparse_sddmm"' in text
-    assert not standalone_layout_moves(text), (standalone_layout_moves(text), layout_moves(text))
+    assert 'custom_call_target="jaxsparse_sddmm"' in text and 'custom_call_target="jaxsparse_transpose"' in text
+    assert not layout_moves(text), layout_moves(text)
 
 
 @pytest.mark.parametrize("spec,dx_route", [("2:4", "kernel"), ("2:4", "dense"), ("64:2:8", "dense")])

@@ -69,13 +69,12 @@ def _varying_axes(a: jax.Array) -> frozenset:
     return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
 
 
-def _call(target: str, shape: tuple[int, ...], dtype, *operands: jax.Array, input_layouts=None, **attrs) -> jax.Array:
+def _call(target: str, shape: tuple[int, ...], dtype, *operands: jax.Array, **attrs) -> jax.Array:
     """One ``ffi_call`` with a single result.
 
     Inside ``shard_map`` the operands may vary over different mesh axes (tokens sharded, weights
     replicated); XLA custom calls need them to agree, so every operand is cast to vary over the union,
     and the result varies over it too. The call itself runs per shard: nothing is gathered.
-    ``input_layouts`` (major-to-minor per operand, None = row-major) asks XLA for other operand layouts.
     """
     register()
     axes = frozenset().union(*(_varying_axes(a) for a in operands))
@@ -86,7 +85,7 @@ def _call(target: str, shape: tuple[int, ...], dtype, *operands: jax.Array, inpu
             for a in operands
         )
         result = jax.typeof(operands[0]).update(shape=shape, dtype=jnp.dtype(dtype))
-    return jax.ffi.ffi_call(target, result, vmap_method=_VMAP, input_layouts=input_layouts)(*operands, **attrs)
+    return jax.ffi.ffi_call(target, result, vmap_method=_VMAP)(*operands, **attrs)
 
 
 def decompress(sw: SparseWeight) -> jax.Array:
@@ -191,22 +190,31 @@ def hopper_gpu() -> bool:
     return bool(gpus) and str(getattr(gpus[0], "compute_capability", "")).startswith("9")
 
 
+def transpose(x: jax.Array) -> jax.Array:
+    """``x [T, K] -> x^T [K, T]`` (bf16/fp16, ``T % 8 == 0``, ``K % 8 == 0``) by the CUDA handler
+    ``jaxsparse_transpose``: a copy kernel at memory speed, where an XLA layout change of the same
+    activations was fused into their producers and ran 30x slower in the BERT step."""
+    if x.ndim != 2 or jnp.dtype(x.dtype) not in KERNEL_DTYPES:
+        raise ValueError(f"transpose: x must be 2-D bfloat16 or float16, got {x.shape} {x.dtype}")
+    if x.shape[0] % 8 or x.shape[1] % 8:
+        raise ValueError(f"transpose: needs T % 8 == 0 and K % 8 == 0, got {x.shape}")
+    return _call("jaxsparse_transpose", (x.shape[1], x.shape[0]), x.dtype, x)
+
+
 def sddmm_x_layout(tokens: int, sw: SparseWeight, layout: str | None = None, engine: str | None = None) -> str:
-    """The layout the SDDMM asks XLA to hand it ``x`` in: ``"row"`` ([T, K], as XLA holds activations) or
-    ``"col"`` (column-major: memory ``x^T [K][T]``, tokens contiguous).
+    """How the SDDMM reads ``x``: ``"row"`` (``x [T, K]`` as XLA holds activations) or ``"col"`` (``x^T [K, T]``,
+    tokens contiguous, made by :func:`transpose` first).
 
     With tokens contiguous a kept column of ``x`` is a contiguous row of ``x^T``: the Hopper engine copies the
     condensed operand straight from global memory instead of gathering it from a dense slab in shared
-    memory (docs/kernel-notes.md, session 4). XLA writes the layout in the producer of ``x`` (or copies
-    where it cannot). ``layout`` ``None`` reads ``JAXSPARSE_SDDMM_X`` (``row``, ``col`` or ``auto``; default
-    ``row``: in the BERT-large step the column-major request slowed the whole step although the kernel
-    alone is 2.7x faster, see docs/kernel-notes.md, session 4). ``auto``: ``col`` on a Hopper GPU for ``M > 4`` when ``T % 8 == 0``, ``R % 128 == 0`` and the engine is
+    memory (docs/kernel-notes.md, session 4); the transpose costs one read and one write of ``x``.
+    ``layout`` ``None`` reads ``JAXSPARSE_SDDMM_X`` (``auto``, ``row`` or ``col``; default ``auto``). ``auto``: ``col`` on a Hopper GPU for ``M > 4`` when ``T % 8 == 0``, ``R % 128 == 0`` and the engine is
     not ``mma``; ``row`` otherwise (2:4 keeps every column, so it has nothing to gather: measured on the H100,
     the column-major engine ties or loses there, 0.388 / 0.464 ms against 0.389 / 0.387 row-major at
     16384 tokens). An explicit ``col`` that these shapes cannot take raises ``ValueError``.
     """
     if layout is None:
-        layout = os.environ.get(SDDMM_X_LAYOUT_ENV, "row").strip().lower() or "row"
+        layout = os.environ.get(SDDMM_X_LAYOUT_ENV, "auto").strip().lower() or "auto"
     if layout not in SDDMM_X_LAYOUTS:
         raise ValueError(f"the SDDMM x layout ({SDDMM_X_LAYOUT_ENV}) must be one of {SDDMM_X_LAYOUTS}, got {layout!r}")
     problem = None
@@ -247,12 +255,35 @@ def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None, split: 
     problem = sddmm_unsupported(sw)
     if problem:
         raise ValueError(f"sddmm: {problem}")
-    col = sddmm_x_layout(x.shape[0], sw, x_layout, engine) == "col"
+    if sddmm_x_layout(x.shape[0], sw, x_layout, engine) == "col":
+        return sddmm_from_xt(transpose(x), dy, sw, out, split)
     return _call(
         "jaxsparse_sddmm", sw.values.shape, out, x, dy, _columns_operand(sw), sw.metadata,
-        input_layouts=[(1, 0) if col else None, None, None, None],
         v=np.int32(sw.spec.v), m=np.int32(sw.spec.m), split=np.int32(sddmm_split(split)),
-        engine=np.int32(sddmm_engine(engine)), x_layout=np.int32(col),
+        engine=np.int32(sddmm_engine(engine)), x_layout=np.int32(0),
+    )
+
+
+def sddmm_from_xt(xt: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None,
+                  split: int | str | None = None) -> jax.Array:
+    """:func:`sddmm` from ``x^T [K, T]`` (the Hopper x^T engine; what ``x_layout="col"`` runs after
+    :func:`transpose`). Needs ``T % 8 == 0``, ``R % 128 == 0`` and a Hopper GPU, besides :func:`sddmm`'s list."""
+    k, r = sw.shape
+    if xt.ndim != 2 or dy.ndim != 2 or xt.shape != (k, dy.shape[0]) or dy.shape[1] != r:
+        raise ValueError(f"sddmm_from_xt: need x^T [{k}, T] and dy [T, {r}], got {xt.shape} and {dy.shape}")
+    if xt.dtype != sw.values.dtype or dy.dtype != sw.values.dtype:
+        raise ValueError(f"sddmm_from_xt: x^T ({xt.dtype}) and dy ({dy.dtype}) must have the values dtype {sw.values.dtype}")
+    out = jnp.dtype(out_dtype or sw.values.dtype)
+    if out not in (jnp.dtype(sw.values.dtype), jnp.dtype(jnp.float32)):
+        raise ValueError(f"sddmm_from_xt: out_dtype must be the values dtype {sw.values.dtype} or float32, got {out}")
+    problem = sddmm_unsupported(sw)
+    if problem:
+        raise ValueError(f"sddmm_from_xt: {problem}")
+    sddmm_x_layout(dy.shape[0], sw, "col")  # raises ValueError naming the constraint the shapes miss
+    return _call(
+        "jaxsparse_sddmm", sw.values.shape, out, xt, dy, _columns_operand(sw), sw.metadata,
+        v=np.int32(sw.spec.v), m=np.int32(sw.spec.m), split=np.int32(sddmm_split(split)),
+        engine=np.int32(SDDMM_ENGINES["wgmma"]), x_layout=np.int32(1),
     )
 
 
