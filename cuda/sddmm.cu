@@ -342,6 +342,20 @@ struct WgLayout {
   static_assert(NC % 64 == 0 && kHalfBytes % 1024 == 0 && kBBytes % 1024 == 0, "swizzle atoms");
 };
 
+// Both wgmma engines' epilogue: each warpgroup's m64nNk16 float32 accumulators (rows 64 * warpgroup + ...,
+// the fragment layout in wgmma.cuh) into the shared tile [128][row_floats] that StoreKeptPairs reads.
+template <int N>
+__device__ __forceinline__ void StageWgmmaAccumulators(float* tile, int row_floats, const float (&acc)[N / 2]) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int wg = warp >> 2, wq = warp & 3;
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) {
+    const int r = 64 * wg + 16 * wq + (lane >> 2) + 8 * ((i >> 1) & 1);
+    const int c = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+    tile[r * row_floats + c] = acc[i];
+  }
+}
+
 template <typename T, int M>
 __global__ void __launch_bounds__(kWgThreads, 2) SddmmWgmmaKernel(const SddmmParams p) {
 #ifdef JAXSPARSE_WGMMA
@@ -354,7 +368,7 @@ __global__ void __launch_bounds__(kWgThreads, 2) SddmmWgmmaKernel(const SddmmPar
   unsigned char* smem = smem_raw + pad;
   const uint32_t smem_base = raw_base + pad;  // 1024-byte aligned: swizzle atoms start on their boundary
 
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int tid = threadIdx.x, warp = tid >> 5;
   const int wg = warp >> 2;  // warpgroup: rows 64*wg .. 64*wg+63 of the tile
   const int row0 = blockIdx.x * kWgBR;
   const int g0 = blockIdx.y * GC;
@@ -489,19 +503,11 @@ __global__ void __launch_bounds__(kWgThreads, 2) SddmmWgmmaKernel(const SddmmPar
   CpAsyncWait<0>();
   __syncthreads();
   float* tile = reinterpret_cast<float*>(smem);
-  {
-    const int wq = warp & 3;
-#pragma unroll
-    for (int i = 0; i < NC / 2; ++i) {
-      const int r = 64 * wg + 16 * wq + (lane >> 2) + 8 * ((i >> 1) & 1);
-      const int c = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-      tile[r * L::kEpiRowFloats + c] = acc[i];
-    }
-  }
+  StageWgmmaAccumulators<NC>(tile, L::kEpiRowFloats, acc);
   __syncthreads();
   StoreKeptPairs<T, kWgBR, GC, kWgThreads>(p, tile, L::kEpiRowFloats, row0, g0);
 #else
-  __trap();  // launched only where the sm_90a image exists (see WgmmaImageLoaded)
+  __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
 #endif
 }
 
@@ -550,7 +556,7 @@ __global__ void __launch_bounds__(kXtThreads, 1) SddmmWgmmaXtKernel(const SddmmP
   unsigned char* smem = smem_raw + pad;
   const uint32_t smem_base = raw_base + pad;
 
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int tid = threadIdx.x, warp = tid >> 5;
   const int wg = warp >> 2;
   const int row0 = blockIdx.x * kXtBR;
   const int g0 = blockIdx.y * kXtGC;
@@ -649,19 +655,11 @@ __global__ void __launch_bounds__(kXtThreads, 1) SddmmWgmmaXtKernel(const SddmmP
   CpAsyncWait<0>();
   __syncthreads();  // no wgmma or copy reads or writes the pipeline buffers any more
   float* tile = reinterpret_cast<float*>(smem);
-  {
-    const int wq = warp & 3;
-#pragma unroll
-    for (int i = 0; i < kXtNC / 2; ++i) {
-      const int r = 64 * wg + 16 * wq + (lane >> 2) + 8 * ((i >> 1) & 1);
-      const int c = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-      tile[r * L::kEpiRowFloats + c] = acc[i];
-    }
-  }
+  StageWgmmaAccumulators<kXtNC>(tile, L::kEpiRowFloats, acc);
   __syncthreads();
   StoreKeptPairs<T, kXtBR, kXtGC, kXtThreads>(p, tile, L::kEpiRowFloats, row0, g0);
 #else
-  __trap();  // launched only where the sm_90a image exists (see XtImageLoaded)
+  __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
 #endif
 }
 
@@ -718,25 +716,14 @@ int ChooseSplits(int split, int tiles, int all_kt, int ctas_per_sm) {
   return std::max(1, std::min(s, all_kt));
 }
 
-// Whether the wgmma engine's sm_90a image is what this device would run (an sm_80-only build, or another
-// GPU, runs the mma.sync engine).
-template <typename T, int M>
-bool WgmmaImageLoaded() {
+// Whether an sm_90a-only kernel's sm_90a image is what this device would run (an sm_80-only build, or
+// another GPU, does not).
+template <auto Kernel>
+bool Sm90aImageLoaded() {
   static int ok = -1;  // benign race: every thread computes the same value
   if (ok < 0) {
     cudaFuncAttributes attr;
-    ok = cudaFuncGetAttributes(&attr, SddmmWgmmaKernel<T, M>) == cudaSuccess && attr.binaryVersion == 90;
-    cudaGetLastError();
-  }
-  return ok == 1;
-}
-
-template <typename T>
-bool XtImageLoaded() {
-  static int ok = -1;
-  if (ok < 0) {
-    cudaFuncAttributes attr;
-    ok = cudaFuncGetAttributes(&attr, SddmmWgmmaXtKernel<T>) == cudaSuccess && attr.binaryVersion == 90;
+    ok = cudaFuncGetAttributes(&attr, Kernel) == cudaSuccess && attr.binaryVersion == 90;
     cudaGetLastError();
   }
   return ok == 1;
@@ -771,7 +758,7 @@ ffi::Error LaunchSplit(cudaStream_t stream, SddmmParams p, int split, int tiles,
 // x^T [K, T] (x_layout = 1): the x^T engine, the only one that reads it.
 template <typename T>
 ffi::Error LaunchXt(cudaStream_t stream, const SddmmParams& p, int split, ffi::ScratchAllocator& scratch) {
-  if (!XtImageLoaded<T>())
+  if (!Sm90aImageLoaded<SddmmWgmmaXtKernel<T>>())
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: x^T (x_layout 1) needs an sm_90a build on a Hopper GPU");
   if (p.rows % kXtBR || p.tokens % 8)
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: x^T (x_layout 1) needs R % 128 == 0 and T % 8 == 0");
@@ -793,10 +780,10 @@ template <typename T, int M>
 ffi::Error Launch(cudaStream_t stream, const SddmmParams& p, int split, int engine, ffi::ScratchAllocator& scratch) {
   if constexpr (M <= 16) {
     const bool fits = p.rows % kWgBR == 0;
-    if (engine == kEngineWgmma && !(fits && WgmmaImageLoaded<T, M>()))
+    if (engine == kEngineWgmma && !(fits && Sm90aImageLoaded<SddmmWgmmaKernel<T, M>>()))
       return ffi::Error::InvalidArgument(
           "jaxsparse_sddmm: the wgmma engine needs an sm_90a build on a Hopper GPU and R a multiple of 128");
-    if (engine != kEngineMma && fits && WgmmaImageLoaded<T, M>()) {
+    if (engine != kEngineMma && fits && Sm90aImageLoaded<SddmmWgmmaKernel<T, M>>()) {
       constexpr int kSmem = WgLayout<M>::kSmemBytes;
       constexpr int GC = WgCfg<M>::GC;
       if (ffi::Error e = RaiseSmemLimit<SddmmWgmmaKernel<T, M>>(kSmem, "cudaFuncSetAttribute(SddmmWgmmaKernel)");

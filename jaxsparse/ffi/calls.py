@@ -248,21 +248,10 @@ def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None, split: 
     k, r = sw.shape
     if x.shape[1] != k or dy.shape[1] != r or x.shape[0] != dy.shape[0]:
         raise ValueError(f"sddmm: need x [T, {k}] and dy [T, {r}] for a weight {sw.shape}, got {x.shape} and {dy.shape}")
-    if x.dtype != sw.values.dtype or dy.dtype != sw.values.dtype:
-        raise ValueError(f"sddmm: x ({x.dtype}) and dy ({dy.dtype}) must have the values dtype {sw.values.dtype}")
-    out = jnp.dtype(out_dtype or sw.values.dtype)
-    if out not in (jnp.dtype(sw.values.dtype), jnp.dtype(jnp.float32)):
-        raise ValueError(f"sddmm: out_dtype must be the values dtype {sw.values.dtype} or float32, got {out}")
-    problem = sddmm_unsupported(sw)
-    if problem:
-        raise ValueError(f"sddmm: {problem}")
+    out = _sddmm_out_dtype("sddmm", "x", x, dy, sw, out_dtype)
     if sddmm_x_layout(x.shape[0], sw, x_layout, engine) == "col":
-        return sddmm_from_xt(transpose(x), dy, sw, out, split)
-    return _call(
-        "jaxsparse_sddmm", sw.values.shape, out, x, dy, _columns_operand(sw), sw.metadata,
-        v=np.int32(sw.spec.v), m=np.int32(sw.spec.m), split=np.int32(sddmm_split(split)),
-        engine=np.int32(sddmm_engine(engine)), x_layout=np.int32(0),
-    )
+        return _sddmm_call(transpose(x), dy, sw, out, split, SDDMM_ENGINES["wgmma"], x_layout=1)
+    return _sddmm_call(x, dy, sw, out, split, sddmm_engine(engine), x_layout=0)
 
 
 def sddmm_from_xt(xt: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None,
@@ -272,19 +261,31 @@ def sddmm_from_xt(xt: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None
     k, r = sw.shape
     if xt.ndim != 2 or dy.ndim != 2 or xt.shape != (k, dy.shape[0]) or dy.shape[1] != r:
         raise ValueError(f"sddmm_from_xt: need x^T [{k}, T] and dy [T, {r}], got {xt.shape} and {dy.shape}")
-    if xt.dtype != sw.values.dtype or dy.dtype != sw.values.dtype:
-        raise ValueError(f"sddmm_from_xt: x^T ({xt.dtype}) and dy ({dy.dtype}) must have the values dtype {sw.values.dtype}")
+    out = _sddmm_out_dtype("sddmm_from_xt", "x^T", xt, dy, sw, out_dtype)
+    sddmm_x_layout(dy.shape[0], sw, "col")  # raises ValueError naming the constraint the shapes miss
+    return _sddmm_call(xt, dy, sw, out, split, SDDMM_ENGINES["wgmma"], x_layout=1)
+
+
+def _sddmm_out_dtype(name: str, x_name: str, x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype) -> np.dtype:
+    """The checks both SDDMM entry points share (operand dtypes, output dtype, the kernels' constraint list);
+    returns the output dtype."""
+    if x.dtype != sw.values.dtype or dy.dtype != sw.values.dtype:
+        raise ValueError(f"{name}: {x_name} ({x.dtype}) and dy ({dy.dtype}) must have the values dtype {sw.values.dtype}")
     out = jnp.dtype(out_dtype or sw.values.dtype)
     if out not in (jnp.dtype(sw.values.dtype), jnp.dtype(jnp.float32)):
-        raise ValueError(f"sddmm_from_xt: out_dtype must be the values dtype {sw.values.dtype} or float32, got {out}")
+        raise ValueError(f"{name}: out_dtype must be the values dtype {sw.values.dtype} or float32, got {out}")
     problem = sddmm_unsupported(sw)
     if problem:
-        raise ValueError(f"sddmm_from_xt: {problem}")
-    sddmm_x_layout(dy.shape[0], sw, "col")  # raises ValueError naming the constraint the shapes miss
+        raise ValueError(f"{name}: {problem}")
+    return out
+
+
+def _sddmm_call(x: jax.Array, dy: jax.Array, sw: SparseWeight, out, split, engine: int, x_layout: int) -> jax.Array:
+    """The ``jaxsparse_sddmm`` call, operands checked: ``x`` is ``[T, K]`` (x_layout 0) or ``x^T [K, T]`` (1)."""
     return _call(
-        "jaxsparse_sddmm", sw.values.shape, out, xt, dy, _columns_operand(sw), sw.metadata,
+        "jaxsparse_sddmm", sw.values.shape, out, x, dy, _columns_operand(sw), sw.metadata,
         v=np.int32(sw.spec.v), m=np.int32(sw.spec.m), split=np.int32(sddmm_split(split)),
-        engine=np.int32(SDDMM_ENGINES["wgmma"]), x_layout=np.int32(1),
+        engine=np.int32(engine), x_layout=np.int32(x_layout),
     )
 
 
