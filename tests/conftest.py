@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import pytest
 
@@ -15,7 +17,23 @@ def gpu_available() -> bool:
         return False
 
 
+def _shard(config, items) -> None:
+    """``JAXSPARSE_TEST_SHARD=i/n`` keeps every n-th test from the i-th: n processes share one GPU run."""
+    spec = os.environ.get("JAXSPARSE_TEST_SHARD")
+    if not spec:
+        return
+    try:
+        i, n = (int(v) for v in spec.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"JAXSPARSE_TEST_SHARD must look like 0/3, got {spec!r}") from None
+    if not 0 <= i < n:
+        raise pytest.UsageError(f"JAXSPARSE_TEST_SHARD {spec!r}: need 0 <= i < n")
+    config.hook.pytest_deselected(items=[item for k, item in enumerate(items) if k % n != i])
+    items[:] = [item for k, item in enumerate(items) if k % n == i]
+
+
 def pytest_collection_modifyitems(config, items):
+    _shard(config, items)
     if gpu_available():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (JAX sees none)")
