@@ -3,7 +3,9 @@
 One process; the shapes of ``benchmarks/spmm.py`` (tokens 4096 and 16384; K x N in 768x768, 768x3072,
 3072x768, 1024x1024, 1024x4096, 4096x1024), bf16, with a bias. Products, for ``y = x @ W + b``:
 
-* ``fwd``: y (jaxsparse: ``jaxsparse_spmm``; dense: ``x @ w + b``);
+* ``fwd``: y (jaxsparse: ``calls.spmm``'s default route: on Hopper ``jaxsparse_transpose`` + ``jaxsparse_spmm_xt``,
+  elsewhere ``jaxsparse_spmm``; dense: ``x @ w + b``); ``fwd x row-major``, ``fwd x col-major`` and
+  ``fwd x^T given <tile>`` time the two routes and the x^T kernel alone at each tile;
 * ``dW``: the weight gradient (jaxsparse: ``jaxsparse_sddmm`` into the compressed values; dense: ``x^T dy``);
 * ``dX``: the input gradient (jaxsparse: ``jaxsparse_spmm_t``; dense: ``dy @ w^T``);
 * ``fwd+bwd``: ``jax.vjp`` of the whole layer (y, dx, dW, db) under one ``jit``, on the routes the ops
@@ -140,15 +142,21 @@ def main() -> None:
     # The alternatives the ops choose between, timed beside the kernels: (row label, product, function).
     # A variant may take x in another form: prep(x) is what its first argument gets.
     same = lambda x: x
+    xt_of = lambda x: jnp.asarray(x.T)
     variants = [
+        ("fwd x row-major", "fwd", jax.jit(lambda x, dy, sw, b: calls.spmm(x, sw, b, None, x_layout="row")), same),
+        # The Hopper x^T SpMM with jaxsparse_transpose in front, then alone (x^T given) at each tile.
+        ("fwd x col-major", "fwd", jax.jit(lambda x, dy, sw, b: calls.spmm(x, sw, b, None, x_layout="col")), same),
+        *[(f"fwd x^T given {tile}", "fwd",
+           jax.jit(lambda xt, dy, sw, b, tile=tile: calls.spmm_from_xt(xt, sw, b, None, tile)), xt_of)
+          for tile in ("auto", "128x256", "64x256", "128x128", "64x128")],
         ("dW mma.sync engine", "dW", jax.jit(lambda x, dy, sw, b: calls.sddmm(x, dy, sw, engine="mma", x_layout="row")),
          same),
         ("dW split=none", "dW", jax.jit(lambda x, dy, sw, b: calls.sddmm(x, dy, sw, split="none")), same),
         ("dW x row-major", "dW", jax.jit(lambda x, dy, sw, b: calls.sddmm(x, dy, sw, x_layout="row")), same),
         # The x^T engine alone, x^T given; the "x col-major" row adds jaxsparse_transpose before it.
         ("dW x col-major", "dW", jax.jit(lambda x, dy, sw, b: calls.sddmm(x, dy, sw, x_layout="col")), same),
-        ("dW x^T given", "dW", jax.jit(lambda xt, dy, sw, b: calls.sddmm_from_xt(xt, dy, sw)),
-         lambda x: jnp.asarray(x.T)),
+        ("dW x^T given", "dW", jax.jit(lambda xt, dy, sw, b: calls.sddmm_from_xt(xt, dy, sw)), xt_of),
         ("dX dense route", "dX", jax.jit(lambda x, dy, sw, b: ops._dense_dx(dy, sw)), same),
     ]
     if not calls.hopper_gpu():
@@ -164,7 +172,7 @@ def main() -> None:
             versions=common.versions(),
             roofline=dict(dense_tflops=common.DENSE_TFLOPS, sparse_tflops=common.SPARSE_TFLOPS,
                           hbm_tbps=common.HBM_TBPS, note=__doc__.split("Roofline")[1].split("Writes")[0].strip()),
-            fwd_bwd_routes=dict(dx=ops.dx_route(), sddmm_split=calls.sddmm_split(), sddmm_engine=calls.sddmm_engine(),
+            fwd_bwd_routes=dict(spmm_x_layout=os.environ.get(calls.SPMM_X_LAYOUT_ENV, "auto"), dx=ops.dx_route(), sddmm_split=calls.sddmm_split(), sddmm_engine=calls.sddmm_engine(),
                                 sddmm_x_layout=os.environ.get(calls.SDDMM_X_LAYOUT_ENV, "auto")),
             timing="median over 15 batches of 20 async calls (host clock between syncs), 3 rotating input sets",
             results=rows,
@@ -207,7 +215,8 @@ def main() -> None:
                 # The defaults (PRODUCTS), then the alternatives the ops choose between.
                 runs = [(prod, prod, sparse_fns[prod], same, errs[prod]) for prod in PRODUCTS]
                 runs += [(label, prod, fn, prep, _err(prod, fn, (prep(x0), dy0, sw, b), refs))
-                         for label, prod, fn, prep in variants]
+                         for label, prod, fn, prep in variants
+                         if not (spec.v == 64 and label.startswith("fwd x^T given 128x"))]  # 128-row tiles need V >= 128
                 for label, prod, fn, prep, err in runs:
                     ms = common.time_jax(fn, [(prep(x), dy, sw, b) for x, dy in zip(xs, dys)], **reps)
                     fl = floors(prod, tokens, k, n, spec.m, spec.v)

@@ -80,7 +80,8 @@ def run_config(cfg: dict, turn: dict | None = None) -> dict:
 
     row = dict(cfg)
     t0 = time.perf_counter()
-    step_cfg = StepConfig(cfg["model"], cfg["sparsity"], cfg["batch_size"], cfg["seq_len"], cfg["dtype"])
+    step_cfg = StepConfig(cfg["model"], cfg["sparsity"], cfg["batch_size"], cfg["seq_len"], cfg["dtype"],
+                          attention=cfg.get("attention", "softmax"))
     ts = build_step(step_cfg)
     row.update(mode=ts.mode, mode_reason=ts.reason, tokens=ts.tokens, build_s=time.perf_counter() - t0)
     t1 = time.perf_counter()
@@ -187,11 +188,17 @@ def _concurrent(configs: list[dict], timeout: float) -> list[dict]:
         return rows
 
 
+def _same_problem(a: dict, b: dict) -> bool:
+    keys = ("model", "seq_len", "batch_size")
+    return (all(a[k] == b[k] for k in keys)
+            and a.get("attention", "softmax") == b.get("attention", "softmax"))
+
+
 def add_relative(rows: list[dict]) -> None:
     """Speedup and memory against the dense row of the same model, sequence and batch."""
     for r in rows:
         dense = next((d for d in rows if d["sparsity"] == "dense" and "error" not in d
-                      and (d["model"], d["seq_len"], d["batch_size"]) == (r["model"], r["seq_len"], r["batch_size"])), None)
+                      and _same_problem(d, r)), None)
         ok = dense is not None and "error" not in r
         r["speedup_vs_dense"] = dense["step_ms"] / r["step_ms"] if ok else None
         r["memory_vs_dense"] = (r["peak_bytes"] / dense["peak_bytes"]
@@ -207,12 +214,12 @@ def print_table(rows: list[dict]) -> None:
             continue
         out.append({
             "model": r["model"], "seq": r["seq_len"], "batch": r["batch_size"], "sparsity": r["sparsity"],
-            "mode": r["mode"], "step ms": f"{r['step_ms']:.2f}", "tokens/s": f"{r['tokens_per_s']:.0f}",
+            "attention": r.get("attention", "softmax"), "mode": r["mode"], "step ms": f"{r['step_ms']:.2f}", "tokens/s": f"{r['tokens_per_s']:.0f}",
             "peak GiB": f"{r['peak_bytes'] / 2**30:.2f}" if r.get("peak_bytes") else "n/a",
             "speedup": f"{r['speedup_vs_dense']:.3f}x" if r.get("speedup_vs_dense") else "-",
             "memory": f"{r['memory_vs_dense']:.3f}x" if r.get("memory_vs_dense") else "-",
         })
-    print(common.table(out, ["model", "seq", "batch", "sparsity", "mode", "step ms", "tokens/s", "peak GiB",
+    print(common.table(out, ["model", "seq", "batch", "sparsity", "attention", "mode", "step ms", "tokens/s", "peak GiB",
                              "speedup", "memory"]))
     for r in rows:
         if r.get("mode") == "masked":
@@ -263,6 +270,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="timed steps per configuration (30; --quick: 6)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (5; --quick: 2)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--attention", default="softmax", choices=("softmax", "fused"),
+                    help="BERT's softmax attention with dropout on the probabilities, or cuDNN flash attention "
+                         "(jaxsparse.models.bert.fused_attention; no probability dropout) for dense and sparse alike")
     ap.add_argument("--in-process", action="store_true",
                     help="run every configuration in this process (peak memory is then cumulative)")
     ap.add_argument("--concurrent", action="store_true",
@@ -294,7 +304,7 @@ def main(argv=None) -> int:
                 ap.error(f"no batch size in BATCH for {model} seq {seq}: pass --batch-size")
             for s in sparsities:
                 configs.append({"model": model, "seq_len": seq, "batch_size": batch, "sparsity": s, "dtype": a.dtype,
-                                "steps": steps, "warmup": warmup})
+                                "attention": a.attention, "steps": steps, "warmup": warmup})
     t0 = time.time()
     if a.concurrent and not a.in_process:
         rows = _concurrent(configs, a.worker_timeout)

@@ -125,6 +125,13 @@ template <>
 __device__ __forceinline__ __half FromFloat<__half>(float v) {
   return __float2half_rn(v);
 }
+// GELU, tanh approximation (the same function as jax.nn.gelu(approximate=True)).
+__device__ __forceinline__ float GeluTanh(float x) {
+  const float k0 = 0.7978845608028654f;  // sqrt(2 / pi)
+  const float k1 = 0.044715f;
+  return 0.5f * x * (1.f + tanhf(k0 * (x + k1 * x * x * x)));
+}
+
 // Two floats as one 32-bit word of two 16-bit values (lo in the low half).
 template <typename T>
 __device__ __forceinline__ uint32_t PackPair(float lo, float hi) {

@@ -20,6 +20,7 @@ NB_MODULE(_jaxsparse_cuda, m) {
     nb::dict d;
     d["jaxsparse_decompress"] = Capsule(JaxsparseDecompress);
     d["jaxsparse_spmm"] = Capsule(JaxsparseSpmm);
+    d["jaxsparse_spmm_xt"] = Capsule(JaxsparseSpmmXt);
     d["jaxsparse_sddmm"] = Capsule(JaxsparseSddmm);
     d["jaxsparse_spmm_t"] = Capsule(JaxsparseSpmmT);
     d["jaxsparse_transpose"] = Capsule(JaxsparseTranspose);

@@ -688,18 +688,6 @@ __global__ void __launch_bounds__(256) SddmmReduceKernel(const float* __restrict
 
 // ---------------------------------------------------------------- host side
 
-int SmCount() {
-  static int count = 0;  // benign race: every thread computes the same value
-  if (count == 0) {
-    int dev = 0, n = 0;
-    if (cudaGetDevice(&dev) == cudaSuccess && cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess)
-      count = n;
-    else
-      count = 132;
-  }
-  return count;
-}
-
 // Token ranges for a grid of `tiles` (row, group) CTAs over `all_kt` token tiles: `split` as the attribute
 // says (1 = none, 0 = auto, n > 1 = n), never more than the token tiles.
 int ChooseSplits(int split, int tiles, int all_kt, int ctas_per_sm) {
@@ -714,19 +702,6 @@ int ChooseSplits(int split, int tiles, int all_kt, int ctas_per_sm) {
     s = std::min(std::min(want, all_kt / 4), 16);
   }
   return std::max(1, std::min(s, all_kt));
-}
-
-// Whether an sm_90a-only kernel's sm_90a image is what this device would run (an sm_80-only build, or
-// another GPU, does not).
-template <auto Kernel>
-bool Sm90aImageLoaded() {
-  static int ok = -1;  // benign race: every thread computes the same value
-  if (ok < 0) {
-    cudaFuncAttributes attr;
-    ok = cudaFuncGetAttributes(&attr, Kernel) == cudaSuccess && attr.binaryVersion == 90;
-    cudaGetLastError();
-  }
-  return ok == 1;
 }
 
 // Engine attribute: 0 = auto (wgmma where it applies), 1 = mma.sync, 2 = wgmma (an error where it cannot run).

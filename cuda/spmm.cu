@@ -26,12 +26,6 @@
 namespace jaxsparse {
 namespace {
 
-__device__ __forceinline__ float GeluTanh(float x) {
-  const float k0 = 0.7978845608028654f;  // sqrt(2 / pi)
-  const float k1 = 0.044715f;
-  return 0.5f * x * (1.f + tanhf(k0 * (x + k1 * x * x * x)));
-}
-
 struct SpmmParams {
   const void* x;          // [T, K]
   const void* values;     // [R, 2G]

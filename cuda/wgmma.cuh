@@ -23,6 +23,8 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
 #include <cstdint>
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -48,6 +50,19 @@ __host__ __device__ constexpr uint32_t Sw128KOffset(int r, int k) {
 __host__ __device__ constexpr uint32_t Sw128MnOffset(int mn, int k, uint32_t col_bytes) {
   return static_cast<uint32_t>(mn / 64) * col_bytes + static_cast<uint32_t>(k) * 128 +
          ((static_cast<uint32_t>((mn % 64) / 8) ^ static_cast<uint32_t>(k % 8)) << 4) + static_cast<uint32_t>(mn % 8) * 2;
+}
+
+// Whether an sm_90a-only kernel's sm_90a image is what this device would run (an sm_80-only build, or
+// another GPU, does not).
+template <auto Kernel>
+bool Sm90aImageLoaded() {
+  static int ok = -1;  // benign race: every thread computes the same value
+  if (ok < 0) {
+    cudaFuncAttributes attr;
+    ok = cudaFuncGetAttributes(&attr, Kernel) == cudaSuccess && attr.binaryVersion == 90;
+    cudaGetLastError();
+  }
+  return ok == 1;
 }
 
 #ifdef JAXSPARSE_WGMMA

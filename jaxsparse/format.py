@@ -19,6 +19,7 @@ import numpy as np
 
 __all__ = [
     "VNM",
+    "condensed_transposed",
     "SparseWeight",
     "select_mask",
     "mask_is_valid",
@@ -355,6 +356,26 @@ def decompress(sw: SparseWeight) -> jax.Array:
     vals = sw.values.reshape(r, g, 2)
     dense = (jax.nn.one_hot(cols, m, dtype=sw.values.dtype) * vals[..., None]).sum(axis=-2)  # [R, G, M]
     return dense.reshape(r, k).T
+
+
+def condensed_transposed(sw: SparseWeight) -> jax.Array:
+    """``A^T [4G, R]``: the condensed weight the Hopper forward kernel reads (``jaxsparse_spmm_xt``).
+
+    Row ``4g + p`` holds, for every output feature ``r``, the weight at dense input column
+    ``g*M + columns[r // V, g, p]`` (``g*4 + p`` for ``M = 4``): the row's stored value where the metadata
+    puts one, zero at the other two of the 4 kept columns. ``x_c @ A^T`` over the kept columns ``x_c`` of x
+    is ``x @ W``. Features are contiguous, as the kernel's MN-major A operand wants them; pure JAX, so XLA
+    fuses it into one pass over the values (half the size of a dense weight at M = 8).
+    """
+    k, r = sw.shape
+    g = k // sw.spec.m
+    p0, p1 = _unpack_metadata(sw.metadata)  # [R, G] positions among the 4 kept columns
+    vals = sw.values.reshape(r, g, 2)
+    pos = jnp.arange(4, dtype=jnp.int32)
+    zero = jnp.zeros((), sw.values.dtype)
+    a = (jnp.where(pos == p0[..., None], vals[..., :1], zero)
+         + jnp.where(pos == p1[..., None], vals[..., 1:], zero))  # [R, G, 4]; p0 < p1, so one term is zero
+    return a.reshape(r, 4 * g).T
 
 
 def compress_like(dense: jax.Array, sw: SparseWeight) -> jax.Array:

@@ -20,7 +20,7 @@ from jaxsparse.ffi import calls as cuda_calls
 from jaxsparse.ffi.calls import spmm_unsupported
 from jaxsparse.format import SparseWeight, decompress as _reference_decompress
 
-__all__ = ["decompress", "spmm", "sddmm", "spmm_t", "dx_route", "sparse_linear", "masked_linear", "spmm_unsupported"]
+__all__ = ["decompress", "spmm", "sddmm", "spmm_t", "dx_route", "linear_x_layout", "sparse_linear", "masked_linear", "spmm_unsupported"]
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -162,16 +162,73 @@ def _linear_bwd(residuals, dy):
 _linear.defvjp(_linear_fwd, _linear_bwd)
 
 
+# The x^T route (Hopper): the forward transposes x once, runs the x^T SpMM and keeps x^T as the residual,
+# which the backward's SDDMM reads as it is: one transpose per layer serves both products.
+
+
+def _spmm_keeping_xt(x2: jax.Array, sw: SparseWeight, bias: Optional[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    def ref(x, s, b):
+        return reference.spmm(x, s, b, None), x.T
+
+    def cuda(x, s, b):
+        xt = cuda_calls.transpose(x)
+        return cuda_calls.spmm_from_xt(xt, s, b), xt
+
+    with jax.named_scope("jaxsparse_spmm"):
+        return dispatch.call("spmm", ref, cuda, x2, sw, bias, unsupported=spmm_unsupported(sw))
+
+
+def _sddmm_from_xt(xt: jax.Array, dy: jax.Array, sw: SparseWeight) -> jax.Array:
+    ref = lambda a, d, s: reference.sddmm(a.T, d, s, None)
+    with jax.named_scope("jaxsparse_sddmm"):
+        return dispatch.call("sddmm", ref, cuda_calls.sddmm_from_xt, xt, dy, sw,
+                             unsupported=cuda_calls.sddmm_unsupported(sw))
+
+
+@jax.custom_vjp
+def _linear_xt(x2: jax.Array, sw: SparseWeight, bias: Optional[jax.Array]) -> jax.Array:
+    return spmm(x2, sw, bias)
+
+
+def _linear_xt_fwd(x2, sw, bias):
+    y, xt = _spmm_keeping_xt(x2, sw, bias)
+    return y, (xt, sw, bias)
+
+
+def _linear_xt_bwd(residuals, dy):
+    xt, sw, bias = residuals
+    dx = spmm_t(dy, sw)
+    dvalues = _sddmm_from_xt(xt, dy, sw)
+    dsw = SparseWeight(dvalues, _no_cotangent(sw.columns), _no_cotangent(sw.metadata), sw.shape, sw.spec)
+    dbias = None if bias is None else reference.bias_grad(dy, bias.dtype)
+    return dx, dsw, dbias
+
+
+_linear_xt.defvjp(_linear_xt_fwd, _linear_xt_bwd)
+
+
+def linear_x_layout(tokens: int, sw: SparseWeight) -> str:
+    """The layer route :func:`sparse_linear` takes: ``"col"`` (the x^T route above) when
+    :func:`jaxsparse.ffi.calls.spmm_x_layout` says so (``JAXSPARSE_SPMM_X``; a Hopper GPU by default) and the
+    kernels take ``sw``; ``"row"`` otherwise."""
+    if spmm_unsupported(sw) or cuda_calls.sddmm_unsupported(sw):
+        return "row"
+    return cuda_calls.spmm_x_layout(tokens, sw)
+
+
 def sparse_linear(x: jax.Array, sw: SparseWeight, bias: Optional[jax.Array] = None) -> jax.Array:
     """``x @ W + bias`` for a compressed ``W``, differentiable in ``x``, ``sw.values`` and ``bias``.
 
     The gradient with respect to ``sw.values`` is the dense weight gradient sampled at the kept
-    positions (SDDMM), never a dense ``[K, R]`` array on the kernel path.
+    positions (SDDMM), never a dense ``[K, R]`` array on the kernel path. On a Hopper GPU the layer
+    takes the x^T route (:func:`linear_x_layout`): one transpose of ``x`` feeds the forward and the SDDMM.
     """
     _check_weight(sw)
     _check_activation(x, sw, "x", sw.shape[0])
     _check_bias(bias, sw)
-    y = _linear(_flatten(x), sw, bias)
+    x2 = _flatten(x)
+    layer = _linear_xt if linear_x_layout(x2.shape[0], sw) == "col" else _linear
+    y = layer(x2, sw, bias)
     return y.reshape(*x.shape[:-1], sw.shape[1])
 
 

@@ -479,7 +479,7 @@ def profile_step(config, steps: int = 5, warmup: int = 2, trace_dir: str | None 
     prof = summarize(events, hlo, steps, step_ms, desc, top)
     prof.meta = {"model": config.model, "sparsity": config.sparsity, "mode": ts.mode, "mode_reason": ts.reason,
                  "batch_size": config.batch_size, "seq_len": config.seq_len, "tokens": ts.tokens,
-                 "dtype": config.dtype, "jax": jax.__version__, "hlo_module": module.group(1) if module else None}
+                 "dtype": config.dtype, "attention": config.attention, "jax": jax.__version__, "hlo_module": module.group(1) if module else None}
     return prof
 
 
@@ -501,6 +501,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     mode.add_argument("--masked", dest="compressed", action="store_false",
                       help="masked-dense sparse layers (default: compressed where the shapes allow it)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--attention", default="softmax", choices=("softmax", "fused"),
+                   help="BERT's softmax attention, or cuDNN flash attention (no dropout on the probabilities)")
     p.add_argument("--top", type=int, default=10, help="list the N most expensive ops (0: none)")
     p.add_argument("--trace-dir", default=None, help="keep the trace here (TensorBoard/xprof can open it)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the breakdown as JSON")
@@ -512,12 +514,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jaxsparse.trainstep import StepConfig
 
     args = parse_args(argv)
-    config = StepConfig(args.model, args.sparsity, args.batch_size, args.seq_len, args.dtype, args.compressed)
+    config = StepConfig(args.model, args.sparsity, args.batch_size, args.seq_len, args.dtype, args.compressed,
+                        attention=args.attention)
     prof = profile_step(config, args.steps, args.warmup, args.trace_dir, top=max(args.top, 25))
     m = prof.meta
     print(f"jaxsparse-profile: BERT-{m['model']} {m['sparsity']} ({m['mode']}{': ' + m['mode_reason'] if m['mode_reason'] else ''}), "
           f"batch {m['batch_size']} x seq {m['seq_len']} = {m['tokens']} tokens, {m['dtype']} compute, "
-          f"AdamW, {prof.steps} steps traced")
+          f"{m['attention']} attention, AdamW, {prof.steps} steps traced")
     print(format_table(prof, args.top))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

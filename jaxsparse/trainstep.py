@@ -45,6 +45,9 @@ class StepConfig:
       compressed: True = compressed mode (``ValueError`` if the shapes do not allow it), False = masked
         dense, None = compressed where the format allows it, masked-dense otherwise.
       seed: parameter and data seed.
+      attention: ``"softmax"`` (BERT's own attention, dropout on the probabilities) or ``"fused"``
+        (:func:`jaxsparse.models.bert.fused_attention`: cuDNN flash attention on a GPU, no dropout on
+        the probabilities; the hidden dropouts stay).
     """
 
     model: str = "tiny"
@@ -54,6 +57,7 @@ class StepConfig:
     dtype: str = "bfloat16"
     compressed: bool | None = None
     seed: int = 0
+    attention: str = "softmax"
 
     def __post_init__(self) -> None:
         if self.model not in bert.PRESETS:
@@ -63,6 +67,14 @@ class StepConfig:
         if self.batch_size < 1 or self.seq_len < 1:
             raise ValueError(f"batch_size and seq_len must be >= 1, got {self.batch_size}, {self.seq_len}")
         jnp.dtype(self.dtype)
+        if self.attention not in bert.ATTENTION_IMPLS:
+            raise ValueError(f"attention must be one of {bert.ATTENTION_IMPLS}, got {self.attention!r}")
+
+    def bert_config(self) -> bert.BertConfig:
+        """The preset's :class:`~jaxsparse.models.bert.BertConfig` with this attention."""
+        if self.attention == "fused":
+            return bert.BertConfig.preset(self.model, attention_probs_dropout_prob=0.0, attention_impl="fused")
+        return bert.BertConfig.preset(self.model)
 
 
 @dataclasses.dataclass
@@ -122,7 +134,7 @@ def sparse_mode(cfg: bert.BertConfig, sparsity: str, compressed: bool | None = N
 
 def build_step(config: StepConfig) -> TrainStep:
     """Build the model, its parameters, optimizer state and a random batch, and jit the step."""
-    cfg = bert.BertConfig.preset(config.model)
+    cfg = config.bert_config()
     mode, reason = sparse_mode(cfg, config.sparsity, config.compressed)
     dtype = jnp.dtype(config.dtype)
     sparsity = None if mode == "dense" else config.sparsity

@@ -382,6 +382,7 @@ def _grad_hlo(monkeypatch, spec: str, dx_route: str = "kernel") -> str:
     row-major everywhere (the column-major SDDMM operand has its own test below)."""
     _force_backward_kernels(monkeypatch, dx_route)
     monkeypatch.setenv("JAXSPARSE_SDDMM_X", "row")
+    monkeypatch.setenv("JAXSPARSE_SPMM_X", "row")
     x, _, sw = _make(key("grad-hlo", spec), 256, 512, 256, spec, jnp.bfloat16)
     bias = jnp.zeros((256,), jnp.bfloat16)
     target = jnp.ones((256, 256), jnp.float32)
@@ -404,6 +405,7 @@ def test_sparse_linear_grad_hlo_col_major_x_has_no_layout_kernel(monkeypatch):
     _skip_unless_col()
     _force_backward_kernels(monkeypatch, "dense")
     monkeypatch.setenv("JAXSPARSE_SDDMM_X", "col")
+    monkeypatch.setenv("JAXSPARSE_SPMM_X", "row")
     x, _, sw = _make(key("grad-hlo-col"), 256, 512, 256, "64:2:8", jnp.bfloat16)
     bias = jnp.zeros((256,), jnp.bfloat16)
     target = jnp.ones((256, 256), jnp.float32)
@@ -411,6 +413,26 @@ def test_sparse_linear_grad_hlo_col_major_x_has_no_layout_kernel(monkeypatch):
     vg = jax.jit(jax.value_and_grad(lambda x, v, b, t: loss(jnp.tanh(x) * 2, v, b, t), argnums=(0, 1, 2)))
     text = vg.lower(x, sw.values, bias, target).compile().as_text()
     assert 'custom_call_target="jaxsparse_sddmm"' in text and 'custom_call_target="jaxsparse_transpose"' in text
+    assert not layout_moves(text), layout_moves(text)
+
+
+@pytest.mark.parametrize("spec", ["2:4", "64:2:8"])
+def test_sparse_linear_grad_hlo_x_transposed_route_transposes_once(monkeypatch, spec):
+    """The layer's x^T route (JAXSPARSE_SPMM_X=col): one jaxsparse_transpose feeds the x^T SpMM and the
+    SDDMM; XLA runs no transpose or copy kernel."""
+    _skip_unless_col()
+    _force_backward_kernels(monkeypatch, "dense")
+    monkeypatch.setenv("JAXSPARSE_SPMM_X", "col")
+    x, _, sw = _make(key("grad-hlo-xt", spec), 256, 512, 256, spec, jnp.bfloat16)
+    bias = jnp.zeros((256,), jnp.bfloat16)
+    target = jnp.ones((256, 256), jnp.float32)
+    loss = _loss(sw)
+    vg = jax.jit(jax.value_and_grad(lambda x, v, b, t: loss(jnp.tanh(x) * 2, v, b, t), argnums=(0, 1, 2)))
+    text = vg.lower(x, sw.values, bias, target).compile().as_text()
+    for name in ("jaxsparse_spmm_xt", "jaxsparse_sddmm", "jaxsparse_transpose"):
+        assert f'custom_call_target="{name}"' in text, name
+    assert text.count('custom_call_target="jaxsparse_transpose"') == 1
+    assert 'custom_call_target="jaxsparse_spmm"' not in text
     assert not layout_moves(text), layout_moves(text)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -147,3 +149,46 @@ def test_minilm_merges_into_the_classifier(minilm):
     # one-shot 2:4 masks over the loaded encoder obey the pattern
     masks = pruning.oneshot_masks(merged, "2:4")
     assert all(fmt.check_mask(m, "2:4") for m in jax.tree_util.tree_leaves(masks))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_attention_matches_the_softmax_attention(dtype):
+    """attention_impl='fused' computes BERT's attention (padding mask included), in its gradient too."""
+    base = dataclasses.replace(TINY, attention_probs_dropout_prob=0.0)
+    fused = dataclasses.replace(base, attention_impl="fused")
+    ids = _ids(2, 12)
+    mask = jnp.ones((2, 12), jnp.int32).at[1, 7:].set(0)
+    model, fused_model = bert.BertModel(base, dtype=dtype), bert.BertModel(fused, dtype=dtype)
+    params = model.init(jax.random.key(1), ids)["params"]
+
+    def loss(m, p):
+        h, pooled = m.apply({"params": p}, ids, attention_mask=mask)
+        return jnp.sum(h[:, :7].astype(jnp.float32) ** 2) + jnp.sum(pooled.astype(jnp.float32))
+
+    want, got = jax.jit(model.apply)({"params": params}, ids, attention_mask=mask), \
+        jax.jit(fused_model.apply)({"params": params}, ids, attention_mask=mask)
+    tol = 1e-5 if dtype == jnp.float32 else 3e-2
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), rtol=tol, atol=tol)
+    g_want = jax.grad(lambda p: loss(model, p))(params)
+    g_got = jax.grad(lambda p: loss(fused_model, p))(params)
+    flat_got, flat_want = (jnp.concatenate([x.astype(jnp.float32).ravel() for x in jax.tree_util.tree_leaves(g)])
+                           for g in (g_got, g_want))
+    assert bool(jnp.all(jnp.isfinite(flat_got)))
+    assert float(jnp.linalg.norm(flat_got - flat_want) / jnp.linalg.norm(flat_want)) <= tol
+
+
+def test_fused_attention_refuses_probability_dropout():
+    with pytest.raises(ValueError, match="attention_probs_dropout_prob=0"):
+        dataclasses.replace(TINY, attention_impl="fused")
+    with pytest.raises(ValueError, match="attention_impl must be one of"):
+        dataclasses.replace(TINY, attention_probs_dropout_prob=0.0, attention_impl="flash")
+
+
+@pytest.mark.gpu
+def test_fused_attention_runs_cudnn_on_the_gpu():
+    """On the GPU, bf16 fused attention is one cuDNN call (no [B, H, T, T] softmax) and matches BERT's."""
+    test_fused_attention_matches_the_softmax_attention(jnp.bfloat16)
+    q = k = v = jnp.ones((2, 128, 4, 64), jnp.bfloat16)
+    bias = jnp.zeros((2, 1, 1, 128), jnp.float32)
+    hlo = jax.jit(bert.fused_attention).lower(q, k, v, bias).compile().as_text()
+    assert "__cudnn$fmha" in hlo

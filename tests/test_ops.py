@@ -274,3 +274,34 @@ def test_sddmm_engine_setting(monkeypatch):
     monkeypatch.setenv(calls.SDDMM_ENGINE_ENV, "tensor")
     with pytest.raises(ValueError, match="JAXSPARSE_SDDMM_ENGINE"):
         calls.sddmm_engine()
+
+
+@pytest.mark.parametrize("spec", ["2:4", "64:2:8", "128:2:16"])
+def test_x_transposed_layer_route_gives_the_same_gradients(monkeypatch, spec):
+    """JAXSPARSE_SPMM_X=col: sparse_linear keeps x^T as its residual for the SDDMM; same values and gradients."""
+    from jaxsparse.ffi import calls
+
+    x, sw, bias, _ = make(4, spec, tokens=(2, 8), dtype=jnp.bfloat16)
+
+    def loss(x, values, bias):
+        return jnp.sum(ops.sparse_linear(x, sw.replace(values=values), bias).astype(jnp.float32) ** 2)
+
+    grads = {}
+    for layout in ("row", "col"):
+        monkeypatch.setenv(calls.SPMM_X_LAYOUT_ENV, layout)
+        assert ops.linear_x_layout(16, sw) == layout
+        grads[layout] = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, sw.values, bias)
+        if ffi.available():  # the kernel branch of the col route: one transpose for both products
+            text = str(jax.make_jaxpr(jax.grad(loss, argnums=1))(x, sw.values, bias))
+            assert text.count("jaxsparse_transpose") == (1 if layout == "col" else 0)
+            assert text.count("jaxsparse_spmm_xt") == (1 if layout == "col" else 0)
+    for got, want in zip(grads["col"], grads["row"]):
+        assert rel_err(got, want) < 1e-6
+    monkeypatch.setenv(calls.SPMM_X_LAYOUT_ENV, "col")
+    with pytest.raises(ValueError, match="T % 8 == 0"):
+        calls.spmm_x_layout(12, sw)
+    monkeypatch.setenv(calls.SPMM_X_LAYOUT_ENV, "diagonal")
+    with pytest.raises(ValueError, match="JAXSPARSE_SPMM_X"):
+        calls.spmm_x_layout(16, sw)
+    with pytest.raises(ValueError, match="JAXSPARSE_SPMM_XT_TILE"):
+        calls.spmm_xt_tile("huge")

@@ -45,10 +45,14 @@ def _reference(x, sw, bias, activation):
     return y
 
 
-def _check(x, sw, bias, activation, tol):
+def _check(x, sw, bias, activation, tol, tile=None):
+    """``tile`` None: the row-major kernel (``jaxsparse_spmm``); else the Hopper x^T kernel with that tile."""
     t, r = x.shape[0], sw.shape[1]
     poison((t, r), x.dtype)
-    fn = jax.jit(lambda x, sw, b: calls.spmm(x, sw, b, activation))
+    if tile is None:
+        fn = jax.jit(lambda x, sw, b: calls.spmm(x, sw, b, activation, x_layout="row"))
+    else:
+        fn = jax.jit(lambda x, sw, b: calls.spmm_from_xt(calls.transpose(x), sw, b, activation, tile))
     y = fn(x, sw, bias)
     y.block_until_ready()
     assert y.shape == (t, r) and y.dtype == x.dtype
@@ -99,7 +103,7 @@ def test_spmm_fresh_inputs_repeatable():
     """Same inputs twice give bit-identical outputs (no race); different inputs give different outputs."""
     spec, dtype = "64:2:8", jnp.bfloat16
     x, sw, bias = _make(key("rep"), 517, 512, 256, spec, dtype, with_bias=True)
-    f = jax.jit(lambda x, sw, b: calls.spmm(x, sw, b, "gelu"))
+    f = jax.jit(lambda x, sw, b: calls.spmm(x, sw, b, "gelu", x_layout="row"))
     a = np.asarray(f(x, sw, bias).astype(jnp.float32))
     poison(a.shape, dtype)
     b = np.asarray(f(x, sw, bias).astype(jnp.float32))
@@ -121,8 +125,77 @@ def test_spmm_no_transpose_in_hlo():
 
     def layer(x, sw, b):
         h = jnp.tanh(x) * 2  # a producer fusion in front, as in a real network
-        return calls.spmm(h, sw, b, "gelu")
+        return calls.spmm(h, sw, b, "gelu", x_layout="row")
 
     text = jax.jit(layer).lower(x, sw, bias).compile().as_text()
     assert "jaxsparse_spmm" in text
     assert not layout_moves(text), (layout_moves(text), text)
+
+
+# ----------------------------------------------------------------------------- the Hopper x^T kernel
+
+XT_TILES = ["128x256", "64x256", "128x128", "64x128"]
+xt_marks = pytest.mark.skipif(not (cuda_ready("jaxsparse_spmm_xt") and calls.hopper_gpu()),
+                              reason="the x^T SpMM needs a Hopper GPU")
+
+
+def _xt_tiles(spec):
+    """The tiles the x^T kernel can take for ``spec``: 128-feature tiles need V >= 128 (or 2:4)."""
+    v = F.VNM.parse(spec).v
+    return [t for t in XT_TILES if v != 64 or t.startswith("64x")]
+
+
+@xt_marks
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("t", [8, 72, 1000])
+def test_spmm_xt(spec, dtype, t):
+    """Every tile; token tails (72, 1000) and a condensed-k tail (4G % 64 != 0 at M = 32, K = 768)."""
+    m = F.VNM.parse(spec).m
+    k = 768 if m in (4, 32) else 512
+    for tile in _xt_tiles(spec):
+        x, sw, bias = _make(key("xt", spec, str(dtype), t, tile), t, k, 384, spec, dtype, with_bias=False)
+        _check(x, sw, bias, None, TOL[dtype], tile=tile)
+
+
+@xt_marks
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_spmm_xt_large(spec, dtype):
+    """Many CTAs, BERT-large-like K, the auto tile."""
+    x, sw, bias = _make(key("xt-large", spec, str(dtype)), 1024, 1024, 1152, spec, dtype, with_bias=True)
+    _check(x, sw, bias, None, TOL[dtype], tile="auto")
+
+
+@xt_marks
+@pytest.mark.parametrize("spec", ["2:4", "64:2:8", "128:2:16"])
+@pytest.mark.parametrize("activation, bias_dtype", [(None, "same"), ("gelu", None), ("gelu", "same"), ("gelu", "f32")])
+def test_spmm_xt_epilogue(spec, activation, bias_dtype):
+    dtype = jnp.bfloat16
+    x, sw, bias = _make(key("xt-epi", spec, activation, bias_dtype), 336, 1024, 384, spec, dtype,
+                        with_bias=bias_dtype is not None)
+    if bias_dtype == "f32":
+        bias = bias.astype(jnp.float32)
+    for tile in _xt_tiles(spec):
+        _check(x, sw, bias, activation, TOL[dtype], tile=tile)
+
+
+@xt_marks
+def test_spmm_xt_repeatable_and_routes():
+    """Bit-identical twice; calls.spmm's x_layout="col" is transpose + the x^T kernel; refusals name the rule."""
+    spec, dtype = "128:2:16", jnp.bfloat16
+    x, sw, bias = _make(key("xt-rep"), 520, 512, 256, spec, dtype, with_bias=True)
+    f = jax.jit(lambda x, sw, b: calls.spmm_from_xt(calls.transpose(x), sw, b, "gelu"))
+    a = np.asarray(f(x, sw, bias).astype(jnp.float32))
+    poison(a.shape, dtype)
+    assert np.array_equal(a, np.asarray(f(x, sw, bias).astype(jnp.float32)))
+    g = jax.jit(lambda x, sw, b: calls.spmm(x, sw, b, "gelu", x_layout="col"))
+    assert np.array_equal(a, np.asarray(g(x, sw, bias).astype(jnp.float32)))
+    text = jax.jit(lambda x, sw, b: calls.spmm(x, sw, b, "gelu", x_layout="col")).lower(x, sw, bias).compile().as_text()
+    assert "jaxsparse_transpose" in text and "jaxsparse_spmm_xt" in text
+    assert not layout_moves(text), layout_moves(text)  # XLA itself moves nothing
+    with pytest.raises(ValueError, match="T % 8"):
+        calls.spmm(x[:13], sw, None, None, x_layout="col")
+    x64, sw64, _ = _make(key("xt-rej"), 16, 512, 192, "64:2:8", dtype, with_bias=False)
+    with pytest.raises(ValueError, match="R % 128"):
+        calls.spmm(x64, sw64, None, None, x_layout="col")

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsparse.ffi import register
-from jaxsparse.format import SparseWeight
+from jaxsparse.format import SparseWeight, condensed_transposed
 
 # vmap of any call runs the kernel once per batch element: a correct, if slow, batching rule.
 _VMAP = "sequential"
@@ -96,13 +96,31 @@ def decompress(sw: SparseWeight) -> jax.Array:
     )
 
 
-def spmm(x: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activation: str | None = None) -> jax.Array:
-    """``act(x @ W + bias)`` by the CUDA handler ``jaxsparse_spmm``: ``x [T, K] -> [T, R]`` in ``x.dtype``.
+def _spmm_checks(name: str, sw: SparseWeight, dtype, bias: jax.Array | None, activation: str | None) -> None:
+    """The checks both SpMM entry points share: operand dtype, the kernels' constraint list, bias, activation."""
+    if sw.values.dtype != dtype:
+        raise ValueError(f"{name}: x dtype {dtype} must equal the values dtype {sw.values.dtype}")
+    problem = spmm_unsupported(sw)
+    if problem:
+        raise ValueError(f"{name}: {problem}")
+    r = sw.shape[1]
+    if bias is not None and (bias.shape != (r,) or bias.dtype not in (dtype, jnp.float32)):
+        raise ValueError(f"{name}: bias must be [R] = [{r}] in {dtype} or float32, got {bias.shape} {bias.dtype}")
+    if activation not in (None, "gelu"):
+        raise ValueError(f"{name}: activation must be None or 'gelu', got {activation!r}")
 
-    Kernel constraints (``ValueError`` here, before anything is launched): ``x`` 2-D bf16/fp16 with the
-    dtype of ``sw.values``; ``K`` equal to ``sw.shape[0]``; spec ``2:4`` (V = 1) or ``V:2:M`` with
-    ``V`` in {64, 128} and ``M`` in {8, 16, 32}; ``R % 64 == 0``; ``K % (8*M) == 0``; ``bias`` ``[R]`` in
-    the input dtype or float32; ``activation`` None or ``"gelu"`` (tanh approximation). Any ``T``.
+
+def spmm(x: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activation: str | None = None,
+         x_layout: str | None = None) -> jax.Array:
+    """``act(x @ W + bias)`` on the GPU: ``x [T, K] -> [T, R]`` in ``x.dtype``.
+
+    ``x_layout`` (see :func:`spmm_x_layout`): ``"row"`` runs the handler ``jaxsparse_spmm`` on ``x`` as it is
+    (``mma.sp``, sm_80 and sm_90a); ``"col"`` transposes ``x`` (:func:`transpose`) and runs the Hopper kernel
+    :func:`spmm_from_xt`. Kernel constraints (``ValueError`` here, before anything is launched): ``x`` 2-D
+    bf16/fp16 with the dtype of ``sw.values``; ``K`` equal to ``sw.shape[0]``; spec ``2:4`` (V = 1) or
+    ``V:2:M`` with ``V`` in {64, 128} and ``M`` in {8, 16, 32}; ``R % 64 == 0``; ``K % (8*M) == 0``;
+    ``bias`` ``[R]`` in the input dtype or float32; ``activation`` None or ``"gelu"`` (tanh approximation).
+    Any ``T`` on the row route.
     """
     if x.ndim != 2:
         raise ValueError(f"spmm: x must be 2-D [T, K], got shape {x.shape}")
@@ -110,15 +128,9 @@ def spmm(x: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activati
     spec = sw.spec
     if x.shape[1] != k:
         raise ValueError(f"spmm: x has K = {x.shape[1]} but the weight has K = {k}")
-    if sw.values.dtype != x.dtype:
-        raise ValueError(f"spmm: x dtype {x.dtype} must equal the values dtype {sw.values.dtype}")
-    problem = spmm_unsupported(sw)
-    if problem:
-        raise ValueError(f"spmm: {problem}")
-    if bias is not None and (bias.shape != (r,) or bias.dtype not in (x.dtype, jnp.float32)):
-        raise ValueError(f"spmm: bias must be [R] = [{r}] in {x.dtype} or float32, got {bias.shape} {bias.dtype}")
-    if activation not in (None, "gelu"):
-        raise ValueError(f"spmm: activation must be None or 'gelu', got {activation!r}")
+    _spmm_checks("spmm", sw, x.dtype, bias, activation)
+    if spmm_x_layout(x.shape[0], sw, x_layout) == "col":
+        return _spmm_xt_call(transpose(x), sw, bias, activation)
     b = bias if bias is not None else jnp.zeros((0,), x.dtype)
     return _call(
         "jaxsparse_spmm",
@@ -132,6 +144,71 @@ def spmm(x: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activati
         v=np.int32(spec.v),
         m=np.int32(spec.m),
         activation=np.int32(0 if activation is None else 1),
+    )
+
+
+SPMM_X_LAYOUT_ENV = "JAXSPARSE_SPMM_X"
+SPMM_X_LAYOUTS = ("auto", "row", "col")
+SPMM_XT_TILE_ENV = "JAXSPARSE_SPMM_XT_TILE"
+SPMM_XT_TILES = {"auto": 0, "128x256": 1, "64x256": 2, "128x128": 3, "64x128": 4}
+
+
+def spmm_x_layout(tokens: int, sw: SparseWeight, layout: str | None = None) -> str:
+    """How the forward product reads ``x``: ``"row"`` (``x [T, K]`` as XLA holds it, ``jaxsparse_spmm``) or
+    ``"col"`` (``x^T [K, T]`` made by :func:`transpose`, the Hopper kernel ``jaxsparse_spmm_xt``).
+
+    ``sparse_linear`` follows the same choice for the whole layer: on ``"col"`` it keeps ``x^T`` as the
+    residual and its SDDMM reads it (:func:`sddmm_from_xt`), so one transpose serves both products.
+    ``layout`` ``None`` reads ``JAXSPARSE_SPMM_X`` (``auto``, ``row`` or ``col``; default ``auto``).
+    ``auto``: ``col`` on a Hopper GPU when ``T % 8 == 0`` and ``R % 128 == 0`` (what both x^T kernels
+    need), ``row`` otherwise. An explicit ``col`` that the shapes cannot take raises ``ValueError``.
+    """
+    if layout is None:
+        layout = os.environ.get(SPMM_X_LAYOUT_ENV, "auto").strip().lower() or "auto"
+    if layout not in SPMM_X_LAYOUTS:
+        raise ValueError(f"the SpMM x layout ({SPMM_X_LAYOUT_ENV}) must be one of {SPMM_X_LAYOUTS}, got {layout!r}")
+    problem = None
+    if tokens % 8:
+        problem = f"T % 8 == 0 (16-byte rows of x^T), got T = {tokens}"
+    elif sw.shape[1] % COL_MAJOR_ROW_TILE:
+        problem = f"R % {COL_MAJOR_ROW_TILE} == 0, got R = {sw.shape[1]}"
+    if layout == "col" and problem:
+        raise ValueError(f"spmm: a column-major x needs {problem}")
+    if layout == "auto":
+        layout = "col" if problem is None and hopper_gpu() else "row"
+    return layout
+
+
+def spmm_xt_tile(tile: str | None = None) -> int:
+    """The x^T SpMM's tile attribute (``features x tokens`` per CTA): ``auto`` (0; 128x256, or 64x256 when
+    V = 64), ``128x256``, ``64x256``, ``128x128``, ``64x128``. ``None`` reads ``JAXSPARSE_SPMM_XT_TILE``."""
+    if tile is None:
+        tile = os.environ.get(SPMM_XT_TILE_ENV, "auto").strip().lower() or "auto"
+    if tile not in SPMM_XT_TILES:
+        raise ValueError(f"the x^T SpMM tile ({SPMM_XT_TILE_ENV}) must be one of {sorted(SPMM_XT_TILES)}, got {tile!r}")
+    return SPMM_XT_TILES[tile]
+
+
+def spmm_from_xt(xt: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activation: str | None = None,
+                 tile: str | None = None) -> jax.Array:
+    """:func:`spmm` from ``x^T [K, T]`` by the Hopper handler ``jaxsparse_spmm_xt`` (what ``x_layout="col"``
+    runs after :func:`transpose`): ``[T, R]`` in ``xt.dtype``. Needs ``T % 8 == 0``, ``R % 128 == 0`` and a
+    Hopper GPU with the sm_90a build, besides :func:`spmm`'s list. ``tile``: see :func:`spmm_xt_tile`."""
+    k, r = sw.shape
+    if xt.ndim != 2 or xt.shape[0] != k:
+        raise ValueError(f"spmm_from_xt: need x^T [{k}, T], got {xt.shape}")
+    _spmm_checks("spmm_from_xt", sw, xt.dtype, bias, activation)
+    spmm_x_layout(xt.shape[1], sw, "col")  # raises ValueError naming the constraint the shapes miss
+    return _spmm_xt_call(xt, sw, bias, activation, tile)
+
+
+def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str | None = None) -> jax.Array:
+    """The ``jaxsparse_spmm_xt`` call, operands checked."""
+    b = bias if bias is not None else jnp.zeros((0,), xt.dtype)
+    return _call(
+        "jaxsparse_spmm_xt", (xt.shape[1], sw.shape[1]), xt.dtype, xt, condensed_transposed(sw),
+        _columns_operand(sw), b, v=np.int32(sw.spec.v), m=np.int32(sw.spec.m),
+        activation=np.int32(0 if activation is None else 1), tile=np.int32(spmm_xt_tile(tile)),
     )
 
 

@@ -27,6 +27,8 @@ __all__ = [
     "BertModel",
     "BertForSequenceClassification",
     "mean_pool",
+    "fused_attention",
+    "ATTENTION_IMPLS",
     "params_from_hf",
     "load_minilm",
     "merge_params",
@@ -50,6 +52,12 @@ class BertConfig:
     layer_norm_eps: float = 1e-12
     initializer_range: float = 0.02
     pad_token_id: int = 0
+    # Not a Hugging Face field: how the attention core runs. "softmax" is BERT's own computation
+    # (explicit logits, softmax, dropout on the probabilities). "fused" calls
+    # jax.nn.dot_product_attention: cuDNN's flash attention on a GPU in bf16/fp16 (no [B, H, T, T]
+    # tensor is ever written), XLA's product elsewhere; it has no dropout on the probabilities, so it
+    # needs attention_probs_dropout_prob == 0.
+    attention_impl: str = "softmax"
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -57,6 +65,11 @@ class BertConfig:
                              f"num_attention_heads {self.num_attention_heads}")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act must be one of {sorted(ACTIVATIONS)}, got {self.hidden_act!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        if self.attention_impl == "fused" and self.attention_probs_dropout_prob:
+            raise ValueError("attention_impl='fused' has no dropout on the attention probabilities: set "
+                             f"attention_probs_dropout_prob=0 (got {self.attention_probs_dropout_prob})")
 
     @classmethod
     def from_hf(cls, config: str | Path | Mapping[str, Any]) -> "BertConfig":
@@ -104,6 +117,8 @@ PRESETS = {  # name: (layers, hidden, heads); FFN width is 4 x hidden
     "large": (24, 1024, 16),
 }
 
+ATTENTION_IMPLS = ("softmax", "fused")
+
 ACTIVATIONS = {
     "gelu": lambda x: nn.gelu(x, approximate=False),
     "gelu_new": lambda x: nn.gelu(x, approximate=True),
@@ -127,6 +142,20 @@ class _Sparse(nn.Module):
         return nn.LayerNorm(epsilon=self.config.layer_norm_eps, dtype=self.dtype, name=name)
 
 
+def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array) -> jax.Array:
+    """``softmax(q k^T / sqrt(d) + bias) v`` through :func:`jax.nn.dot_product_attention`.
+
+    q, k, v are ``[B, T, heads, d]``; bias is the additive key mask ``[B, 1, 1, T]``. On a GPU with bf16
+    or fp16 operands (and the GPU as JAX's default backend) this is cuDNN's fused flash attention; in
+    float32, or on other platforms, XLA's product (the same function). Returns ``[B, T, heads, d]`` in q's dtype.
+    """
+    # The backend is read at trace time: the cuDNN lowering queries the cuDNN version while tracing, so it
+    # cannot sit in a platform_dependent branch that a CPU trace also visits.
+    cudnn = q.dtype in (jnp.bfloat16, jnp.float16) and jax.default_backend() == "gpu"
+    return jax.nn.dot_product_attention(q, k, v, bias=bias.astype(q.dtype),
+                                        implementation="cudnn" if cudnn else "xla")
+
+
 class BertAttention(_Sparse):
     """Multi-head self-attention with its output projection, residual and LayerNorm."""
 
@@ -141,10 +170,13 @@ class BertAttention(_Sparse):
         q = split(self.dense(cfg.hidden_size, "query")(h))
         k = split(self.dense(cfg.hidden_size, "key")(h))
         v = split(self.dense(cfg.hidden_size, "value")(h))
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(d) + bias
-        probs = jax.nn.softmax(logits, axis=-1)
-        probs = nn.Dropout(cfg.attention_probs_dropout_prob)(probs, deterministic=deterministic)
-        ctx = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v).reshape(h.shape)
+        if cfg.attention_impl == "fused":
+            ctx = fused_attention(q, k, v, bias).reshape(h.shape)
+        else:
+            logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(d) + bias
+            probs = jax.nn.softmax(logits, axis=-1)
+            probs = nn.Dropout(cfg.attention_probs_dropout_prob)(probs, deterministic=deterministic)
+            ctx = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v).reshape(h.shape)
         out = self.dense(cfg.hidden_size, "output")(ctx)
         out = nn.Dropout(cfg.hidden_dropout_prob)(out, deterministic=deterministic)
         return self.norm("LayerNorm")(out + h)

@@ -1,0 +1,316 @@
+// Forward SpMM on Hopper from x^T:  Y[T, R] = act(X[T, K] @ W[K, R] + bias[R])  with the activations given
+// as x^T [K, T] (tokens contiguous; jaxsparse_transpose writes it, and sparse_linear keeps it as the
+// residual that the x^T SDDMM reads in the backward pass) and W as its condensed transpose
+// A^T [4G, R]: for each group g the 4 kept columns of the row's V block, the 2 stored values at their
+// metadata positions and zeros at the other 2 (jaxsparse.format.condensed_transposed; docs/format.md).
+//
+// Math view: Y^T[R, T] = A[R, 4G] Xc[4G, T], where Xc holds the kept rows of x^T.  A CTA owns BR output
+// features inside one V block, so its condensed reduction has one column set: each kept column of X is a
+// contiguous row of x^T, copied straight into shared memory by cp.async (16 bytes = 8 tokens); only 4/M of
+// X's bytes move, and no gather pass runs.  The product is a dense wgmma.m64nNk16 over the condensed
+// reduction 4G (half of it multiplies the zeros of A: the 2:4 half of the structure is not used yet;
+// wgmma.sp would use it).
+//
+// Per 64-k stage: A^T [64 k][BR] lands MN-major 128B-swizzled (trans-a = 1, as the SDDMM engines' dy),
+// Xc [64 k][BT tokens] MN-major 128B-swizzled (trans-b = 1).  Two warpgroups: BR = 128 puts them on the
+// two 64-row halves (each over all BT tokens), BR = 64 on two token halves.  Pipeline as in
+// SddmmWgmmaXtKernel: loads for stage kt+STAGES-2 issued right after stage kt's barrier, wgmma.wait_group 1.
+// Epilogue: + bias, optional GELU (tanh), convert, stage as [BT tokens][BR features], 16-byte row stores.
+// Needs T % 8 == 0 (16-byte rows of x^T) and R % BR == 0, BR <= V; the Python side takes this path only then.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <string>
+
+#include "common.cuh"
+#include "handlers.h"
+#include "mma_common.cuh"
+#include "wgmma.cuh"
+
+namespace jaxsparse {
+namespace {
+
+struct SpmmXtParams {
+  const void* xt;        // [K, T]
+  const void* at;        // [4G, R]
+  const uint8_t* cols;   // [R/V, G, 4] or null (M = 4: every column kept)
+  const void* bias;      // [R] or null
+  void* y;               // [T, R]
+  int tokens, k, rows, groups, v, m;
+  int bias_f32;          // bias is float32 (else the input dtype)
+  int activation;        // 0 none, 1 gelu (tanh)
+};
+
+constexpr int kKc = 64;           // condensed k per stage: one 128-byte swizzle row of 16-bit values per k
+constexpr int kThreads = 256;     // two warpgroups
+constexpr int kColBytes = kKc * 128;  // one 64-wide M/N column of swizzle atoms over the stage's 64 k
+
+template <int BR, int BT, int STAGES>
+struct XtLayout {
+  static constexpr int kABytes = (BR / 64) * kColBytes;
+  static constexpr int kBBytes = (BT / 64) * kColBytes;
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kPipeBytes = STAGES * kStageBytes;
+  static constexpr int kYRowBytes = BR * 2 + 16;  // [BT tokens][BR features] + pad
+  static constexpr int kEpiBytes = BT * kYRowBytes;
+  static constexpr int kColsOff = kPipeBytes > kEpiBytes ? kPipeBytes : kEpiBytes;  // the block's column bytes
+  static_assert(kStageBytes % 1024 == 0, "swizzle atoms are 1024-byte aligned");
+};
+
+template <typename T, int BR, int BT, int STAGES, int MIN_BLOCKS>
+__global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const SpmmXtParams p) {
+#ifdef JAXSPARSE_WGMMA
+  using L = XtLayout<BR, BT, STAGES>;
+  constexpr int WR = BR / 64;                   // warpgroups along the features (1 or 2)
+  constexpr int WN = BT * WR / 2;               // tokens per warpgroup
+  constexpr int NW = WN >= 128 ? 128 : 64;      // N of one wgmma
+  constexpr int NCH = WN / NW;                  // wgmmas per k16 step
+  static_assert(WN % NW == 0, "token tile");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t raw_base = SmemAddr(smem_raw);
+  const uint32_t pad = ((raw_base + 1023u) & ~1023u) - raw_base;
+  unsigned char* smem = smem_raw + pad;
+  const uint32_t smem_base = raw_base + pad;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int wg = warp >> 2, wq = warp & 3;
+  const int wr = WR == 2 ? wg : 0;  // feature half of this warpgroup
+  const int wt = WR == 2 ? 0 : wg;  // token half
+  const int row0 = blockIdx.x * BR;
+  const int tok0 = blockIdx.y * BT;
+  const int kc_total = 4 * p.groups;
+  const int num_kt = (kc_total + kKc - 1) / kKc;
+  const T* __restrict__ xt = static_cast<const T*>(p.xt);
+  const T* __restrict__ at = static_cast<const T*>(p.at);
+
+  // The V block's kept columns, one byte per condensed k (BR <= V: one block per CTA).
+  uint8_t* scol = smem + L::kColsOff;
+  if (p.cols != nullptr) {
+    const uint8_t* src = p.cols + static_cast<int64_t>(row0 / p.v) * kc_total;
+    for (int i = tid; i < kc_total; i += kThreads) scol[i] = src[i];
+  }
+  __syncthreads();
+
+  // A^T: 64 k rows x BR/8 chunks; B: 64 k rows x BT/8 chunks.  A thread keeps one chunk column.
+  constexpr int kAChunks = BR / 8, kBChunks = BT / 8;
+  constexpr int kARows = kThreads / kAChunks, kBRows = kThreads / kBChunks;  // k rows per pass
+  const int a_k = tid / kAChunks, a_c = tid % kAChunks;
+  const int b_k = tid / kBChunks, b_c = tid % kBChunks;
+  const T* a_src0 = at + row0 + a_c * 8;
+  const bool b_tok_ok = tok0 + b_c * 8 < p.tokens;  // T % 8 == 0: a chunk is all in or all out
+  const T* b_src0 = xt + tok0 + b_c * 8;
+
+  auto load_stage = [&](int buf, int kt) {
+    const uint32_t base = smem_base + buf * L::kStageBytes;
+    const int q0 = kt * kKc;
+#pragma unroll
+    for (int i = 0; i < kKc / kARows; ++i) {
+      const int kk = a_k + kARows * i, q = q0 + kk;
+      const bool ok = q < kc_total;
+      CpAsync16(base + Sw128MnOffset(a_c * 8, kk, kColBytes), ok ? a_src0 + static_cast<int64_t>(q) * p.rows : at,
+                ok ? 16 : 0);
+    }
+#pragma unroll
+    for (int i = 0; i < kKc / kBRows; ++i) {
+      const int kk = b_k + kBRows * i, q = q0 + kk;
+      const bool ok = b_tok_ok && q < kc_total;
+      const int krow = p.cols != nullptr ? (q >> 2) * p.m + scol[ok ? q : 0] : q;
+      CpAsync16(base + L::kABytes + Sw128MnOffset(b_c * 8, kk, kColBytes),
+                ok ? b_src0 + static_cast<int64_t>(krow) * p.tokens : xt, ok ? 16 : 0);
+    }
+  };
+
+  float acc[NCH][NW / 2];
+#pragma unroll
+  for (int c = 0; c < NCH; ++c)
+#pragma unroll
+    for (int i = 0; i < NW / 2; ++i) acc[c][i] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 2; ++s) {
+    if (s < num_kt) load_stage(s, s);
+    CpAsyncCommit();
+  }
+  for (int kt = 0; kt < num_kt; ++kt) {
+    CpAsyncWait<STAGES - 3>();  // this thread's copies of stage kt landed
+    FenceProxyAsyncShared();
+    __syncthreads();  // stage kt visible to all; every warpgroup's wgmmas up to stage kt-2 completed
+    {
+      const int next = kt + STAGES - 2;  // into the buffer of stage kt-2
+      if (next < num_kt) load_stage(next % STAGES, next);
+      CpAsyncCommit();
+    }
+    const uint32_t stage = smem_base + (kt % STAGES) * L::kStageBytes;
+    const uint32_t a_base = stage + wr * kColBytes;
+    const uint32_t b_base = stage + L::kABytes + (wt * WN / 64) * kColBytes;
+#pragma unroll
+    for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
+    WgmmaFence();
+#pragma unroll
+    for (int ks = 0; ks < kKc / 16; ++ks) {
+      const uint64_t da = WgmmaDescSw128(a_base + ks * 2048, kColBytes, 1024);
+#pragma unroll
+      for (int c = 0; c < NCH; ++c) {
+        const uint64_t db = WgmmaDescSw128(b_base + c * (NW / 64) * kColBytes + ks * 2048, kColBytes, 1024);
+        Wgmma<NW, T, 1>::Run(acc[c], da, db);
+      }
+    }
+    WgmmaCommit();
+    WgmmaWait<1>();  // stage kt-1's wgmmas of this warpgroup completed
+#pragma unroll
+    for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
+  }
+  WgmmaWait<0>();
+#pragma unroll
+  for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
+
+  // ---------------------------------------------------------------- epilogue
+  CpAsyncWait<0>();
+  __syncthreads();  // no wgmma or copy touches the pipeline buffers any more: reuse them as the Y tile
+  const int r_lo = 64 * wr + 16 * wq + (lane >> 2);  // tile-local features r_lo, r_lo + 8
+  float bias_lo = 0.f, bias_hi = 0.f;
+  if (p.bias != nullptr) {
+    if (p.bias_f32) {
+      bias_lo = static_cast<const float*>(p.bias)[row0 + r_lo];
+      bias_hi = static_cast<const float*>(p.bias)[row0 + r_lo + 8];
+    } else {
+      bias_lo = ToFloat(static_cast<const T*>(p.bias)[row0 + r_lo]);
+      bias_hi = ToFloat(static_cast<const T*>(p.bias)[row0 + r_lo + 8]);
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < NCH; ++c) {
+#pragma unroll
+    for (int i = 0; i < NW / 2; ++i) {
+      const int hi = (i >> 1) & 1;
+      const int t = wt * WN + c * NW + 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+      float v = acc[c][i] + (hi ? bias_hi : bias_lo);
+      if (p.activation == 1) v = GeluTanh(v);
+      reinterpret_cast<T*>(smem + t * L::kYRowBytes)[r_lo + 8 * hi] = FromFloat<T>(v);
+    }
+  }
+  __syncthreads();
+  T* __restrict__ y = static_cast<T*>(p.y);
+  for (int i = tid; i < BT * kAChunks; i += kThreads) {
+    const int t = i / kAChunks, c = i % kAChunks;
+    const int tok = tok0 + t;
+    if (tok < p.tokens) {
+      const uint4 v4 = *reinterpret_cast<const uint4*>(smem + t * L::kYRowBytes + c * 16);
+      *reinterpret_cast<uint4*>(y + static_cast<int64_t>(tok) * p.rows + row0 + c * 8) = v4;
+    }
+  }
+#else
+  __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
+#endif
+}
+
+// ---------------------------------------------------------------- host side
+
+// Tile configurations <BR features, BT tokens, stages, CTAs per SM>; the attribute `tile` picks one
+// (0 = auto).  BR = 64 is the only choice for V = 64 (one column set per CTA).
+enum XtTile { kTileAuto = 0, kTile128x256 = 1, kTile64x256 = 2, kTile128x128 = 3, kTile64x128 = 4 };
+
+template <typename T, int BR, int BT, int STAGES, int MIN_BLOCKS>
+ffi::Error LaunchTile(cudaStream_t stream, const SpmmXtParams& p) {
+  constexpr auto kernel = SpmmWgmmaXtKernel<T, BR, BT, STAGES, MIN_BLOCKS>;
+  if (!Sm90aImageLoaded<kernel>())
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: needs an sm_90a build on a Hopper GPU");
+  using L = XtLayout<BR, BT, STAGES>;
+  const int smem = L::kColsOff + (p.cols != nullptr ? (4 * p.groups + 15) / 16 * 16 : 0) + 1024;
+  if (smem > 227 * 1024)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: K too large for the column table in shared memory (4G = " +
+                                       std::to_string(4 * p.groups) + " bytes)");
+  if (ffi::Error e = RaiseSmemLimit<kernel>(227 * 1024, "cudaFuncSetAttribute(SpmmWgmmaXtKernel)"); e.failure())
+    return e;
+  const dim3 grid(p.rows / BR, (p.tokens + BT - 1) / BT);
+  kernel<<<grid, kThreads, smem, stream>>>(p);
+  return LastLaunchError("SpmmWgmmaXtKernel");
+}
+
+template <typename T>
+ffi::Error Dispatch(cudaStream_t stream, const SpmmXtParams& p, int tile) {
+  const bool can128 = p.rows % 128 == 0 && (p.cols == nullptr || p.v % 128 == 0);
+  if (tile == kTileAuto) tile = can128 ? kTile128x256 : kTile64x256;
+  if ((tile == kTile128x256 || tile == kTile128x128) && !can128)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: 128-feature tiles need R % 128 == 0 and V >= 128");
+  switch (tile) {
+    case kTile128x256:
+      return LaunchTile<T, 128, 256, 4, 1>(stream, p);
+    case kTile64x256:
+      return LaunchTile<T, 64, 256, 4, 1>(stream, p);
+    case kTile128x128:
+      return LaunchTile<T, 128, 128, 3, 2>(stream, p);
+    case kTile64x128:
+      return LaunchTile<T, 64, 128, 4, 2>(stream, p);
+    default:
+      return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: tile must be 0 (auto) to 4, got " + std::to_string(tile));
+  }
+}
+
+ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer at, ffi::Buffer<ffi::U8> columns,
+                      ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out, int32_t v, int32_t m, int32_t activation,
+                      int32_t tile) {
+  if (xt.dimensions().size() != 2 || at.dimensions().size() != 2 || out->dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T, A^T and the output must be 2-D");
+  const int64_t k = Dim(xt, 0), tokens = Dim(xt, 1), kc = Dim(at, 0), rows = Dim(at, 1);
+  if (m != 4 && m != 8 && m != 16 && m != 32)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: M must be 4, 8, 16 or 32, got " + std::to_string(m));
+  if (m == 4 ? v != 1 : (v != 64 && v != 128))
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: V must be 1 for M = 4 and 64 or 128 for M > 4");
+  const int64_t groups = k / m;
+  if (k % m || kc != 4 * groups || out->dimensions()[0] != tokens || out->dimensions()[1] != rows || rows % 64 ||
+      rows % std::max<int64_t>(v, 1) ||
+      (m > 4 && columns.element_count() != static_cast<size_t>(rows / v * groups * 4)))
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: inconsistent shapes: x^T " + ShapeString(xt) + ", A^T " +
+                                       ShapeString(at) + ", columns " + ShapeString(columns) + ", out " +
+                                       ShapeString(*out) + " (need A^T [4K/M, R], R % 64 == 0, R % V == 0)");
+  if (tokens % 8) return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: needs T % 8 == 0");
+  const auto dt = xt.element_type();
+  if (at.element_type() != dt || out->element_type() != dt)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T, A^T and the output must share one dtype");
+  const bool has_bias = bias.element_count() > 0;
+  if (has_bias && (bias.element_count() != static_cast<size_t>(rows) ||
+                   (bias.element_type() != dt && bias.element_type() != ffi::F32)))
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: bias must be [R] in the input dtype or float32");
+  if (activation != 0 && activation != 1)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: activation must be 0 (none) or 1 (gelu)");
+  if (tokens == 0 || rows == 0) return ffi::Error::Success();
+  if (tokens >= (int64_t(1) << 30) || k >= (int64_t(1) << 30) || rows >= (int64_t(1) << 30) ||
+      (tokens + 63) / 64 > 65535)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: shape too large");
+
+  SpmmXtParams p;
+  p.xt = xt.untyped_data();
+  p.at = at.untyped_data();
+  p.cols = m > 4 ? columns.typed_data() : nullptr;
+  p.bias = has_bias ? bias.untyped_data() : nullptr;
+  p.y = out->untyped_data();
+  p.tokens = static_cast<int>(tokens);
+  p.k = static_cast<int>(k);
+  p.rows = static_cast<int>(rows);
+  p.groups = static_cast<int>(groups);
+  p.v = v;
+  p.m = m;
+  p.bias_f32 = has_bias && bias.element_type() == ffi::F32;
+  p.activation = activation;
+  if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, tile);
+  if (dt == ffi::F16) return Dispatch<__half>(stream, p, tile);
+  return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T must be bfloat16 or float16");
+}
+
+}  // namespace
+}  // namespace jaxsparse
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSpmmXt, jaxsparse::SpmmXtImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()               // x^T [K, T]
+                                  .Arg<xla::ffi::AnyBuffer>()               // A^T [4G, R]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // columns [R/V, G, 4] or [0]
+                                  .Arg<xla::ffi::AnyBuffer>()               // bias [R] or [0]
+                                  .Ret<xla::ffi::AnyBuffer>()               // y [T, R]
+                                  .Attr<int32_t>("v")
+                                  .Attr<int32_t>("m")
+                                  .Attr<int32_t>("activation")
+                                  .Attr<int32_t>("tile"));
