@@ -141,7 +141,7 @@ def hyperparameters(args: argparse.Namespace) -> dict[str, Any]:
             "lr": args.lr, "schedule": "linear warm-up, cosine decay to 0", "warmup": args.warmup,
             "weight_decay": args.weight_decay, "optimizer": "adamw (no decay on vectors)", "max_len": args.max_len,
             "distill": args.distill, "temperature": args.temperature if args.distill > 0 else None,
-            "fade": args.fade, "score": args.score,
+            "fade": args.fade, "score": args.score, "init": args.init,
             "max_train": args.max_train, "max_eval": args.max_eval, "dtype": args.dtype,
             "param_dtype": "float32", "compress": args.compress, "quick": bool(args.quick)}
 
@@ -156,7 +156,7 @@ def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> a
             "--max-eval", str(args.max_eval), "--max-len", str(args.max_len), "--dtype", args.dtype,
             "--distill", str(args.distill if sparsity != "dense" else 0.0), "--temperature", str(args.temperature),
             "--fade", str(args.fade), "--score", args.score,
-            "--no-progress"]
+            "--init", args.init if sparsity != "dense" else "pretrained", "--no-progress"]
     return train.parse_args(argv)
 
 
@@ -286,7 +286,8 @@ def section(payload: dict) -> str:
     recipe = ", ".join([f"{hp['epochs']} epochs, GMP to {hp['prune_end']:g}"]
                        + ([f"distillation {hp['distill']:g}"] if hp.get("distill") else [])
                        + ([f"fade {hp['fade']:g}"] if hp.get("fade") else [])
-                       + ([f"{hp['score']} score"] if hp.get("score", "magnitude") != "magnitude" else []))
+                       + ([f"{hp['score']} score"] if hp.get("score", "magnitude") != "magnitude" else [])
+                       + (["from the fine-tuned teacher"] if hp.get("init") == "teacher" else []))
     return "\n".join([
         f"### {env['device']} ({env['platform']}): {recipe}{' — quick smoke run, not a result' if hp.get('quick') else ''}",
         "",
@@ -295,7 +296,8 @@ def section(payload: dict) -> str:
         f"{hp['weight_decay']:g}, compute {hp['dtype']}, fp32 master weights; sparse runs use GMP from step 0 "
         f"to {hp['prune_end']:g} of training through the kernel-eligible ladder (2:4 → V:2:8 → V:2:16)"
         f"{fade}"
-        f"{compressed_note(payload)}{distill_note(payload)}. "
+        f"{compressed_note(payload)}{distill_note(payload)}"
+        f"{'; sparse runs start from the dense teacher fine-tuned with the same schedule (seed 0), so they see twice the epochs in all' if hp.get('init') == 'teacher' else ''}. "
         f"Test splits: {', '.join(f'{t} {n}' for t, n in payload.get('test_examples', {}).items())} examples. "
         f"Grid {done}; {payload.get('wall_seconds', 0) / 60:.1f} min wall.",
         "",
@@ -399,13 +401,15 @@ class _Progress:
             self.bar.close()
 
 
-def _teacher(args: argparse.Namespace, task: str, data: train.TaskTokens, cfg, pretrained, cache) -> tuple[Any, dict]:
-    """The dense teacher of ``task`` (seed 0): trained here, or loaded from / saved to ``--teacher-dir``."""
+def _teacher(args: argparse.Namespace, task: str, data: train.TaskTokens, cfg, pretrained, cache) -> tuple[Any, dict, Any]:
+    """The dense teacher of ``task`` (seed 0): ``(train logits, metrics, params)``, trained here, or loaded from /
+    saved to ``--teacher-dir``."""
     targs = run_args(args, task, "dense", 0)
     if args.teacher_dir is None:
         return train.fit_teacher(targs, data, cfg, pretrained, cache=cache, log=lambda line: None)
     import fcntl
     import numpy as np
+    from flax import traverse_util
 
     args.teacher_dir.mkdir(parents=True, exist_ok=True)
     path = args.teacher_dir / f"teacher-{task}.npz"
@@ -415,13 +419,16 @@ def _teacher(args: argparse.Namespace, task: str, data: train.TaskTokens, cfg, p
             saved = np.load(path, allow_pickle=False)
             if json.loads(str(saved["hyperparameters"])) != hyperparameters(args):
                 raise SystemExit(f"--teacher-dir: {path} was trained with other hyper-parameters")
-            return saved["logits"], json.loads(str(saved["metrics"]))
-        logits, metrics = train.fit_teacher(targs, data, cfg, pretrained, cache=cache, log=lambda line: None)
+            params = traverse_util.unflatten_dict({tuple(k[len("param/"):].split("/")): saved[k]
+                                                   for k in saved.files if k.startswith("param/")})
+            return saved["logits"], json.loads(str(saved["metrics"])), params
+        logits, metrics, params = train.fit_teacher(targs, data, cfg, pretrained, cache=cache, log=lambda line: None)
         keep = {k: metrics[k] for k in ("test_accuracy", "dev_accuracy", "steps")}
+        flat = {"param/" + "/".join(k): np.asarray(v) for k, v in traverse_util.flatten_dict(dict(params)).items()}
         tmp = path.with_suffix(".tmp.npz")
-        np.savez(tmp, logits=logits, metrics=json.dumps(keep), hyperparameters=json.dumps(hyperparameters(args)))
+        np.savez(tmp, logits=logits, metrics=json.dumps(keep), hyperparameters=json.dumps(hyperparameters(args)), **flat)
         tmp.replace(path)
-        return logits, keep
+        return logits, keep, params
 
 
 def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
@@ -465,11 +472,12 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
                "compilations": 0, "compile_seconds": 0.0, "wall_seconds": 0.0}
     cache = train.JitCache()
     teachers: dict[str, Any] = {}
-    if args.distill > 0:
+    teacher_params: dict[str, Any] = {}
+    if args.distill > 0 or args.init == "teacher":
         payload["teachers"] = {}
         for task in dict.fromkeys(t for t, s, _ in grid if s != "dense"):
             r0 = time.time()
-            teachers[task], tm = _teacher(args, task, data[task], cfg, pretrained, cache)
+            teachers[task], tm, teacher_params[task] = _teacher(args, task, data[task], cfg, pretrained, cache)
             payload["teachers"][task] = {"seed": 0, "test_accuracy": tm["test_accuracy"],
                                          "dev_accuracy": tm["dev_accuracy"], "seconds": time.time() - r0}
             log(f"{task} teacher (dense, seed 0): test acc {100 * tm['test_accuracy']:.2f} ({time.time() - r0:.0f} s)")
@@ -488,7 +496,9 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
             c0, s0, r0 = clock.count, clock.seconds, time.time()
             metrics, _ = train.fit(run_args(args, task, sparsity, seed), data[task], cfg, pretrained,
                                    cache=cache, on_step=bar.step, log=lambda line: None,
-                                   teacher_logits=teachers.get(task) if sparsity != "dense" else None)
+                                   teacher_logits=teachers.get(task) if sparsity != "dense" and args.distill > 0 else None,
+                                   init_params=teacher_params.get(task) if sparsity != "dense" and args.init == "teacher"
+                                   else None)
             last[(task, sparsity)] = time.time() - r0
             keep = ("task", "sparsity", "seed", "test_accuracy", "dev_accuracy", "test_loss", "weight_sparsity",
                     "ladder", "stage_steps", "steps", "compressed_training", "history", "seconds")
@@ -521,7 +531,7 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
 # Hyper-parameters that change only sparse runs: dense baselines measured under another pruning recipe are
 # the same experiment, so --dense-from may take them into a study that differs only in these.
 SPARSE_ONLY_HYPERPARAMETERS = ("prune", "ladder", "prune_begin", "prune_end", "fade", "score", "distill",
-                               "temperature", "compress")
+                               "temperature", "compress", "init")
 
 
 def _dense_settings(hp: dict) -> dict:

@@ -1,18 +1,18 @@
 // Forward SpMM on Hopper from x^T:  Y[T, R] = act(X[T, K] @ W[K, R] + bias[R])  with the activations given
 // as x^T [K, T] (tokens contiguous; jaxsparse_transpose writes it, and sparse_linear keeps it as the
-// residual that the x^T SDDMM reads in the backward pass) and W as its condensed transpose
-// A^T [4G, R]: for each group g the 4 kept columns of the row's V block, the 2 stored values at their
-// metadata positions and zeros at the other 2 (jaxsparse.format.condensed_transposed; docs/format.md).
+// residual that the x^T SDDMM reads in the backward pass) and W as its condensed form A [R, 4G]: for
+// each group g the 4 kept columns of the row's V block, the 2 stored values at their metadata positions
+// and zeros at the other 2 (jaxsparse.format.condensed; docs/format.md).
 //
-// Math view: Y^T[R, T] = A[R, 4G] Xc[4G, T], where Xc holds the kept rows of x^T.  A CTA owns BR output
+// Math view: Y^T[R, T] = A[R, 4G] Xc[4G, T], where Xc holds the kept rows of x^T (Y is stored [T, R]).  A CTA owns BR output
 // features inside one V block, so its condensed reduction has one column set: each kept column of X is a
 // contiguous row of x^T, copied straight into shared memory by cp.async (16 bytes = 8 tokens); only 4/M of
 // X's bytes move, and no gather pass runs.  The product is a dense wgmma.m64nNk16 over the condensed
 // reduction 4G (half of it multiplies the zeros of A: the 2:4 half of the structure is not used yet;
 // wgmma.sp would use it).
 //
-// Per 64-k stage: A^T [64 k][BR] lands MN-major 128B-swizzled (trans-a = 1, as the SDDMM engines' dy),
-// Xc [64 k][BT tokens] MN-major 128B-swizzled (trans-b = 1).  Two warpgroups: BR = 128 puts them on the
+// Per 64-k stage: A [BR][64 k] lands K-major 128B-swizzled (trans-a = 0, the layout of the x^T SDDMM's
+// B), Xc [64 k][BT tokens] MN-major 128B-swizzled (trans-b = 1).  Two warpgroups: BR = 128 puts them on the
 // two 64-row halves (each over all BT tokens), BR = 64 on two token halves.  Pipeline as in
 // SddmmWgmmaXtKernel: loads for stage kt+STAGES-2 issued right after stage kt's barrier, wgmma.wait_group 1.
 // Epilogue: + bias, optional GELU (tanh), convert, stage as [BT tokens][BR features], 16-byte row stores.
@@ -33,7 +33,7 @@ namespace {
 
 struct SpmmXtParams {
   const void* xt;        // [K, T]
-  const void* at;        // [4G, R]
+  const void* a;         // [R, 4G]
   const uint8_t* cols;   // [R/V, G, 4] or null (M = 4: every column kept)
   const void* bias;      // [R] or null
   void* y;               // [T, R]
@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
   const int kc_total = 4 * p.groups;
   const int num_kt = (kc_total + kKc - 1) / kKc;
   const T* __restrict__ xt = static_cast<const T*>(p.xt);
-  const T* __restrict__ at = static_cast<const T*>(p.at);
+  const T* __restrict__ a = static_cast<const T*>(p.a);
 
   // The V block's kept columns, one byte per condensed k (BR <= V: one block per CTA).
   uint8_t* scol = smem + L::kColsOff;
@@ -92,24 +92,24 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
   }
   __syncthreads();
 
-  // A^T: 64 k rows x BR/8 chunks; B: 64 k rows x BT/8 chunks.  A thread keeps one chunk column.
-  constexpr int kAChunks = BR / 8, kBChunks = BT / 8;
-  constexpr int kARows = kThreads / kAChunks, kBRows = kThreads / kBChunks;  // k rows per pass
-  const int a_k = tid / kAChunks, a_c = tid % kAChunks;
+  // A: BR rows x 8 chunks of 8 k; B: 64 k rows x BT/8 chunks of 8 tokens.  A thread keeps one chunk column.
+  constexpr int kBChunks = BT / 8;
+  constexpr int kBRows = kThreads / kBChunks;  // k rows of B per pass
+  const int a_r = tid >> 3, a_c = tid & 7;
   const int b_k = tid / kBChunks, b_c = tid % kBChunks;
-  const T* a_src0 = at + row0 + a_c * 8;
+  const T* a_src0 = a + static_cast<int64_t>(row0 + a_r) * kc_total + a_c * 8;
   const bool b_tok_ok = tok0 + b_c * 8 < p.tokens;  // T % 8 == 0: a chunk is all in or all out
   const T* b_src0 = xt + tok0 + b_c * 8;
 
   auto load_stage = [&](int buf, int kt) {
     const uint32_t base = smem_base + buf * L::kStageBytes;
     const int q0 = kt * kKc;
+    const bool a_ok = q0 + a_c * 8 < kc_total;  // 4G % 8 == 0: a chunk is all in or all out
 #pragma unroll
-    for (int i = 0; i < kKc / kARows; ++i) {
-      const int kk = a_k + kARows * i, q = q0 + kk;
-      const bool ok = q < kc_total;
-      CpAsync16(base + Sw128MnOffset(a_c * 8, kk, kColBytes), ok ? a_src0 + static_cast<int64_t>(q) * p.rows : at,
-                ok ? 16 : 0);
+    for (int i = 0; i < BR / 32; ++i) {
+      const int r = a_r + 32 * i;
+      CpAsync16(base + Sw128KOffset(r, a_c * 8), a_ok ? a_src0 + static_cast<int64_t>(32 * i) * kc_total + q0 : a,
+                a_ok ? 16 : 0);
     }
 #pragma unroll
     for (int i = 0; i < kKc / kBRows; ++i) {
@@ -149,11 +149,11 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
     WgmmaFence();
 #pragma unroll
     for (int ks = 0; ks < kKc / 16; ++ks) {
-      const uint64_t da = WgmmaDescSw128(a_base + ks * 2048, kColBytes, 1024);
+      const uint64_t da = WgmmaDescSw128(a_base + ks * 32, 16, 1024);
 #pragma unroll
       for (int c = 0; c < NCH; ++c) {
         const uint64_t db = WgmmaDescSw128(b_base + c * (NW / 64) * kColBytes + ks * 2048, kColBytes, 1024);
-        Wgmma<NW, T, 1>::Run(acc[c], da, db);
+        Wgmma<NW, T, 1, 0>::Run(acc[c], da, db);
       }
     }
     WgmmaCommit();
@@ -192,8 +192,9 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
   }
   __syncthreads();
   T* __restrict__ y = static_cast<T*>(p.y);
-  for (int i = tid; i < BT * kAChunks; i += kThreads) {
-    const int t = i / kAChunks, c = i % kAChunks;
+  constexpr int kYChunks = BR / 8;  // 16-byte chunks per token row of the tile
+  for (int i = tid; i < BT * kYChunks; i += kThreads) {
+    const int t = i / kYChunks, c = i % kYChunks;
     const int tok = tok0 + t;
     if (tok < p.tokens) {
       const uint4 v4 = *reinterpret_cast<const uint4*>(smem + t * L::kYRowBytes + c * 16);
@@ -228,10 +229,19 @@ ffi::Error LaunchTile(cudaStream_t stream, const SpmmXtParams& p) {
   return LastLaunchError("SpmmWgmmaXtKernel");
 }
 
+// Auto tile, from the H100 measurements in docs/kernel-notes.md (session 5): 128 features where V allows,
+// else 64; 128 tokens (two CTAs per SM, so one CTA's prologue and epilogue overlap the other's main loop)
+// unless the condensed reduction is long (more than 8 stages of 64), where the 256-token tile's reuse of
+// A pays (4096x1024 at 128:2:16: 0.119 ms against 0.129; 1024x4096: 0.167 against 0.162).
+int AutoTile(const SpmmXtParams& p, bool can128) {
+  if (!can128) return kTile64x128;  // 64:2:8 at 1024x4096: 0.328 ms against 0.375 with 64x256
+  return 4 * p.groups > 8 * kKc ? kTile128x256 : kTile128x128;
+}
+
 template <typename T>
 ffi::Error Dispatch(cudaStream_t stream, const SpmmXtParams& p, int tile) {
   const bool can128 = p.rows % 128 == 0 && (p.cols == nullptr || p.v % 128 == 0);
-  if (tile == kTileAuto) tile = can128 ? kTile128x256 : kTile64x256;
+  if (tile == kTileAuto) tile = AutoTile(p, can128);
   if ((tile == kTile128x256 || tile == kTile128x128) && !can128)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: 128-feature tiles need R % 128 == 0 and V >= 128");
   switch (tile) {
@@ -248,12 +258,12 @@ ffi::Error Dispatch(cudaStream_t stream, const SpmmXtParams& p, int tile) {
   }
 }
 
-ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer at, ffi::Buffer<ffi::U8> columns,
+ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer a, ffi::Buffer<ffi::U8> columns,
                       ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out, int32_t v, int32_t m, int32_t activation,
                       int32_t tile) {
-  if (xt.dimensions().size() != 2 || at.dimensions().size() != 2 || out->dimensions().size() != 2)
-    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T, A^T and the output must be 2-D");
-  const int64_t k = Dim(xt, 0), tokens = Dim(xt, 1), kc = Dim(at, 0), rows = Dim(at, 1);
+  if (xt.dimensions().size() != 2 || a.dimensions().size() != 2 || out->dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T, A and the output must be 2-D");
+  const int64_t k = Dim(xt, 0), tokens = Dim(xt, 1), rows = Dim(a, 0), kc = Dim(a, 1);
   if (m != 4 && m != 8 && m != 16 && m != 32)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: M must be 4, 8, 16 or 32, got " + std::to_string(m));
   if (m == 4 ? v != 1 : (v != 64 && v != 128))
@@ -262,13 +272,13 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer at,
   if (k % m || kc != 4 * groups || out->dimensions()[0] != tokens || out->dimensions()[1] != rows || rows % 64 ||
       rows % std::max<int64_t>(v, 1) ||
       (m > 4 && columns.element_count() != static_cast<size_t>(rows / v * groups * 4)))
-    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: inconsistent shapes: x^T " + ShapeString(xt) + ", A^T " +
-                                       ShapeString(at) + ", columns " + ShapeString(columns) + ", out " +
-                                       ShapeString(*out) + " (need A^T [4K/M, R], R % 64 == 0, R % V == 0)");
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: inconsistent shapes: x^T " + ShapeString(xt) + ", A " +
+                                       ShapeString(a) + ", columns " + ShapeString(columns) + ", out " +
+                                       ShapeString(*out) + " (need A [R, 4K/M], R % 64 == 0, R % V == 0)");
   if (tokens % 8) return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: needs T % 8 == 0");
   const auto dt = xt.element_type();
-  if (at.element_type() != dt || out->element_type() != dt)
-    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T, A^T and the output must share one dtype");
+  if (a.element_type() != dt || out->element_type() != dt)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T, A and the output must share one dtype");
   const bool has_bias = bias.element_count() > 0;
   if (has_bias && (bias.element_count() != static_cast<size_t>(rows) ||
                    (bias.element_type() != dt && bias.element_type() != ffi::F32)))
@@ -282,7 +292,7 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer at,
 
   SpmmXtParams p;
   p.xt = xt.untyped_data();
-  p.at = at.untyped_data();
+  p.a = a.untyped_data();
   p.cols = m > 4 ? columns.typed_data() : nullptr;
   p.bias = has_bias ? bias.untyped_data() : nullptr;
   p.y = out->untyped_data();
@@ -306,7 +316,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSpmmXt, jaxsparse::SpmmXtImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::AnyBuffer>()               // x^T [K, T]
-                                  .Arg<xla::ffi::AnyBuffer>()               // A^T [4G, R]
+                                  .Arg<xla::ffi::AnyBuffer>()               // A [R, 4G]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // columns [R/V, G, 4] or [0]
                                   .Arg<xla::ffi::AnyBuffer>()               // bias [R] or [0]
                                   .Ret<xla::ffi::AnyBuffer>()               // y [T, R]

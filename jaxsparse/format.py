@@ -19,7 +19,7 @@ import numpy as np
 
 __all__ = [
     "VNM",
-    "condensed_transposed",
+    "condensed",
     "SparseWeight",
     "select_mask",
     "mask_is_valid",
@@ -358,14 +358,14 @@ def decompress(sw: SparseWeight) -> jax.Array:
     return dense.reshape(r, k).T
 
 
-def condensed_transposed(sw: SparseWeight) -> jax.Array:
-    """``A^T [4G, R]``: the condensed weight the Hopper forward kernel reads (``jaxsparse_spmm_xt``).
+def condensed(sw: SparseWeight) -> jax.Array:
+    """``A [R, 4G]``: the condensed weight the Hopper forward kernel reads (``jaxsparse_spmm_xt``).
 
-    Row ``4g + p`` holds, for every output feature ``r``, the weight at dense input column
-    ``g*M + columns[r // V, g, p]`` (``g*4 + p`` for ``M = 4``): the row's stored value where the metadata
-    puts one, zero at the other two of the 4 kept columns. ``x_c @ A^T`` over the kept columns ``x_c`` of x
-    is ``x @ W``. Features are contiguous, as the kernel's MN-major A operand wants them; pure JAX, so XLA
-    fuses it into one pass over the values (half the size of a dense weight at M = 8).
+    ``A[r, 4g + p]`` is the weight of output feature ``r`` at dense input column ``g*M + columns[r // V, g, p]``
+    (``g*4 + p`` for ``M = 4``): the row's stored value where the metadata puts one, zero at the other two of
+    the 4 kept columns. Over the kept columns ``x_c`` of x (per V block), ``x_c @ A^T`` is ``x @ W``. Rows
+    are the values' rows, widened from 2 to 4 per group: no transpose, one elementwise pass that XLA fuses
+    (half the size of a dense weight at M = 8).
     """
     k, r = sw.shape
     g = k // sw.spec.m
@@ -375,7 +375,7 @@ def condensed_transposed(sw: SparseWeight) -> jax.Array:
     zero = jnp.zeros((), sw.values.dtype)
     a = (jnp.where(pos == p0[..., None], vals[..., :1], zero)
          + jnp.where(pos == p1[..., None], vals[..., 1:], zero))  # [R, G, 4]; p0 < p1, so one term is zero
-    return a.reshape(r, 4 * g).T
+    return a.reshape(r, 4 * g)
 
 
 def compress_like(dense: jax.Array, sw: SparseWeight) -> jax.Array:

@@ -213,7 +213,7 @@ def linear_x_layout(tokens: int, sw: SparseWeight) -> str:
     kernels take ``sw``; ``"row"`` otherwise."""
     if spmm_unsupported(sw) or cuda_calls.sddmm_unsupported(sw):
         return "row"
-    return cuda_calls.spmm_x_layout(tokens, sw)
+    return cuda_calls.spmm_x_layout(tokens, sw, shares_xt=True)
 
 
 def sparse_linear(x: jax.Array, sw: SparseWeight, bias: Optional[jax.Array] = None) -> jax.Array:

@@ -36,6 +36,7 @@ __all__ = ["main", "parse_args", "run", "fit", "load_data", "load_model", "TaskT
            "save_checkpoint", "load_checkpoint", "make_step", "loss_fn", "predict_logits", "fit_teacher", "teacher_args",
            "add_recipe_arguments", "check_recipe_arguments"]
 
+INITS = ("pretrained", "teacher")
 MODELS = ("minilm",) + tuple(n for n in bert.PRESETS if n != "minilm")
 
 
@@ -51,6 +52,9 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
                    help="knowledge distillation weight in [0, 1): sparse runs learn from a dense teacher fine-tuned "
                         "with the same settings, on (1 - w) * cross-entropy + w * T^2 * KL(teacher || student)")
     p.add_argument("--temperature", type=float, default=2.0, help="distillation temperature T")
+    p.add_argument("--init", default="pretrained", choices=INITS,
+                   help="where sparse runs start: the pretrained weights, or the dense teacher fine-tuned with the "
+                        "same settings (prune a fine-tuned model, as oBERT's downstream pruning does)")
 
 
 def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -59,6 +63,8 @@ def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
         p.error("need 0 <= --fade < 1")
     if not 0.0 <= args.distill < 1.0 or args.temperature <= 0:
         p.error("need 0 <= --distill < 1 and --temperature > 0")
+    if args.init == "teacher" and getattr(args, "sparsity", None) == "dense":
+        p.error("--init teacher starts a sparse run from a dense teacher: give a --sparsity pattern")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -330,7 +336,8 @@ def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: j
 
 def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretrained: dict | None, *,
         cache: JitCache | None = None, on_step: Callable[[int, jax.Array], None] | None = None,
-        log: Callable[[str], None] = _stderr, teacher_logits: np.ndarray | None = None) -> tuple[dict[str, Any], dict]:
+        log: Callable[[str], None] = _stderr, teacher_logits: np.ndarray | None = None,
+        init_params: dict | None = None) -> tuple[dict[str, Any], dict]:
     """Fine-tune and evaluate as ``args`` (from :func:`parse_args`) says, on tokenized ``data``.
 
     Args:
@@ -343,6 +350,8 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
       log: where the per-epoch lines go (stderr by default).
       teacher_logits: ``[train examples, labels]`` logits of a teacher (:func:`predict_logits`), needed
         when ``args.distill > 0``.
+      init_params: the whole classifier's starting params (``--init teacher``: the teacher's fine-tuned
+        params); ``pretrained`` is ignored then.
 
     Returns:
       ``(metrics, variables)``: the metrics of ``metrics.json`` (without ``seconds`` of loading) and the
@@ -384,7 +393,12 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
     key, k_init = jax.random.split(key)
     init = cache.get("init", master_key, lambda: jax.jit(master.init))
     params = init(k_init, *(a[:1] for a in _arrays(train, slice(None))[:3]))["params"]
-    if pretrained is not None:
+    if init_params is not None:
+        shapes = lambda tree: jax.tree_util.tree_map(lambda a: (a.shape, jnp.dtype(a.dtype)), tree)  # noqa: E731
+        if shapes(init_params) != shapes(params):
+            raise ValueError("init_params does not match the model's parameter tree (shapes or dtypes differ)")
+        params = jax.tree_util.tree_map(jnp.asarray, init_params)
+    elif pretrained is not None:
         params = bert.merge_params(params, pretrained)
 
     steps_per_epoch = len(train) // args.batch_size
@@ -506,15 +520,16 @@ def predict_logits(cfg: bert.BertConfig, variables: dict, batch: data_lib.Batch,
 def teacher_args(args: argparse.Namespace) -> argparse.Namespace:
     """The dense teacher's run: ``args`` with no sparsity, no pruning, no distillation."""
     return argparse.Namespace(**{**vars(args), "sparsity": "dense", "prune": "none", "distill": 0.0,
-                                 "ladder": None})
+                                 "ladder": None, "init": "pretrained"})
 
 
 def fit_teacher(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretrained: dict | None,
-                **fit_kwargs) -> tuple[np.ndarray, dict]:
-    """Fine-tune the dense teacher of ``args`` (:func:`teacher_args`); returns its training-set logits and metrics."""
+                **fit_kwargs) -> tuple[np.ndarray, dict, dict]:
+    """Fine-tune the dense teacher of ``args`` (:func:`teacher_args`); returns its training-set logits, its
+    metrics and its params."""
     metrics, variables = fit(teacher_args(args), data, cfg, pretrained, **fit_kwargs)
     logits = predict_logits(cfg, variables, data.train, data.task.num_labels, args.dtype, args.batch_size)
-    return logits, metrics
+    return logits, metrics, variables["params"]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -524,12 +539,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     data = load_data(args.task, args.max_train, args.max_eval, args.max_len)
     cfg, pretrained = load_model(args.model)
-    teacher = None
-    if args.distill > 0 and args.sparsity != "dense":
-        _stderr(f"--distill {args.distill}: fine-tuning the dense teacher first")
-        teacher, teacher_metrics = fit_teacher(args, data, cfg, pretrained)
+    teacher = teacher_params = None
+    init = getattr(args, "init", "pretrained")
+    if (args.distill > 0 or init == "teacher") and args.sparsity != "dense":
+        _stderr(f"--distill {args.distill} --init {init}: fine-tuning the dense teacher first")
+        teacher, teacher_metrics, teacher_params = fit_teacher(args, data, cfg, pretrained)
         _stderr(f"teacher: dev acc {teacher_metrics['dev_accuracy']:.4f}, test acc {teacher_metrics['test_accuracy']:.4f}")
-    metrics, final = fit(args, data, cfg, pretrained, teacher_logits=teacher)
+    metrics, final = fit(args, data, cfg, pretrained, teacher_logits=teacher if args.distill > 0 else None,
+                         init_params=teacher_params if init == "teacher" else None)
+    metrics["init"] = init
     if teacher is not None:
         metrics["teacher"] = {k: teacher_metrics[k] for k in ("dev_accuracy", "test_accuracy", "steps")}
     metrics["seconds"] = time.time() - t_start

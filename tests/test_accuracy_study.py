@@ -130,6 +130,25 @@ def test_seed_slices_share_one_teacher_and_merge(acc, tmp_path, monkeypatch):
     assert "sparse runs distil from a dense teacher" in (tmp_path / "m" / "accuracy.md").read_text()
 
 
+def test_init_teacher_loads_the_saved_teacher_params(acc, tmp_path, monkeypatch):
+    """--init teacher with --teacher-dir: the saved teacher's params start the sparse runs of another process."""
+    from jaxsparse import train
+
+    common = ["--quick", "--tasks", "trec", "--sparsities", "2:4", "--init", "teacher",
+              "--teacher-dir", str(tmp_path / "teachers"), "--no-progress"]
+    assert acc.main(common + ["--seed-list", "0", "--out-dir", str(tmp_path / "s0")]) == 0
+    starts = []
+    real_fit = train.fit
+    monkeypatch.setattr(train, "fit_teacher", lambda *a, **k: pytest.fail("the saved teacher should be loaded"))
+    monkeypatch.setattr(train, "fit", lambda *a, init_params=None, **k: (starts.append(init_params),
+                                                                          real_fit(*a, init_params=init_params, **k))[1])
+    assert acc.main(common + ["--seed-list", "1", "--out-dir", str(tmp_path / "s1")]) == 0
+    assert len(starts) == 1 and starts[0] is not None and "classifier" in starts[0]
+    payload = json.loads((tmp_path / "s1" / "accuracy.json").read_text())
+    assert payload["hyperparameters"]["init"] == "teacher"
+    assert "start from the dense teacher" in acc.section(payload)
+
+
 def test_merge_takes_dense_baselines_from_another_recipe(acc, tmp_path):
     """Dense runs do not depend on the pruning recipe: --dense-from reuses them, and nothing else."""
     accs = {"dense": [0.9, 0.92], "2:4": [0.9, 0.9]}

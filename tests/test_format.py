@@ -87,13 +87,13 @@ def test_compress_round_trip(spec, blocks_r, words, dtype, seed):
 
 
 @pytest.mark.parametrize("spec", ["2:4", "16:2:8", "8:2:16", "4:2:32"])
-def test_condensed_transposed_times_kept_columns_is_the_product(spec):
-    """A^T [4G, R] (the Hopper forward's operand): x's kept columns of each V block times A^T = x @ W."""
+def test_condensed_times_kept_columns_is_the_product(spec):
+    """A [R, 4G] (the Hopper forward's operand): x's kept columns of each V block times A^T = x @ W."""
     spec = F.VNM.parse(spec)
     k, r = 8 * spec.m * 2, max(spec.v, 4) * 3
     w = jax.random.normal(jax.random.PRNGKey(3), (k, r))
     sw = F.compress(w, F.select_mask(w, spec), spec)
-    at = np.asarray(F.condensed_transposed(sw))
+    at = np.asarray(F.condensed(sw)).T
     g = k // spec.m
     assert at.shape == (4 * g, r)
     x = np.asarray(jax.random.normal(jax.random.PRNGKey(4), (5, k)))

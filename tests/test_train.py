@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -122,3 +123,28 @@ def test_tiny_run_with_activation_score(tmp_path):
     masks = list(_leaves(restored["sparsity"]))
     assert len(masks) == 12 and all(fmt.check_mask(np.asarray(m), "2:4") for m in masks)
     assert metrics["weight_sparsity"] >= 0.5
+
+
+def test_init_teacher_starts_the_sparse_run_from_the_fine_tuned_teacher(tmp_path, capsys, monkeypatch):
+    """--init teacher: the dense teacher trains first and the sparse student starts from its params."""
+    args = train.parse_args(TINY + ["--sparsity", "2:4", "--init", "teacher", "--out", str(tmp_path / "run")])
+    seen = {}
+    real_fit = train.fit
+
+    def spy(a, *rest, init_params=None, **kw):
+        metrics, variables = real_fit(a, *rest, init_params=init_params, **kw)
+        seen[a.sparsity] = (init_params, variables)
+        return metrics, variables
+
+    monkeypatch.setattr(train, "fit", spy)
+    metrics = train.run(args)
+    assert metrics["init"] == "teacher" and "fine-tuning the dense teacher first" in capsys.readouterr().err
+    teacher_params = seen["dense"][1]["params"]
+    assert seen["dense"][0] is None and seen["2:4"][0] is teacher_params
+    with pytest.raises(SystemExit):
+        train.parse_args(["--sparsity", "dense", "--init", "teacher"])
+    data_ = train.load_data("trec", args.max_train, args.max_eval, args.max_len)
+    cfg, _ = train.load_model(args.model)
+    wrong = jax.tree_util.tree_map(lambda a: a[..., :1], teacher_params)
+    with pytest.raises(ValueError, match="init_params does not match"):
+        real_fit(args, data_, cfg, None, init_params=wrong)

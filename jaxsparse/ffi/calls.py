@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsparse.ffi import register
-from jaxsparse.format import SparseWeight, condensed_transposed
+from jaxsparse.format import SparseWeight, condensed
 
 # vmap of any call runs the kernel once per batch element: a correct, if slow, batching rule.
 _VMAP = "sequential"
@@ -153,15 +153,20 @@ SPMM_XT_TILE_ENV = "JAXSPARSE_SPMM_XT_TILE"
 SPMM_XT_TILES = {"auto": 0, "128x256": 1, "64x256": 2, "128x128": 3, "64x128": 4}
 
 
-def spmm_x_layout(tokens: int, sw: SparseWeight, layout: str | None = None) -> str:
+def spmm_x_layout(tokens: int, sw: SparseWeight, layout: str | None = None, shares_xt: bool = False) -> str:
     """How the forward product reads ``x``: ``"row"`` (``x [T, K]`` as XLA holds it, ``jaxsparse_spmm``) or
     ``"col"`` (``x^T [K, T]`` made by :func:`transpose`, the Hopper kernel ``jaxsparse_spmm_xt``).
 
     ``sparse_linear`` follows the same choice for the whole layer: on ``"col"`` it keeps ``x^T`` as the
     residual and its SDDMM reads it (:func:`sddmm_from_xt`), so one transpose serves both products.
     ``layout`` ``None`` reads ``JAXSPARSE_SPMM_X`` (``auto``, ``row`` or ``col``; default ``auto``).
-    ``auto``: ``col`` on a Hopper GPU when ``T % 8 == 0`` and ``R % 128 == 0`` (what both x^T kernels
-    need), ``row`` otherwise. An explicit ``col`` that the shapes cannot take raises ``ValueError``.
+    ``auto``: ``col`` on a Hopper GPU when ``T % 8 == 0`` and ``R % 128 == 0`` (what both x^T kernels need)
+    and either ``shares_xt`` (the caller keeps x^T for the SDDMM, as ``sparse_linear`` does) or ``M >= 16``;
+    ``row`` otherwise. Measured on the H100 at 16384 tokens (docs/kernel-notes.md, session 5): with its
+    own transpose the x^T route wins the forward alone at M >= 16 (128:2:16 at 4096x1024: 0.272 ms
+    against 0.340) and ties or loses below (64:2:8: 0.471 against 0.428); inside the layer, where the
+    transpose also serves the SDDMM, it wins at every M. An explicit ``col`` that the shapes cannot take
+    raises ``ValueError``.
     """
     if layout is None:
         layout = os.environ.get(SPMM_X_LAYOUT_ENV, "auto").strip().lower() or "auto"
@@ -175,13 +180,14 @@ def spmm_x_layout(tokens: int, sw: SparseWeight, layout: str | None = None) -> s
     if layout == "col" and problem:
         raise ValueError(f"spmm: a column-major x needs {problem}")
     if layout == "auto":
-        layout = "col" if problem is None and hopper_gpu() else "row"
+        layout = "col" if problem is None and (shares_xt or sw.spec.m >= 16) and hopper_gpu() else "row"
     return layout
 
 
 def spmm_xt_tile(tile: str | None = None) -> int:
-    """The x^T SpMM's tile attribute (``features x tokens`` per CTA): ``auto`` (0; 128x256, or 64x256 when
-    V = 64), ``128x256``, ``64x256``, ``128x128``, ``64x128``. ``None`` reads ``JAXSPARSE_SPMM_XT_TILE``."""
+    """The x^T SpMM's tile attribute (``features x tokens`` per CTA): ``auto`` (0; 64x128 when V = 64, else
+    128x256 for a condensed reduction 4G > 512 and 128x128 below: measured, cuda/spmm_xt.cu ``AutoTile``),
+    ``128x256``, ``64x256``, ``128x128``, ``64x128``. ``None`` reads ``JAXSPARSE_SPMM_XT_TILE``."""
     if tile is None:
         tile = os.environ.get(SPMM_XT_TILE_ENV, "auto").strip().lower() or "auto"
     if tile not in SPMM_XT_TILES:
@@ -206,7 +212,7 @@ def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str |
     """The ``jaxsparse_spmm_xt`` call, operands checked."""
     b = bias if bias is not None else jnp.zeros((0,), xt.dtype)
     return _call(
-        "jaxsparse_spmm_xt", (xt.shape[1], sw.shape[1]), xt.dtype, xt, condensed_transposed(sw),
+        "jaxsparse_spmm_xt", (xt.shape[1], sw.shape[1]), xt.dtype, xt, condensed(sw),
         _columns_operand(sw), b, v=np.int32(sw.spec.v), m=np.int32(sw.spec.m),
         activation=np.int32(0 if activation is None else 1), tile=np.int32(spmm_xt_tile(tile)),
     )

@@ -152,6 +152,8 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array) -
     # The backend is read at trace time: the cuDNN lowering queries the cuDNN version while tracing, so it
     # cannot sit in a platform_dependent branch that a CPU trace also visits.
     cudnn = q.dtype in (jnp.bfloat16, jnp.float16) and jax.default_backend() == "gpu"
+    if cudnn:  # cuDNN takes a bias per query row, not one broadcast over the queries
+        bias = jnp.broadcast_to(bias, (bias.shape[0], 1, q.shape[1], bias.shape[-1]))
     return jax.nn.dot_product_attention(q, k, v, bias=bias.astype(q.dtype),
                                         implementation="cudnn" if cudnn else "xla")
 
