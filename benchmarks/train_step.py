@@ -126,12 +126,13 @@ def run_config(cfg: dict, turn: dict | None = None) -> dict:
 
 
 def _routes() -> dict:
-    """The product routes this process runs (dX route, SDDMM split, engine and x layout, ops sent to the
-    reference)."""
+    """The product routes this process runs (the layer's x layout, dX route, SDDMM split, engine and x layout,
+    ops sent to the reference)."""
     from jaxsparse import dispatch, ops
     from jaxsparse.ffi import calls
 
-    return dict(dx=ops.dx_route(), sddmm_split=calls.sddmm_split(), sddmm_engine=calls.sddmm_engine(),
+    return dict(spmm_x_layout=os.environ.get(calls.SPMM_X_LAYOUT_ENV, "auto"), dx=ops.dx_route(),
+                sddmm_split=calls.sddmm_split(), sddmm_engine=calls.sddmm_engine(),
                 sddmm_x_layout=os.environ.get(calls.SDDMM_X_LAYOUT_ENV, "auto"),
                 reference_ops=sorted(dispatch.reference_ops()))
 
