@@ -538,6 +538,12 @@ def _dense_settings(hp: dict) -> dict:
     return {k: v for k, v in hp.items() if k not in SPARSE_ONLY_HYPERPARAMETERS}
 
 
+def _repo_relative(path) -> str:
+    """``path`` relative to the repository when it lies inside it (result files name their sources portably)."""
+    path = Path(path).absolute()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
 def _dense_runs_of(path: Path) -> dict:
     """An accuracy.json reduced to its dense runs (for ``merge(dense_from=...)``)."""
     p = json.loads(Path(path).read_text())
@@ -597,7 +603,7 @@ def merge(paths: Sequence[Path], out_dir: Path, dense_from: Sequence[Path] = ())
     if teachers:
         merged["teachers"] = teachers
     if dense_from:
-        merged["dense_runs_from"] = [str(p) for p in dense_from]
+        merged["dense_runs_from"] = [_repo_relative(p) for p in dense_from]
     merged.pop("jit_functions_built", None)
     _write(merged, [out_dir / "accuracy.json"])
     (out_dir / "accuracy.md").write_text(section(merged) + "\n")
