@@ -51,14 +51,21 @@ inline std::string ShapeString(const B& b) {
 // The compressed weight's operands against the MMA kernels' V:2:M rules (docs/format.md): M in
 // {4, 8, 16, 32}; V = 1 for M = 4, else 64 or 128; R % V == 0; G % 8 == 0; metadata [R, G/8]; columns
 // [R/V, G, 4] when M > 4. Returns InvalidArgument naming the target, or Success.
-inline ffi::Error CheckSparseWeight(const char* target, int64_t rows, int64_t groups,
-                                    const ffi::Buffer<ffi::U8>& columns, const ffi::Buffer<ffi::U32>& metadata,
-                                    int v, int m) {
+// The kernels' pattern rules alone: M in {4, 8, 16, 32}; V = 1 for M = 4, else 64 or 128.
+inline ffi::Error CheckSpec(const char* target, int v, int m) {
   const std::string name(target);
   if (m != 4 && m != 8 && m != 16 && m != 32)
     return ffi::Error::InvalidArgument(name + ": M must be 4, 8, 16 or 32, got " + std::to_string(m));
   if (m == 4 ? v != 1 : (v != 64 && v != 128))
     return ffi::Error::InvalidArgument(name + ": V must be 1 for M = 4 and 64 or 128 for M > 4");
+  return ffi::Error::Success();
+}
+
+inline ffi::Error CheckSparseWeight(const char* target, int64_t rows, int64_t groups,
+                                    const ffi::Buffer<ffi::U8>& columns, const ffi::Buffer<ffi::U32>& metadata,
+                                    int v, int m) {
+  if (ffi::Error e = CheckSpec(target, v, m); e.failure()) return e;
+  const std::string name(target);
   if (groups % 8 || rows % v || metadata.dimensions().size() != 2 || metadata.dimensions()[0] != rows ||
       metadata.dimensions()[1] != groups / 8)
     return ffi::Error::InvalidArgument(name + ": inconsistent shapes: metadata " + ShapeString(metadata) + " for R = " +

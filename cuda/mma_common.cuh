@@ -1,5 +1,6 @@
-// Device helpers shared by the tensor-core kernels (spmm.cu, sddmm.cu, spmm_t.cu): cp.async, ldmatrix,
-// dense and sparse mma.sync, dtype conversions, and the SM count.  Everything here is inline PTX of
+// Device helpers shared by the tensor-core kernels (spmm.cu, spmm_xt.cu, sddmm.cu, spmm_t.cu): cp.async, ldmatrix,
+// dense and sparse mma.sync, dtype conversions, the forward epilogue (bias, GELU, staged stores), and the SM
+// count.  Everything here is inline PTX of
 // sm_80-level instructions, valid on sm_80 and sm_90a.
 #pragma once
 
@@ -130,6 +131,30 @@ __device__ __forceinline__ float GeluTanh(float x) {
   const float k0 = 0.7978845608028654f;  // sqrt(2 / pi)
   const float k1 = 0.044715f;
   return 0.5f * x * (1.f + tanhf(k0 * (x + k1 * x * x * x)));
+}
+
+// The bias of output feature `row` as float: 0 without a bias, else read in the input dtype T or float32.
+template <typename T>
+__device__ __forceinline__ float BiasAt(const void* bias, int bias_f32, int row) {
+  if (bias == nullptr) return 0.f;
+  return bias_f32 ? static_cast<const float*>(bias)[row] : ToFloat(static_cast<const T*>(bias)[row]);
+}
+
+// Writes an output tile staged in shared memory as [BT tokens][BR features] (token rows `row_bytes` apart)
+// to y [tokens, rows] at (tok0, row0) with 16-byte stores; tokens past `tokens` are skipped.  Called by all
+// THREADS threads after the barrier that follows the staging.
+template <typename T, int BT, int BR, int THREADS>
+__device__ __forceinline__ void StoreStagedTile(const unsigned char* tile, int row_bytes, T* __restrict__ y, int tokens,
+                                                int rows, int tok0, int row0) {
+  constexpr int kChunks = BR / 8;  // 16-byte chunks per token row of the tile
+  for (int i = threadIdx.x; i < BT * kChunks; i += THREADS) {
+    const int t = i / kChunks, c = i % kChunks;
+    const int tok = tok0 + t;
+    if (tok < tokens) {
+      const uint4 v4 = *reinterpret_cast<const uint4*>(tile + t * row_bytes + c * 16);
+      *reinterpret_cast<uint4*>(y + static_cast<int64_t>(tok) * rows + row0 + c * 8) = v4;
+    }
+  }
 }
 
 // Two floats as one 32-bit word of two 16-bit values (lo in the low half).

@@ -253,20 +253,11 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MIN_BLOCKS)
   CpAsyncWait<0>();
   __syncthreads();  // every warp is done with the pipeline buffers: reuse them as the output tile
   constexpr int kYRowBytes = BM * 2 + 16;  // [BN tokens][BM features] + pad
-  T* sy = reinterpret_cast<T*>(smem);
 #pragma unroll
   for (int mi = 0; mi < MI; ++mi) {
     const int r_lo = warp_m * WM + mi * 16 + gid;  // tile-local feature rows r_lo, r_lo + 8
-    float bias_lo = 0.f, bias_hi = 0.f;
-    if (p.bias != nullptr) {
-      if (p.bias_f32) {
-        bias_lo = static_cast<const float*>(p.bias)[row0 + r_lo];
-        bias_hi = static_cast<const float*>(p.bias)[row0 + r_lo + 8];
-      } else {
-        bias_lo = ToFloat(static_cast<const T*>(p.bias)[row0 + r_lo]);
-        bias_hi = ToFloat(static_cast<const T*>(p.bias)[row0 + r_lo + 8]);
-      }
-    }
+    const float bias_lo = BiasAt<T>(p.bias, p.bias_f32, row0 + r_lo);
+    const float bias_hi = BiasAt<T>(p.bias, p.bias_f32, row0 + r_lo + 8);
 #pragma unroll
     for (int ni = 0; ni < NI; ++ni) {
       const int t = warp_n * WN + ni * 8 + 2 * tig;  // tile-local tokens t, t + 1
@@ -281,17 +272,7 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MIN_BLOCKS)
     }
   }
   __syncthreads();
-  T* __restrict__ y = static_cast<T*>(p.y);
-  constexpr int kRowChunks = BM / 8;  // 16-byte chunks per token row of the tile
-  for (int i = tid; i < BN * kRowChunks; i += kThreads) {
-    const int t = i / kRowChunks, c = i % kRowChunks;
-    const int tok = tok0 + t;
-    if (tok < p.tokens) {
-      const uint4 v4 = *reinterpret_cast<const uint4*>(smem + t * kYRowBytes + c * 16);
-      *reinterpret_cast<uint4*>(y + static_cast<int64_t>(tok) * p.rows + row0 + c * 8) = v4;
-    }
-  }
-  (void)sy;
+  StoreStagedTile<T, BN, BM, kThreads>(smem, kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows, tok0, row0);
 }
 
 // ---------------------------------------------------------------- host side

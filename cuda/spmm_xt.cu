@@ -169,16 +169,8 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
   CpAsyncWait<0>();
   __syncthreads();  // no wgmma or copy touches the pipeline buffers any more: reuse them as the Y tile
   const int r_lo = 64 * wr + 16 * wq + (lane >> 2);  // tile-local features r_lo, r_lo + 8
-  float bias_lo = 0.f, bias_hi = 0.f;
-  if (p.bias != nullptr) {
-    if (p.bias_f32) {
-      bias_lo = static_cast<const float*>(p.bias)[row0 + r_lo];
-      bias_hi = static_cast<const float*>(p.bias)[row0 + r_lo + 8];
-    } else {
-      bias_lo = ToFloat(static_cast<const T*>(p.bias)[row0 + r_lo]);
-      bias_hi = ToFloat(static_cast<const T*>(p.bias)[row0 + r_lo + 8]);
-    }
-  }
+  const float bias_lo = BiasAt<T>(p.bias, p.bias_f32, row0 + r_lo);
+  const float bias_hi = BiasAt<T>(p.bias, p.bias_f32, row0 + r_lo + 8);
 #pragma unroll
   for (int c = 0; c < NCH; ++c) {
 #pragma unroll
@@ -191,16 +183,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
     }
   }
   __syncthreads();
-  T* __restrict__ y = static_cast<T*>(p.y);
-  constexpr int kYChunks = BR / 8;  // 16-byte chunks per token row of the tile
-  for (int i = tid; i < BT * kYChunks; i += kThreads) {
-    const int t = i / kYChunks, c = i % kYChunks;
-    const int tok = tok0 + t;
-    if (tok < p.tokens) {
-      const uint4 v4 = *reinterpret_cast<const uint4*>(smem + t * L::kYRowBytes + c * 16);
-      *reinterpret_cast<uint4*>(y + static_cast<int64_t>(tok) * p.rows + row0 + c * 8) = v4;
-    }
-  }
+  StoreStagedTile<T, BT, BR, kThreads>(smem, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows, tok0, row0);
 #else
   __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
 #endif
@@ -264,10 +247,7 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer a, 
   if (xt.dimensions().size() != 2 || a.dimensions().size() != 2 || out->dimensions().size() != 2)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T, A and the output must be 2-D");
   const int64_t k = Dim(xt, 0), tokens = Dim(xt, 1), rows = Dim(a, 0), kc = Dim(a, 1);
-  if (m != 4 && m != 8 && m != 16 && m != 32)
-    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: M must be 4, 8, 16 or 32, got " + std::to_string(m));
-  if (m == 4 ? v != 1 : (v != 64 && v != 128))
-    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: V must be 1 for M = 4 and 64 or 128 for M > 4");
+  if (ffi::Error e = CheckSpec("jaxsparse_spmm_xt", v, m); e.failure()) return e;
   const int64_t groups = k / m;
   if (k % m || kc != 4 * groups || out->dimensions()[0] != tokens || out->dimensions()[1] != rows || rows % 64 ||
       rows % std::max<int64_t>(v, 1) ||

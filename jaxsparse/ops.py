@@ -150,13 +150,17 @@ def _linear_fwd(x2, sw, bias):
     return spmm(x2, sw, bias), (x2, sw, bias)
 
 
-def _linear_bwd(residuals, dy):
-    x2, sw, bias = residuals
+def _cotangents(dy: jax.Array, sw: SparseWeight, bias: Optional[jax.Array], dvalues: jax.Array):
+    """``(dx, dsw, dbias)`` of the layer product, given the SDDMM's ``dvalues`` (both VJP routes share this)."""
     dx = spmm_t(dy, sw)
-    dvalues = sddmm(x2, dy, sw)
     dsw = SparseWeight(dvalues, _no_cotangent(sw.columns), _no_cotangent(sw.metadata), sw.shape, sw.spec)
     dbias = None if bias is None else reference.bias_grad(dy, bias.dtype)
     return dx, dsw, dbias
+
+
+def _linear_bwd(residuals, dy):
+    x2, sw, bias = residuals
+    return _cotangents(dy, sw, bias, sddmm(x2, dy, sw))
 
 
 _linear.defvjp(_linear_fwd, _linear_bwd)
@@ -197,11 +201,7 @@ def _linear_xt_fwd(x2, sw, bias):
 
 def _linear_xt_bwd(residuals, dy):
     xt, sw, bias = residuals
-    dx = spmm_t(dy, sw)
-    dvalues = _sddmm_from_xt(xt, dy, sw)
-    dsw = SparseWeight(dvalues, _no_cotangent(sw.columns), _no_cotangent(sw.metadata), sw.shape, sw.spec)
-    dbias = None if bias is None else reference.bias_grad(dy, bias.dtype)
-    return dx, dsw, dbias
+    return _cotangents(dy, sw, bias, _sddmm_from_xt(xt, dy, sw))
 
 
 _linear_xt.defvjp(_linear_xt_fwd, _linear_xt_bwd)

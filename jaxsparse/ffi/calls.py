@@ -62,6 +62,24 @@ def _columns_operand(sw: SparseWeight) -> jax.Array:
     return sw.columns if sw.columns is not None else jnp.zeros((0,), jnp.uint8)
 
 
+def _setting(value, env: str, default: str = "auto"):
+    """``value``, or when it is None the environment variable ``env`` (trimmed, lower case; ``default`` when
+    unset or empty). Each setting checks the result against its own choices."""
+    if value is None:
+        value = os.environ.get(env, default).strip().lower() or default
+    return value
+
+
+def _xt_shape_problem(tokens: int, sw: SparseWeight) -> str | None:
+    """The constraint a ``T``-token x misses for the x^T kernels (16-byte rows of x^T, 128-feature CTAs),
+    or None when it meets them."""
+    if tokens % 8:
+        return f"T % 8 == 0 (16-byte rows of x^T), got T = {tokens}"
+    if sw.shape[1] % COL_MAJOR_ROW_TILE:
+        return f"R % {COL_MAJOR_ROW_TILE} == 0, got R = {sw.shape[1]}"
+    return None
+
+
 def _varying_axes(a: jax.Array) -> frozenset:
     """Manual mesh axes ``a`` varies over inside ``shard_map`` (empty outside it)."""
     aval = jax.typeof(a)
@@ -168,15 +186,10 @@ def spmm_x_layout(tokens: int, sw: SparseWeight, layout: str | None = None, shar
     transpose also serves the SDDMM, it wins at every M. An explicit ``col`` that the shapes cannot take
     raises ``ValueError``.
     """
-    if layout is None:
-        layout = os.environ.get(SPMM_X_LAYOUT_ENV, "auto").strip().lower() or "auto"
+    layout = _setting(layout, SPMM_X_LAYOUT_ENV)
     if layout not in SPMM_X_LAYOUTS:
         raise ValueError(f"the SpMM x layout ({SPMM_X_LAYOUT_ENV}) must be one of {SPMM_X_LAYOUTS}, got {layout!r}")
-    problem = None
-    if tokens % 8:
-        problem = f"T % 8 == 0 (16-byte rows of x^T), got T = {tokens}"
-    elif sw.shape[1] % COL_MAJOR_ROW_TILE:
-        problem = f"R % {COL_MAJOR_ROW_TILE} == 0, got R = {sw.shape[1]}"
+    problem = _xt_shape_problem(tokens, sw)
     if layout == "col" and problem:
         raise ValueError(f"spmm: a column-major x needs {problem}")
     if layout == "auto":
@@ -188,8 +201,7 @@ def spmm_xt_tile(tile: str | None = None) -> int:
     """The x^T SpMM's tile attribute (``features x tokens`` per CTA): ``auto`` (0; 64x128 when V = 64, else
     128x256 for a condensed reduction 4G > 512 and 128x128 below: measured, cuda/spmm_xt.cu ``AutoTile``),
     ``128x256``, ``64x256``, ``128x128``, ``64x128``. ``None`` reads ``JAXSPARSE_SPMM_XT_TILE``."""
-    if tile is None:
-        tile = os.environ.get(SPMM_XT_TILE_ENV, "auto").strip().lower() or "auto"
+    tile = _setting(tile, SPMM_XT_TILE_ENV)
     if tile not in SPMM_XT_TILES:
         raise ValueError(f"the x^T SpMM tile ({SPMM_XT_TILE_ENV}) must be one of {sorted(SPMM_XT_TILES)}, got {tile!r}")
     return SPMM_XT_TILES[tile]
@@ -228,8 +240,7 @@ def sddmm_split(split: int | str | None = None) -> int:
     only grids of fewer (row, group) tiles than half the GPU's SMs: measured on the H100, 2.4x on a 1024x1024
     layer at 64:2:8, and a loss on layers whose grid already fills the GPU; docs/kernel-notes.md).
     """
-    if split is None:
-        split = os.environ.get(SDDMM_SPLIT_ENV, "auto").strip().lower() or "auto"
+    split = _setting(split, SDDMM_SPLIT_ENV)
     if isinstance(split, str):
         named = {"auto": 0, "none": 1}
         if split in named:
@@ -252,8 +263,7 @@ def sddmm_engine(engine: str | None = None) -> int:
     sm_80), ``wgmma`` (2; Hopper warpgroup MMAs: an sm_90a build on a Hopper GPU, M in {4, 8, 16} and R a
     multiple of 128, else the call fails). ``None`` reads ``JAXSPARSE_SDDMM_ENGINE`` (default ``auto``).
     """
-    if engine is None:
-        engine = os.environ.get(SDDMM_ENGINE_ENV, "auto").strip().lower() or "auto"
+    engine = _setting(engine, SDDMM_ENGINE_ENV)
     if engine not in SDDMM_ENGINES:
         raise ValueError(f"the SDDMM engine ({SDDMM_ENGINE_ENV}) must be one of {sorted(SDDMM_ENGINES)}, got {engine!r}")
     return SDDMM_ENGINES[engine]
@@ -297,16 +307,11 @@ def sddmm_x_layout(tokens: int, sw: SparseWeight, layout: str | None = None, eng
     the x^T engine ties or loses there, 0.406 ms against 0.388 row-major at 16384x1024x4096). An explicit
     ``col`` that these shapes cannot take raises ``ValueError``.
     """
-    if layout is None:
-        layout = os.environ.get(SDDMM_X_LAYOUT_ENV, "auto").strip().lower() or "auto"
+    layout = _setting(layout, SDDMM_X_LAYOUT_ENV)
     if layout not in SDDMM_X_LAYOUTS:
         raise ValueError(f"the SDDMM x layout ({SDDMM_X_LAYOUT_ENV}) must be one of {SDDMM_X_LAYOUTS}, got {layout!r}")
-    problem = None
-    if tokens % 8:
-        problem = f"T % 8 == 0 (16-byte rows of x^T), got T = {tokens}"
-    elif sw.shape[1] % COL_MAJOR_ROW_TILE:
-        problem = f"R % {COL_MAJOR_ROW_TILE} == 0, got R = {sw.shape[1]}"
-    elif sddmm_engine(engine) == SDDMM_ENGINES["mma"]:
+    problem = _xt_shape_problem(tokens, sw)
+    if problem is None and sddmm_engine(engine) == SDDMM_ENGINES["mma"]:
         problem = "the wgmma engine (the mma.sync engine reads a row-major x only)"
     if layout == "col" and problem:
         raise ValueError(f"sddmm: a column-major x needs {problem}")
