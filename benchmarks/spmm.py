@@ -3,7 +3,9 @@
 One process; BERT-base/large shapes (tokens 4096 and 16384; K x N in 768x768, 768x3072, 3072x768,
 1024x1024, 1024x4096, 4096x1024). For every configuration: median time, speedup over dense, roofline
 floor (``benchmarks/common.py``), time over floor, and relative error against a float32 reference on
-the first 512 tokens. Writes ``benchmarks/results/<gpu>/spmm.json`` (and ``$OUT/spmm.json`` when set).
+the first 512 tokens. jaxsparse runs twice where it can: ``(row)``/``(col)`` is ``calls.spmm`` on the route
+it picks by itself (``col`` includes its transpose of x), and ``x^T given`` is the Hopper x^T kernel alone,
+as ``sparse_linear`` runs it (one transpose per layer, shared with the SDDMM). Writes ``benchmarks/results/<gpu>/spmm.json`` (and ``$OUT/spmm.json`` when set).
 
   python3 benchmarks/spmm.py            # all shapes
   python3 benchmarks/spmm.py --quick    # 16384 tokens, three BERT-large shapes
@@ -124,6 +126,10 @@ def main() -> None:
     reps = dict(warmup=5, inner=20, outer=15)
     dense_fn = jax.jit(lambda x, w: x @ w)
     sparse_fn = jax.jit(lambda x, sw: calls.spmm(x, sw, None, None))
+    # The x^T kernel as sparse_linear runs it on Hopper: x^T is made once per layer and shared with the
+    # SDDMM, so the forward's own cost is the kernel (plus the condensed weight, formed per call).
+    xt_fn = jax.jit(lambda xt, sw: calls.spmm_from_xt(xt, sw, None, None))
+    transpose_fn = jax.jit(lambda x: x.T)
     select = jax.jit(F.select_mask, static_argnums=1)
     rows = []
     key = jax.random.PRNGKey(42)
@@ -160,10 +166,20 @@ def main() -> None:
                 err = _rel_err(sparse_fn(xs[0], sw), xs[0], sw)
                 ms = common.time_jax(sparse_fn, [(x, sw) for x in xs], **reps)
                 fl = common.spmm_floor_ms(tokens, k, n, spec.m, spec.v)
-                rows.append(dict(base, impl=f"jaxsparse {spec_s}", ms=round(ms, 4), speedup=round(dense_ms / ms, 2),
-                                 floor_ms=round(fl["floor_ms"], 4), over_floor=round(ms / fl["floor_ms"], 2),
-                                 bound=fl["bound"], err=f"{err:.1e}"))
+                route = calls.spmm_x_layout(tokens, sw)
+                rows.append(dict(base, impl=f"jaxsparse {spec_s} ({route})", ms=round(ms, 4),
+                                 speedup=round(dense_ms / ms, 2), floor_ms=round(fl["floor_ms"], 4),
+                                 over_floor=round(ms / fl["floor_ms"], 2), bound=fl["bound"], err=f"{err:.1e}"))
                 print(rows[-1], flush=True)
+                if calls.hopper_gpu() and calls.spmm_x_layout(tokens, sw, shares_xt=True) == "col":
+                    xts = [transpose_fn(x) for x in xs]
+                    err = _rel_err(xt_fn(xts[0], sw), xs[0], sw)
+                    ms = common.time_jax(xt_fn, [(xt, sw) for xt in xts], **reps)
+                    rows.append(dict(base, impl=f"jaxsparse {spec_s} x^T given", ms=round(ms, 4),
+                                     speedup=round(dense_ms / ms, 2), floor_ms=round(fl["floor_ms"], 4),
+                                     over_floor=round(ms / fl["floor_ms"], 2), bound=fl["bound"], err=f"{err:.1e}"))
+                    print(rows[-1], flush=True)
+                    del xts
                 del sw
             if not args.no_torch:
                 ms, note = _cusparselt(tokens, k, n, reps)
