@@ -149,7 +149,7 @@ def main() -> None:
         ("fwd x col-major", "fwd", jax.jit(lambda x, dy, sw, b: calls.spmm(x, sw, b, None, x_layout="col")), same),
         *[(f"fwd x^T given {tile}", "fwd",
            jax.jit(lambda xt, dy, sw, b, tile=tile: calls.spmm_from_xt(xt, sw, b, None, tile)), xt_of)
-          for tile in ("auto", "128x256", "64x256", "128x128", "64x128")],
+          for tile in ("auto", "128x256", "64x256", "128x128", "64x128", "ws128x256", "ws64x256")],
         ("dW mma.sync engine", "dW", jax.jit(lambda x, dy, sw, b: calls.sddmm(x, dy, sw, engine="mma", x_layout="row")),
          same),
         ("dW split=none", "dW", jax.jit(lambda x, dy, sw, b: calls.sddmm(x, dy, sw, split="none")), same),
@@ -216,7 +216,7 @@ def main() -> None:
                 runs = [(prod, prod, sparse_fns[prod], same, errs[prod]) for prod in PRODUCTS]
                 runs += [(label, prod, fn, prep, _err(prod, fn, (prep(x0), dy0, sw, b), refs))
                          for label, prod, fn, prep in variants
-                         if not (spec.v == 64 and label.startswith("fwd x^T given 128x"))]  # 128-row tiles need V >= 128
+                         if not (spec.v == 64 and label.startswith(("fwd x^T given 128x", "fwd x^T given ws128x")))]  # 128-row tiles need V >= 128
                 for label, prod, fn, prep, err in runs:
                     ms = common.time_jax(fn, [(prep(x), dy, sw, b) for x, dy in zip(xs, dys)], **reps)
                     fl = floors(prod, tokens, k, n, spec.m, spec.v)

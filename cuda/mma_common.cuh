@@ -141,13 +141,13 @@ __device__ __forceinline__ float BiasAt(const void* bias, int bias_f32, int row)
 }
 
 // Writes an output tile staged in shared memory as [BT tokens][BR features] (token rows `row_bytes` apart)
-// to y [tokens, rows] at (tok0, row0) with 16-byte stores; tokens past `tokens` are skipped.  Called by all
-// THREADS threads after the barrier that follows the staging.
+// to y [tokens, rows] at (tok0, row0) with 16-byte stores; tokens past `tokens` are skipped.  Called by the
+// THREADS threads numbered `thread` = 0..THREADS-1 after the barrier that follows the staging.
 template <typename T, int BT, int BR, int THREADS>
 __device__ __forceinline__ void StoreStagedTile(const unsigned char* tile, int row_bytes, T* __restrict__ y, int tokens,
-                                                int rows, int tok0, int row0) {
+                                                int rows, int tok0, int row0, int thread) {
   constexpr int kChunks = BR / 8;  // 16-byte chunks per token row of the tile
-  for (int i = threadIdx.x; i < BT * kChunks; i += THREADS) {
+  for (int i = thread; i < BT * kChunks; i += THREADS) {
     const int t = i / kChunks, c = i % kChunks;
     const int tok = tok0 + t;
     if (tok < tokens) {

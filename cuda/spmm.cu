@@ -272,7 +272,7 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MIN_BLOCKS)
     }
   }
   __syncthreads();
-  StoreStagedTile<T, BN, BM, kThreads>(smem, kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows, tok0, row0);
+  StoreStagedTile<T, BN, BM, kThreads>(smem, kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows, tok0, row0, threadIdx.x);
 }
 
 // ---------------------------------------------------------------- host side

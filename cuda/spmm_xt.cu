@@ -58,6 +58,80 @@ struct XtLayout {
   static_assert(kStageBytes % 1024 == 0, "swizzle atoms are 1024-byte aligned");
 };
 
+// One pipeline stage (condensed k [q0, q0 + 64)) of A [BR][64 k] and Xc [64 k][BT tokens] into shared memory at
+// `base` by THREADS threads (this one is `thread`); `tcols` is the V block's kept columns (null at M = 4).
+template <typename T, int BR, int BT, int THREADS>
+__device__ __forceinline__ void LoadXtStage(uint32_t base, int q0, int thread, const SpmmXtParams& p, int row0, int tok0,
+                                            const uint8_t* tcols) {
+  constexpr int kBChunks = BT / 8;                 // 16-byte chunks of 8 tokens per k row of Xc
+  constexpr int kBRows = THREADS / kBChunks;       // k rows of Xc per pass
+  constexpr int kARows = THREADS / 8;              // A rows per pass (8 chunks of 8 k per row)
+  const int kc_total = 4 * p.groups;
+  const T* __restrict__ xt = static_cast<const T*>(p.xt);
+  const T* __restrict__ a = static_cast<const T*>(p.a);
+  const int a_r = thread >> 3, a_c = thread & 7;
+  const bool a_ok = q0 + a_c * 8 < kc_total;  // 4G % 8 == 0: a chunk is all in or all out
+  const T* a_src = a + static_cast<int64_t>(row0 + a_r) * kc_total + q0 + a_c * 8;
+#pragma unroll
+  for (int i = 0; i < BR / kARows; ++i) {
+    const int r = a_r + kARows * i;
+    CpAsync16(base + Sw128KOffset(r, a_c * 8), a_ok ? a_src + static_cast<int64_t>(kARows * i) * kc_total : a,
+              a_ok ? 16 : 0);
+  }
+  const int b_k = thread / kBChunks, b_c = thread % kBChunks;
+  const bool b_tok_ok = tok0 + b_c * 8 < p.tokens;  // T % 8 == 0: a chunk is all in or all out
+  const T* b_src = xt + tok0 + b_c * 8;
+  const uint32_t b_base = base + (BR / 64) * kColBytes;
+#pragma unroll
+  for (int i = 0; i < kKc / kBRows; ++i) {
+    const int kk = b_k + kBRows * i, q = q0 + kk;
+    const bool ok = b_tok_ok && q < kc_total;
+    const int krow = tcols != nullptr ? (q >> 2) * p.m + tcols[ok ? q : 0] : q;
+    CpAsync16(b_base + Sw128MnOffset(b_c * 8, kk, kColBytes), ok ? b_src + static_cast<int64_t>(krow) * p.tokens : xt,
+              ok ? 16 : 0);
+  }
+}
+
+// The wgmmas of one stage for one warpgroup: its A rows (feature half wr) times its Xc tokens (from b_col, a
+// 64-token column index), NCH products of N = NW per k16 step.
+template <typename T, int BR, int NW, int NCH>
+__device__ __forceinline__ void XtStageMma(float (&acc)[NCH][NW / 2], uint32_t stage, int wr, int b_col) {
+#ifdef JAXSPARSE_WGMMA
+  const uint32_t a_base = stage + wr * kColBytes;
+  const uint32_t b_base = stage + (BR / 64) * kColBytes + b_col * kColBytes;
+#pragma unroll
+  for (int ks = 0; ks < kKc / 16; ++ks) {
+    const uint64_t da = WgmmaDescSw128(a_base + ks * 32, 16, 1024);
+#pragma unroll
+    for (int c = 0; c < NCH; ++c) {
+      const uint64_t db = WgmmaDescSw128(b_base + c * (NW / 64) * kColBytes + ks * 2048, kColBytes, 1024);
+      Wgmma<NW, T, 1, 0>::Run(acc[c], da, db);
+    }
+  }
+#endif
+}
+
+// Epilogue of one warpgroup (warp wq of it): + bias, optional GELU, convert, into the staged [BT][BR] tile.
+template <typename T, int NW, int NCH>
+__device__ __forceinline__ void StageXtAccumulators(float (&acc)[NCH][NW / 2], unsigned char* tile, int row_bytes,
+                                                    const SpmmXtParams& p, int row0, int r_base, int t_base, int wq,
+                                                    int lane) {
+  const int r_lo = r_base + 16 * wq + (lane >> 2);  // tile-local features r_lo, r_lo + 8
+  const float bias_lo = BiasAt<T>(p.bias, p.bias_f32, row0 + r_lo);
+  const float bias_hi = BiasAt<T>(p.bias, p.bias_f32, row0 + r_lo + 8);
+#pragma unroll
+  for (int c = 0; c < NCH; ++c) {
+#pragma unroll
+    for (int i = 0; i < NW / 2; ++i) {
+      const int hi = (i >> 1) & 1;
+      const int t = t_base + c * NW + 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+      float v = acc[c][i] + (hi ? bias_hi : bias_lo);
+      if (p.activation == 1) v = GeluTanh(v);
+      reinterpret_cast<T*>(tile + t * row_bytes)[r_lo + 8 * hi] = FromFloat<T>(v);
+    }
+  }
+}
+
 template <typename T, int BR, int BT, int STAGES, int MIN_BLOCKS>
 __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const SpmmXtParams p) {
 #ifdef JAXSPARSE_WGMMA
@@ -81,45 +155,14 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
   const int tok0 = blockIdx.y * BT;
   const int kc_total = 4 * p.groups;
   const int num_kt = (kc_total + kKc - 1) / kKc;
-  const T* __restrict__ xt = static_cast<const T*>(p.xt);
-  const T* __restrict__ a = static_cast<const T*>(p.a);
 
   // The V block's kept columns, one byte per condensed k (BR <= V: one block per CTA).
-  uint8_t* scol = smem + L::kColsOff;
+  uint8_t* scol = p.cols != nullptr ? smem + L::kColsOff : nullptr;
   if (p.cols != nullptr) {
     const uint8_t* src = p.cols + static_cast<int64_t>(row0 / p.v) * kc_total;
     for (int i = tid; i < kc_total; i += kThreads) scol[i] = src[i];
   }
   __syncthreads();
-
-  // A: BR rows x 8 chunks of 8 k; B: 64 k rows x BT/8 chunks of 8 tokens.  A thread keeps one chunk column.
-  constexpr int kBChunks = BT / 8;
-  constexpr int kBRows = kThreads / kBChunks;  // k rows of B per pass
-  const int a_r = tid >> 3, a_c = tid & 7;
-  const int b_k = tid / kBChunks, b_c = tid % kBChunks;
-  const T* a_src0 = a + static_cast<int64_t>(row0 + a_r) * kc_total + a_c * 8;
-  const bool b_tok_ok = tok0 + b_c * 8 < p.tokens;  // T % 8 == 0: a chunk is all in or all out
-  const T* b_src0 = xt + tok0 + b_c * 8;
-
-  auto load_stage = [&](int buf, int kt) {
-    const uint32_t base = smem_base + buf * L::kStageBytes;
-    const int q0 = kt * kKc;
-    const bool a_ok = q0 + a_c * 8 < kc_total;  // 4G % 8 == 0: a chunk is all in or all out
-#pragma unroll
-    for (int i = 0; i < BR / 32; ++i) {
-      const int r = a_r + 32 * i;
-      CpAsync16(base + Sw128KOffset(r, a_c * 8), a_ok ? a_src0 + static_cast<int64_t>(32 * i) * kc_total + q0 : a,
-                a_ok ? 16 : 0);
-    }
-#pragma unroll
-    for (int i = 0; i < kKc / kBRows; ++i) {
-      const int kk = b_k + kBRows * i, q = q0 + kk;
-      const bool ok = b_tok_ok && q < kc_total;
-      const int krow = p.cols != nullptr ? (q >> 2) * p.m + scol[ok ? q : 0] : q;
-      CpAsync16(base + L::kABytes + Sw128MnOffset(b_c * 8, kk, kColBytes),
-                ok ? b_src0 + static_cast<int64_t>(krow) * p.tokens : xt, ok ? 16 : 0);
-    }
-  };
 
   float acc[NCH][NW / 2];
 #pragma unroll
@@ -129,7 +172,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
 
 #pragma unroll
   for (int s = 0; s < STAGES - 2; ++s) {
-    if (s < num_kt) load_stage(s, s);
+    if (s < num_kt) LoadXtStage<T, BR, BT, kThreads>(smem_base + s * L::kStageBytes, s * kKc, tid, p, row0, tok0, scol);
     CpAsyncCommit();
   }
   for (int kt = 0; kt < num_kt; ++kt) {
@@ -138,24 +181,15 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
     __syncthreads();  // stage kt visible to all; every warpgroup's wgmmas up to stage kt-2 completed
     {
       const int next = kt + STAGES - 2;  // into the buffer of stage kt-2
-      if (next < num_kt) load_stage(next % STAGES, next);
+      if (next < num_kt)
+        LoadXtStage<T, BR, BT, kThreads>(smem_base + (next % STAGES) * L::kStageBytes, next * kKc, tid, p, row0, tok0,
+                                         scol);
       CpAsyncCommit();
     }
-    const uint32_t stage = smem_base + (kt % STAGES) * L::kStageBytes;
-    const uint32_t a_base = stage + wr * kColBytes;
-    const uint32_t b_base = stage + L::kABytes + (wt * WN / 64) * kColBytes;
 #pragma unroll
     for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
     WgmmaFence();
-#pragma unroll
-    for (int ks = 0; ks < kKc / 16; ++ks) {
-      const uint64_t da = WgmmaDescSw128(a_base + ks * 32, 16, 1024);
-#pragma unroll
-      for (int c = 0; c < NCH; ++c) {
-        const uint64_t db = WgmmaDescSw128(b_base + c * (NW / 64) * kColBytes + ks * 2048, kColBytes, 1024);
-        Wgmma<NW, T, 1, 0>::Run(acc[c], da, db);
-      }
-    }
+    XtStageMma<T, BR, NW, NCH>(acc, smem_base + (kt % STAGES) * L::kStageBytes, wr, wt * WN / 64);
     WgmmaCommit();
     WgmmaWait<1>();  // stage kt-1's wgmmas of this warpgroup completed
 #pragma unroll
@@ -168,22 +202,117 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
   // ---------------------------------------------------------------- epilogue
   CpAsyncWait<0>();
   __syncthreads();  // no wgmma or copy touches the pipeline buffers any more: reuse them as the Y tile
-  const int r_lo = 64 * wr + 16 * wq + (lane >> 2);  // tile-local features r_lo, r_lo + 8
-  const float bias_lo = BiasAt<T>(p.bias, p.bias_f32, row0 + r_lo);
-  const float bias_hi = BiasAt<T>(p.bias, p.bias_f32, row0 + r_lo + 8);
-#pragma unroll
-  for (int c = 0; c < NCH; ++c) {
-#pragma unroll
-    for (int i = 0; i < NW / 2; ++i) {
-      const int hi = (i >> 1) & 1;
-      const int t = wt * WN + c * NW + 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-      float v = acc[c][i] + (hi ? bias_hi : bias_lo);
-      if (p.activation == 1) v = GeluTanh(v);
-      reinterpret_cast<T*>(smem + t * L::kYRowBytes)[r_lo + 8 * hi] = FromFloat<T>(v);
+  StageXtAccumulators<T, NW, NCH>(acc, smem, L::kYRowBytes, p, row0, 64 * wr, wt * WN, wq, lane);
+  __syncthreads();
+  StoreStagedTile<T, BT, BR, kThreads>(smem, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows, tok0, row0,
+                                       threadIdx.x);
+#else
+  __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
+#endif
+}
+
+// ---------------------------------------------------------------- warp-specialized, persistent version
+//
+// 384 threads: warpgroup 0 is the producer (cp.async of A and Xc into a STAGES-deep ring; each thread's
+// cp.async.mbarrier.arrive marks a stage full once its copies landed), warpgroups 1 and 2 consume (wait
+// full, wgmma, release the previous stage to the producer once its wgmmas completed: one group in flight).
+// The grid is persistent (one CTA per SM, tiles strided over the grid, features fastest so CTAs running
+// together share x^T rows); the Y tile is staged in its own shared-memory region, so the producer loads the
+// next tile's first stages while the consumers run this tile's epilogue.  Barrier phases run on across tiles.
+constexpr int kWsThreads = 384;
+
+template <int BR, int BT, int STAGES>
+struct XtWsLayout {
+  static constexpr int kABytes = (BR / 64) * kColBytes;
+  static constexpr int kBBytes = (BT / 64) * kColBytes;
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kYRowBytes = BR * 2 + 16;
+  static constexpr int kEpiOff = STAGES * kStageBytes;
+  static constexpr int kBarOff = kEpiOff + BT * kYRowBytes;  // full[STAGES] then empty[STAGES], 8 bytes each
+  static constexpr int kBytes = kBarOff + 2 * STAGES * 8;
+  static_assert(kStageBytes % 1024 == 0 && kBarOff % 8 == 0, "alignment");
+};
+
+template <typename T, int BR, int BT, int STAGES>
+__global__ void __launch_bounds__(kWsThreads, 1) SpmmWgmmaXtWsKernel(const SpmmXtParams p) {
+#ifdef JAXSPARSE_WGMMA
+  using L = XtWsLayout<BR, BT, STAGES>;
+  constexpr int WR = BR / 64;               // consumer warpgroups along the features (1 or 2)
+  constexpr int WN = BT * WR / 2;           // tokens per consumer warpgroup
+  constexpr int NW = WN >= 128 ? 128 : 64;  // N of one wgmma
+  constexpr int NCH = WN / NW;
+  static_assert(WN % NW == 0, "token tile");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t raw_base = SmemAddr(smem_raw);
+  const uint32_t pad = ((raw_base + 1023u) & ~1023u) - raw_base;
+  unsigned char* smem = smem_raw + pad;
+  const uint32_t smem_base = raw_base + pad;
+  const uint32_t full0 = smem_base + L::kBarOff, empty0 = full0 + STAGES * 8;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      MbarInit(full0 + 8 * s, 128);  // every producer thread, once its copies landed
+      MbarInit(empty0 + 8 * s, 8);   // every consumer warp, once its wgmmas on the stage completed
     }
   }
   __syncthreads();
-  StoreStagedTile<T, BT, BR, kThreads>(smem, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows, tok0, row0);
+
+  const int kc_total = 4 * p.groups;
+  const int num_kt = (kc_total + kKc - 1) / kKc;
+  const int nfb = p.rows / BR;
+  const int ntiles = nfb * ((p.tokens + BT - 1) / BT);
+
+  if (wg == 0) {  // ------------------------------------------------ producer
+    int it = 0;
+    for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+      const int row0 = (tile % nfb) * BR, tok0 = (tile / nfb) * BT;
+      const uint8_t* tcols = p.cols != nullptr ? p.cols + static_cast<int64_t>(row0 / p.v) * kc_total : nullptr;
+      for (int kt = 0; kt < num_kt; ++kt, ++it) {
+        const int s = it % STAGES;
+        if (it >= STAGES) MbarWait(empty0 + 8 * s, ((it / STAGES) & 1) ^ 1);
+        LoadXtStage<T, BR, BT, 128>(smem_base + s * L::kStageBytes, kt * kKc, tid, p, row0, tok0, tcols);
+        CpAsyncMbarArrive(full0 + 8 * s);
+      }
+    }
+    CpAsyncWait<0>();
+  } else {  // ------------------------------------------------------ consumers
+    const int cw = wg - 1, wq = warp & 3, ctid = tid - 128;
+    const int wr = WR == 2 ? cw : 0;  // feature half of this warpgroup
+    const int wt = WR == 2 ? 0 : cw;  // token half
+    unsigned char* ytile = smem + L::kEpiOff;
+    int it = 0;
+    for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+      const int row0 = (tile % nfb) * BR, tok0 = (tile / nfb) * BT;
+      float acc[NCH][NW / 2];
+#pragma unroll
+      for (int c = 0; c < NCH; ++c)
+#pragma unroll
+        for (int i = 0; i < NW / 2; ++i) acc[c][i] = 0.f;
+      for (int kt = 0; kt < num_kt; ++kt, ++it) {
+        const int s = it % STAGES;
+        MbarWait(full0 + 8 * s, (it / STAGES) & 1);
+        FenceProxyAsyncShared();  // the producers' cp.async writes, seen through the barrier, before wgmma reads
+#pragma unroll
+        for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
+        WgmmaFence();
+        XtStageMma<T, BR, NW, NCH>(acc, smem_base + s * L::kStageBytes, wr, wt * WN / 64);
+        WgmmaCommit();
+        WgmmaWait<1>();  // the previous stage's wgmmas of this warpgroup completed: hand its buffer back
+#pragma unroll
+        for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
+        if (kt > 0 && lane == 0) MbarArrive(empty0 + 8 * ((it - 1) % STAGES));
+      }
+      WgmmaWait<0>();
+#pragma unroll
+      for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
+      if (lane == 0) MbarArrive(empty0 + 8 * ((it - 1) % STAGES));
+      NamedBarSync(1, 256);  // the previous tile's stores have read the staged Y tile
+      StageXtAccumulators<T, NW, NCH>(acc, ytile, L::kYRowBytes, p, row0, 64 * wr, wt * WN, wq, lane);
+      NamedBarSync(1, 256);
+      StoreStagedTile<T, BT, BR, 256>(ytile, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows, tok0, row0, ctid);
+    }
+  }
 #else
   __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
 #endif
@@ -193,7 +322,16 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
 
 // Tile configurations <BR features, BT tokens, stages, CTAs per SM>; the attribute `tile` picks one
 // (0 = auto).  BR = 64 is the only choice for V = 64 (one column set per CTA).
-enum XtTile { kTileAuto = 0, kTile128x256 = 1, kTile64x256 = 2, kTile128x128 = 3, kTile64x128 = 4 };
+// 5 and 6 are the warp-specialized persistent kernel (SpmmWgmmaXtWsKernel) at 128x256 and 64x256.
+enum XtTile {
+  kTileAuto = 0,
+  kTile128x256 = 1,
+  kTile64x256 = 2,
+  kTile128x128 = 3,
+  kTile64x128 = 4,
+  kTileWs128x256 = 5,
+  kTileWs64x256 = 6
+};
 
 template <typename T, int BR, int BT, int STAGES, int MIN_BLOCKS>
 ffi::Error LaunchTile(cudaStream_t stream, const SpmmXtParams& p) {
@@ -212,6 +350,19 @@ ffi::Error LaunchTile(cudaStream_t stream, const SpmmXtParams& p) {
   return LastLaunchError("SpmmWgmmaXtKernel");
 }
 
+template <typename T, int BR, int BT, int STAGES>
+ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& p) {
+  constexpr auto kernel = SpmmWgmmaXtWsKernel<T, BR, BT, STAGES>;
+  if (!Sm90aImageLoaded<kernel>())
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: needs an sm_90a build on a Hopper GPU");
+  constexpr int smem = XtWsLayout<BR, BT, STAGES>::kBytes + 1024;
+  static_assert(smem <= 227 * 1024, "shared memory");
+  if (ffi::Error e = RaiseSmemLimit<kernel>(smem, "cudaFuncSetAttribute(SpmmWgmmaXtWsKernel)"); e.failure()) return e;
+  const int tiles = p.rows / BR * ((p.tokens + BT - 1) / BT);
+  kernel<<<std::min(tiles, SmCount()), kWsThreads, smem, stream>>>(p);
+  return LastLaunchError("SpmmWgmmaXtWsKernel");
+}
+
 // Auto tile, from the H100 measurements in docs/kernel-notes.md (session 5): 128 features where V allows,
 // else 64; 128 tokens (two CTAs per SM, so one CTA's prologue and epilogue overlap the other's main loop)
 // unless the condensed reduction is long (more than 8 stages of 64), where the 256-token tile's reuse of
@@ -225,7 +376,7 @@ template <typename T>
 ffi::Error Dispatch(cudaStream_t stream, const SpmmXtParams& p, int tile) {
   const bool can128 = p.rows % 128 == 0 && (p.cols == nullptr || p.v % 128 == 0);
   if (tile == kTileAuto) tile = AutoTile(p, can128);
-  if ((tile == kTile128x256 || tile == kTile128x128) && !can128)
+  if ((tile == kTile128x256 || tile == kTile128x128 || tile == kTileWs128x256) && !can128)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: 128-feature tiles need R % 128 == 0 and V >= 128");
   switch (tile) {
     case kTile128x256:
@@ -236,8 +387,12 @@ ffi::Error Dispatch(cudaStream_t stream, const SpmmXtParams& p, int tile) {
       return LaunchTile<T, 128, 128, 3, 2>(stream, p);
     case kTile64x128:
       return LaunchTile<T, 64, 128, 4, 2>(stream, p);
+    case kTileWs128x256:
+      return LaunchWs<T, 128, 256, 3>(stream, p);
+    case kTileWs64x256:
+      return LaunchWs<T, 64, 256, 4>(stream, p);
     default:
-      return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: tile must be 0 (auto) to 4, got " + std::to_string(tile));
+      return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: tile must be 0 (auto) to 6, got " + std::to_string(tile));
   }
 }
 

@@ -134,7 +134,7 @@ def test_spmm_no_transpose_in_hlo():
 
 # ----------------------------------------------------------------------------- the Hopper x^T kernel
 
-XT_TILES = ["128x256", "64x256", "128x128", "64x128"]
+XT_TILES = ["128x256", "64x256", "128x128", "64x128", "ws128x256", "ws64x256"]
 xt_marks = pytest.mark.skipif(not (cuda_ready("jaxsparse_spmm_xt") and calls.hopper_gpu()),
                               reason="the x^T SpMM needs a Hopper GPU")
 
@@ -142,7 +142,7 @@ xt_marks = pytest.mark.skipif(not (cuda_ready("jaxsparse_spmm_xt") and calls.hop
 def _xt_tiles(spec):
     """The tiles the x^T kernel can take for ``spec``: 128-feature tiles need V >= 128 (or 2:4)."""
     v = F.VNM.parse(spec).v
-    return [t for t in XT_TILES if v != 64 or t.startswith("64x")]
+    return [t for t in XT_TILES if v != 64 or t.removeprefix("ws").startswith("64x")]
 
 
 @xt_marks
@@ -165,6 +165,18 @@ def test_spmm_xt_large(spec, dtype):
     """Many CTAs, BERT-large-like K, the auto tile."""
     x, sw, bias = _make(key("xt-large", spec, str(dtype)), 1024, 1024, 1152, spec, dtype, with_bias=True)
     _check(x, sw, bias, None, TOL[dtype], tile="auto")
+
+
+@xt_marks
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("tile", ["ws128x256", "ws64x256"])
+def test_spmm_xt_persistent(spec, tile):
+    """More tiles than SMs, so each CTA of the persistent kernel runs several (barrier phases carry over),
+    with a token tail in the last tile row and a bias with GELU."""
+    if F.VNM.parse(spec).v == 64 and tile.startswith("ws128"):
+        pytest.skip("128-feature tiles need V >= 128")
+    x, sw, bias = _make(key("xt-persist", spec, tile), 256 * 40 + 72, 512, 1024, spec, jnp.bfloat16, with_bias=True)
+    _check(x, sw, bias, "gelu", TOL[jnp.bfloat16], tile=tile)
 
 
 @xt_marks

@@ -168,7 +168,7 @@ def spmm(x: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activati
 SPMM_X_LAYOUT_ENV = "JAXSPARSE_SPMM_X"
 SPMM_X_LAYOUTS = ("auto", "row", "col")
 SPMM_XT_TILE_ENV = "JAXSPARSE_SPMM_XT_TILE"
-SPMM_XT_TILES = {"auto": 0, "128x256": 1, "64x256": 2, "128x128": 3, "64x128": 4}
+SPMM_XT_TILES = {"auto": 0, "128x256": 1, "64x256": 2, "128x128": 3, "64x128": 4, "ws128x256": 5, "ws64x256": 6}
 
 
 def spmm_x_layout(tokens: int, sw: SparseWeight, layout: str | None = None, shares_xt: bool = False) -> str:
@@ -200,7 +200,9 @@ def spmm_x_layout(tokens: int, sw: SparseWeight, layout: str | None = None, shar
 def spmm_xt_tile(tile: str | None = None) -> int:
     """The x^T SpMM's tile attribute (``features x tokens`` per CTA): ``auto`` (0; 64x128 when V = 64, else
     128x256 for a condensed reduction 4G > 512 and 128x128 below: measured, cuda/spmm_xt.cu ``AutoTile``),
-    ``128x256``, ``64x256``, ``128x128``, ``64x128``. ``None`` reads ``JAXSPARSE_SPMM_XT_TILE``."""
+    ``128x256``, ``64x256``, ``128x128``, ``64x128``, or ``ws128x256`` / ``ws64x256``: the warp-specialized
+    persistent kernel (a producer warpgroup and two consumer warpgroups). ``None`` reads
+    ``JAXSPARSE_SPMM_XT_TILE``."""
     tile = _setting(tile, SPMM_XT_TILE_ENV)
     if tile not in SPMM_XT_TILES:
         raise ValueError(f"the x^T SpMM tile ({SPMM_XT_TILE_ENV}) must be one of {sorted(SPMM_XT_TILES)}, got {tile!r}")
