@@ -58,9 +58,10 @@ struct XtLayout {
   static_assert(kStageBytes % 1024 == 0, "swizzle atoms are 1024-byte aligned");
 };
 
-// One pipeline stage (condensed k [q0, q0 + 64)) of A [BR][64 k] and Xc [64 k][BT tokens] into shared memory at
-// `base` by THREADS threads (this one is `thread`); `tcols` is the V block's kept columns (null at M = 4).
-template <typename T, int BR, int BT, int THREADS>
+// One pipeline stage (condensed k [q0, q0 + 64)) of A [BR][64 k] (unless WITH_A is false) and Xc [64 k][BT
+// tokens] into shared memory at `base` by cp.async from THREADS threads (this one is `thread`); `tcols` is the V
+// block's kept columns (null at M = 4).
+template <typename T, int BR, int BT, int THREADS, bool WITH_A = true>
 __device__ __forceinline__ void LoadXtStage(uint32_t base, int q0, int thread, const SpmmXtParams& p, int row0, int tok0,
                                             const uint8_t* tcols) {
   constexpr int kBChunks = BT / 8;                 // 16-byte chunks of 8 tokens per k row of Xc
@@ -69,14 +70,16 @@ __device__ __forceinline__ void LoadXtStage(uint32_t base, int q0, int thread, c
   const int kc_total = 4 * p.groups;
   const T* __restrict__ xt = static_cast<const T*>(p.xt);
   const T* __restrict__ a = static_cast<const T*>(p.a);
-  const int a_r = thread >> 3, a_c = thread & 7;
-  const bool a_ok = q0 + a_c * 8 < kc_total;  // 4G % 8 == 0: a chunk is all in or all out
-  const T* a_src = a + static_cast<int64_t>(row0 + a_r) * kc_total + q0 + a_c * 8;
+  if (WITH_A) {
+    const int a_r = thread >> 3, a_c = thread & 7;
+    const bool a_ok = q0 + a_c * 8 < kc_total;  // 4G % 8 == 0: a chunk is all in or all out
+    const T* a_src = a + static_cast<int64_t>(row0 + a_r) * kc_total + q0 + a_c * 8;
 #pragma unroll
-  for (int i = 0; i < BR / kARows; ++i) {
-    const int r = a_r + kARows * i;
-    CpAsync16(base + Sw128KOffset(r, a_c * 8), a_ok ? a_src + static_cast<int64_t>(kARows * i) * kc_total : a,
-              a_ok ? 16 : 0);
+    for (int i = 0; i < BR / kARows; ++i) {
+      const int r = a_r + kARows * i;
+      CpAsync16(base + Sw128KOffset(r, a_c * 8), a_ok ? a_src + static_cast<int64_t>(kARows * i) * kc_total : a,
+                a_ok ? 16 : 0);
+    }
   }
   const int b_k = thread / kBChunks, b_c = thread % kBChunks;
   const bool b_tok_ok = tok0 + b_c * 8 < p.tokens;  // T % 8 == 0: a chunk is all in or all out
@@ -213,12 +216,14 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
 
 // ---------------------------------------------------------------- warp-specialized, persistent version
 //
-// 384 threads: warpgroup 0 is the producer (cp.async of A and Xc into a STAGES-deep ring; each thread's
-// cp.async.mbarrier.arrive marks a stage full once its copies landed), warpgroups 1 and 2 consume (wait
-// full, wgmma, release the previous stage to the producer once its wgmmas completed: one group in flight).
-// The grid is persistent (one CTA per SM, tiles strided over the grid, features fastest so CTAs running
-// together share x^T rows); the Y tile is staged in its own shared-memory region, so the producer loads the
-// next tile's first stages while the consumers run this tile's epilogue.  Barrier phases run on across tiles.
+// 384 threads: warpgroup 0 is the producer, warpgroups 1 and 2 consume (wait full, wgmma, release the
+// previous stage to the producer once its wgmmas completed: one group in flight).  The producer fills a
+// STAGES-deep ring: thread 0 loads A by TMA (one box per stage, 128-byte swizzled, arrival with expect_tx);
+// Xc comes by TMA too at M = 4 (dense rows of x^T: BT/64 boxes of 64 tokens x 64 k), and otherwise by cp.async
+// from all 128 producer threads, each marking its part with cp.async.mbarrier.arrive.  The grid is persistent
+// (one CTA per SM, tiles strided over the grid, features fastest so CTAs running together share x^T rows);
+// the Y tile is staged in its own shared-memory region, so the producer loads the next tile's first stages
+// while the consumers run this tile's epilogue.  Barrier phases run on across tiles.
 constexpr int kWsThreads = 384;
 
 template <int BR, int BT, int STAGES>
@@ -234,7 +239,9 @@ struct XtWsLayout {
 };
 
 template <typename T, int BR, int BT, int STAGES>
-__global__ void __launch_bounds__(kWsThreads, 1) SpmmWgmmaXtWsKernel(const SpmmXtParams p) {
+__global__ void __launch_bounds__(kWsThreads, 1)
+    SpmmWgmmaXtWsKernel(const SpmmXtParams p, const __grid_constant__ CUtensorMap tma_a,
+                        const __grid_constant__ CUtensorMap tma_x) {
 #ifdef JAXSPARSE_WGMMA
   using L = XtWsLayout<BR, BT, STAGES>;
   constexpr int WR = BR / 64;               // consumer warpgroups along the features (1 or 2)
@@ -250,10 +257,12 @@ __global__ void __launch_bounds__(kWsThreads, 1) SpmmWgmmaXtWsKernel(const SpmmX
   const uint32_t full0 = smem_base + L::kBarOff, empty0 = full0 + STAGES * 8;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+  const bool x_by_tma = p.cols == nullptr;  // M = 4: Xc is x^T itself
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      MbarInit(full0 + 8 * s, 128);  // every producer thread, once its copies landed
-      MbarInit(empty0 + 8 * s, 8);   // every consumer warp, once its wgmmas on the stage completed
+      // Thread 0's expect_tx arrival, plus every producer thread's cp.async arrival when Xc is gathered.
+      MbarInit(full0 + 8 * s, x_by_tma ? 1 : 129);
+      MbarInit(empty0 + 8 * s, 8);  // every consumer warp, once its wgmmas on the stage completed
     }
   }
   __syncthreads();
@@ -270,9 +279,19 @@ __global__ void __launch_bounds__(kWsThreads, 1) SpmmWgmmaXtWsKernel(const SpmmX
       const uint8_t* tcols = p.cols != nullptr ? p.cols + static_cast<int64_t>(row0 / p.v) * kc_total : nullptr;
       for (int kt = 0; kt < num_kt; ++kt, ++it) {
         const int s = it % STAGES;
+        const uint32_t stage = smem_base + s * L::kStageBytes, full = full0 + 8 * s;
         if (it >= STAGES) MbarWait(empty0 + 8 * s, ((it / STAGES) & 1) ^ 1);
-        LoadXtStage<T, BR, BT, 128>(smem_base + s * L::kStageBytes, kt * kKc, tid, p, row0, tok0, tcols);
-        CpAsyncMbarArrive(full0 + 8 * s);
+        if (tid == 0) {
+          MbarArriveExpectTx(full, L::kABytes + (x_by_tma ? L::kBBytes : 0));
+          TmaLoad2d(stage, &tma_a, kt * kKc, row0, full);
+          if (x_by_tma)
+#pragma unroll
+            for (int c = 0; c < BT / 64; ++c) TmaLoad2d(stage + L::kABytes + c * kColBytes, &tma_x, tok0 + 64 * c, kt * kKc, full);
+        }
+        if (!x_by_tma) {
+          LoadXtStage<T, BR, BT, 128, false>(stage, kt * kKc, tid, p, row0, tok0, tcols);
+          CpAsyncMbarArrive(full);
+        }
       }
     }
     CpAsyncWait<0>();
@@ -358,8 +377,12 @@ ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& p) {
   constexpr int smem = XtWsLayout<BR, BT, STAGES>::kBytes + 1024;
   static_assert(smem <= 227 * 1024, "shared memory");
   if (ffi::Error e = RaiseSmemLimit<kernel>(smem, "cudaFuncSetAttribute(SpmmWgmmaXtWsKernel)"); e.failure()) return e;
+  CUtensorMap tma_a{}, tma_x{};
+  if (!MakeTensorMap2d(&tma_a, p.a, p.rows, 4 * static_cast<uint64_t>(p.groups), BR) ||
+      (p.cols == nullptr && !MakeTensorMap2d(&tma_x, p.xt, p.k, p.tokens, 64)))
+    return ffi::Error::Internal("jaxsparse_spmm_xt: cuTensorMapEncodeTiled failed for the warp-specialized tile");
   const int tiles = p.rows / BR * ((p.tokens + BT - 1) / BT);
-  kernel<<<std::min(tiles, SmCount()), kWsThreads, smem, stream>>>(p);
+  kernel<<<std::min(tiles, SmCount()), kWsThreads, smem, stream>>>(p, tma_a, tma_x);
   return LastLaunchError("SpmmWgmmaXtWsKernel");
 }
 
