@@ -386,11 +386,14 @@ ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& p) {
   return LastLaunchError("SpmmWgmmaXtWsKernel");
 }
 
-// Auto tile, from the H100 measurements in docs/kernel-notes.md (session 5): 128 features where V allows,
-// else 64; 128 tokens (two CTAs per SM, so one CTA's prologue and epilogue overlap the other's main loop)
-// unless the condensed reduction is long (more than 8 stages of 64), where the 256-token tile's reuse of
-// A pays (4096x1024 at 128:2:16: 0.119 ms against 0.129; 1024x4096: 0.167 against 0.162).
+// Auto tile, from the H100 measurements in docs/kernel-notes.md (sessions 5 and 6).  2:4 (no gathered rows):
+// the warp-specialized TMA kernel (1024x4096 at 16384 tokens: 0.264 ms against 0.355 for 128x256).  V:2:M:
+// 128 features where V allows, else 64; 128 tokens (two CTAs per SM, so one CTA's prologue and epilogue
+// overlap the other's main loop) unless the condensed reduction is long (more than 8 stages of 64), where the
+// 256-token tile's reuse of A pays (4096x1024 at 128:2:16: 0.119 ms against 0.129; 1024x4096: 0.167 against
+// 0.162).
 int AutoTile(const SpmmXtParams& p, bool can128) {
+  if (p.cols == nullptr) return can128 ? kTileWs128x256 : kTileWs64x256;
   if (!can128) return kTile64x128;  // 64:2:8 at 1024x4096: 0.328 ms against 0.375 with 64x256
   return 4 * p.groups > 8 * kKc ? kTile128x256 : kTile128x128;
 }

@@ -198,8 +198,9 @@ def spmm_x_layout(tokens: int, sw: SparseWeight, layout: str | None = None, shar
 
 
 def spmm_xt_tile(tile: str | None = None) -> int:
-    """The x^T SpMM's tile attribute (``features x tokens`` per CTA): ``auto`` (0; 64x128 when V = 64, else
-    128x256 for a condensed reduction 4G > 512 and 128x128 below: measured, cuda/spmm_xt.cu ``AutoTile``),
+    """The x^T SpMM's tile attribute (``features x tokens`` per CTA): ``auto`` (0; ws128x256 at 2:4, 64x128 when
+    V = 64, else 128x256 for a condensed reduction 4G > 512 and 128x128 below: measured, cuda/spmm_xt.cu
+    ``AutoTile``),
     ``128x256``, ``64x256``, ``128x128``, ``64x128``, or ``ws128x256`` / ``ws64x256``: the warp-specialized
     persistent kernel (a producer warpgroup and two consumer warpgroups). ``None`` reads
     ``JAXSPARSE_SPMM_XT_TILE``."""
