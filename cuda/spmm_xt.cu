@@ -58,10 +58,10 @@ struct XtLayout {
   static_assert(kStageBytes % 1024 == 0, "swizzle atoms are 1024-byte aligned");
 };
 
-// One pipeline stage (condensed k [q0, q0 + 64)) of A [BR][64 k] and Xc [64 k][BT tokens] into shared memory
-// at `base` by cp.async from THREADS threads (this one is `thread`); `tcols` is the V block's kept columns
-// (null at M = 4).
-template <typename T, int BR, int BT, int THREADS>
+// One pipeline stage (condensed k [q0, q0 + 64)) of A [BR][64 k] (unless WITH_A is false) and Xc [64 k][BT
+// tokens] into shared memory at `base` by cp.async from THREADS threads (this one is `thread`); `tcols` is the V
+// block's kept columns (null at M = 4).
+template <typename T, int BR, int BT, int THREADS, bool WITH_A = true>
 __device__ __forceinline__ void LoadXtStage(uint32_t base, int q0, int thread, const SpmmXtParams& p, int row0, int tok0,
                                             const uint8_t* tcols) {
   constexpr int kBChunks = BT / 8;                 // 16-byte chunks of 8 tokens per k row of Xc
@@ -70,14 +70,16 @@ __device__ __forceinline__ void LoadXtStage(uint32_t base, int q0, int thread, c
   const int kc_total = 4 * p.groups;
   const T* __restrict__ xt = static_cast<const T*>(p.xt);
   const T* __restrict__ a = static_cast<const T*>(p.a);
-  const int a_r = thread >> 3, a_c = thread & 7;
-  const bool a_ok = q0 + a_c * 8 < kc_total;  // 4G % 8 == 0: a chunk is all in or all out
-  const T* a_src = a + static_cast<int64_t>(row0 + a_r) * kc_total + q0 + a_c * 8;
+  if (WITH_A) {
+    const int a_r = thread >> 3, a_c = thread & 7;
+    const bool a_ok = q0 + a_c * 8 < kc_total;  // 4G % 8 == 0: a chunk is all in or all out
+    const T* a_src = a + static_cast<int64_t>(row0 + a_r) * kc_total + q0 + a_c * 8;
 #pragma unroll
-  for (int i = 0; i < BR / kARows; ++i) {
-    const int r = a_r + kARows * i;
-    CpAsync16(base + Sw128KOffset(r, a_c * 8), a_ok ? a_src + static_cast<int64_t>(kARows * i) * kc_total : a,
-              a_ok ? 16 : 0);
+    for (int i = 0; i < BR / kARows; ++i) {
+      const int r = a_r + kARows * i;
+      CpAsync16(base + Sw128KOffset(r, a_c * 8), a_ok ? a_src + static_cast<int64_t>(kARows * i) * kc_total : a,
+                a_ok ? 16 : 0);
+    }
   }
   const int b_k = thread / kBChunks, b_c = thread % kBChunks;
   const bool b_tok_ok = tok0 + b_c * 8 < p.tokens;  // T % 8 == 0: a chunk is all in or all out
@@ -214,11 +216,11 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
 
 // ---------------------------------------------------------------- warp-specialized, persistent version
 //
-// 384 threads: warp 0 is the producer, warpgroups 1 and 2 consume (wait full, wgmma, release the previous
-// stage to the producer once its wgmmas completed: one group in flight).  The producer fills a STAGES-deep
-// ring by TMA only, one expect_tx arrival per stage: A as one box of 64 k x BR rows, Xc at M = 4 as BT/64
-// boxes of 64 tokens x 64 k of x^T, and otherwise as one-row boxes (64 tokens of one kept row of x^T each,
-// 64 x BT/64 per stage, spread over the warp's lanes): no address arithmetic per 16 bytes, as cp.async had.  The grid is persistent
+// 384 threads: warpgroup 0 is the producer, warpgroups 1 and 2 consume (wait full, wgmma, release the
+// previous stage to the producer once its wgmmas completed: one group in flight).  The producer fills a
+// STAGES-deep ring: thread 0 loads A by TMA (one box per stage, 128-byte swizzled, arrival with expect_tx);
+// Xc comes by TMA too at M = 4 (dense rows of x^T: BT/64 boxes of 64 tokens x 64 k), and otherwise by cp.async
+// from all 128 producer threads, each marking its part with cp.async.mbarrier.arrive.  The grid is persistent
 // (one CTA per SM, tiles strided over the grid, features fastest so CTAs running together share x^T rows);
 // the Y tile is staged in its own shared-memory region, so the producer loads the next tile's first stages
 // while the consumers run this tile's epilogue.  Barrier phases run on across tiles.
@@ -255,10 +257,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const uint32_t full0 = smem_base + L::kBarOff, empty0 = full0 + STAGES * 8;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
-  const bool x_by_tma = p.cols == nullptr;  // M = 4: Xc is x^T itself, in 64-row boxes
+  const bool x_by_tma = p.cols == nullptr;  // M = 4: Xc is x^T itself
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      MbarInit(full0 + 8 * s, 1);   // the producer's expect_tx arrival; the copies complete the bytes
+      // Thread 0's expect_tx arrival, plus every producer thread's cp.async arrival when Xc is gathered.
+      MbarInit(full0 + 8 * s, x_by_tma ? 1 : 129);
       MbarInit(empty0 + 8 * s, 8);  // every consumer warp, once its wgmmas on the stage completed
     }
   }
@@ -269,7 +272,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const int nfb = p.rows / BR;
   const int ntiles = nfb * ((p.tokens + BT - 1) / BT);
 
-  if (warp == 0) {  // ----------------------------------------------- producer (one warp; warps 1-3 idle)
+  if (wg == 0) {  // ------------------------------------------------ producer
     int it = 0;
     for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
       const int row0 = (tile % nfb) * BR, tok0 = (tile / nfb) * BT;
@@ -278,24 +281,20 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         const int s = it % STAGES;
         const uint32_t stage = smem_base + s * L::kStageBytes, full = full0 + 8 * s;
         if (it >= STAGES) MbarWait(empty0 + 8 * s, ((it / STAGES) & 1) ^ 1);
-        if (lane == 0) {
-          MbarArriveExpectTx(full, L::kABytes + L::kBBytes);
+        if (tid == 0) {
+          MbarArriveExpectTx(full, L::kABytes + (x_by_tma ? L::kBBytes : 0));
           TmaLoad2d(stage, &tma_a, kt * kKc, row0, full);
+          if (x_by_tma)
+#pragma unroll
+            for (int c = 0; c < BT / 64; ++c) TmaLoad2d(stage + L::kABytes + c * kColBytes, &tma_x, tok0 + 64 * c, kt * kKc, full);
         }
-        __syncwarp();  // the expected bytes are registered before any of the stage's copies can complete
-        if (x_by_tma) {
-          if (lane < BT / 64) TmaLoad2d(stage + L::kABytes + lane * kColBytes, &tma_x, tok0 + 64 * lane, kt * kKc, full);
-        } else {
-          // One 128-byte row (64 tokens of one kept k) per copy: 64 k rows x BT/64 token columns.  A row lands at
-          // k * 128 of its column, where the 128-byte swizzle (a function of the address) gives Sw128MnOffset.
-          for (int i = lane; i < 64 * (BT / 64); i += 32) {
-            const int kk = i % 64, c = i / 64, q = kt * kKc + kk;
-            const int krow = q < kc_total ? (q >> 2) * p.m + tcols[q] : p.k;  // past the end: zeros
-            TmaLoad2d(stage + L::kABytes + c * kColBytes + kk * 128, &tma_x, tok0 + 64 * c, krow, full);
-          }
+        if (!x_by_tma) {
+          LoadXtStage<T, BR, BT, 128, false>(stage, kt * kKc, tid, p, row0, tok0, tcols);
+          CpAsyncMbarArrive(full);
         }
       }
     }
+    CpAsyncWait<0>();
   } else {  // ------------------------------------------------------ consumers
     const int cw = wg - 1, wq = warp & 3, ctid = tid - 128;
     const int wr = WR == 2 ? cw : 0;  // feature half of this warpgroup
@@ -311,7 +310,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         for (int i = 0; i < NW / 2; ++i) acc[c][i] = 0.f;
       for (int kt = 0; kt < num_kt; ++kt, ++it) {
         const int s = it % STAGES;
-        MbarWait(full0 + 8 * s, (it / STAGES) & 1);  // TMA writes: async proxy, visible through the barrier
+        MbarWait(full0 + 8 * s, (it / STAGES) & 1);
+        FenceProxyAsyncShared();  // the producers' cp.async writes, seen through the barrier, before wgmma reads
 #pragma unroll
         for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
         WgmmaFence();
@@ -379,7 +379,7 @@ ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& p) {
   if (ffi::Error e = RaiseSmemLimit<kernel>(smem, "cudaFuncSetAttribute(SpmmWgmmaXtWsKernel)"); e.failure()) return e;
   CUtensorMap tma_a{}, tma_x{};
   if (!MakeTensorMap2d(&tma_a, p.a, p.rows, 4 * static_cast<uint64_t>(p.groups), BR) ||
-      !MakeTensorMap2d(&tma_x, p.xt, p.k, p.tokens, p.cols == nullptr ? 64 : 1))
+      (p.cols == nullptr && !MakeTensorMap2d(&tma_x, p.xt, p.k, p.tokens, 64)))
     return ffi::Error::Internal("jaxsparse_spmm_xt: cuTensorMapEncodeTiled failed for the warp-specialized tile");
   const int tiles = p.rows / BR * ((p.tokens + BT - 1) / BT);
   kernel<<<std::min(tiles, SmCount()), kWsThreads, smem, stream>>>(p, tma_a, tma_x);
