@@ -522,6 +522,9 @@ __global__ void __launch_bounds__(kWgThreads, 2) SddmmWgmmaKernel(const SddmmPar
 // 64-token stages, 4 deep.  Per stage: dy [64 t][128 r] lands as two MN-major 128B-swizzled 64-row halves
 // (A, trans-a = 1, as in SddmmWgmmaKernel); each V block's condensed x^T rows [128 q][64 t] land as a
 // K-major 128B-swizzled B tile (trans-b = 0; two tiles when V = 64, one for V >= 128 and for 2:4).
+// Loads (session 6): thread 0 brings dy by TMA (two boxes per stage) and, at 2:4, where the condensed rows
+// are x^T's own consecutive rows, x^T too (one box of 128 rows); the gathered rows of V:2:M stay on cp.async
+// (a one-row TMA box cannot land 128-byte swizzled at a shared address that is not 1024-byte aligned).
 // Pipeline: the loads for stage kt+2 are issued right after the barrier of stage kt, whose wgmmas then run
 // while one group of the previous stage may still be in flight (wgmma.wait_group 1), so the tensor cores
 // see back-to-back work; a buffer is refilled only after every warpgroup's wgmmas on it completed.
@@ -542,12 +545,15 @@ struct XtLayout {
   static constexpr int kPipeBytes = kXtStages * kStageBytes;
   static constexpr int kEpiRowFloats = kXtNC + 4;
   static constexpr int kEpiBytes = kXtBR * kEpiRowFloats * 4;
-  static constexpr int kSmemBytes = (kPipeBytes > kEpiBytes ? kPipeBytes : kEpiBytes) + 1024;
+  static constexpr int kBarOff = kPipeBytes > kEpiBytes ? kPipeBytes : kEpiBytes;  // the stages' mbarriers
+  static constexpr int kSmemBytes = kBarOff + 8 * kXtStages + 1024;
   static_assert(kDyHalf % 1024 == 0 && kXcTile % 1024 == 0 && kStageBytes % 1024 == 0, "swizzle atoms");
 };
 
 template <typename T>
-__global__ void __launch_bounds__(kXtThreads, 1) SddmmWgmmaXtKernel(const SddmmParams p) {
+__global__ void __launch_bounds__(kXtThreads, 1)
+    SddmmWgmmaXtKernel(const SddmmParams p, const __grid_constant__ CUtensorMap tma_dy,
+                       const __grid_constant__ CUtensorMap tma_xt) {
 #ifdef JAXSPARSE_WGMMA
   using L = XtLayout;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -555,6 +561,7 @@ __global__ void __launch_bounds__(kXtThreads, 1) SddmmWgmmaXtKernel(const SddmmP
   const uint32_t pad = ((raw_base + 1023u) & ~1023u) - raw_base;
   unsigned char* smem = smem_raw + pad;
   const uint32_t smem_base = raw_base + pad;
+  const uint32_t full0 = smem_base + L::kBarOff;
 
   const int tid = threadIdx.x, warp = tid >> 5;
   const int wg = warp >> 2;
@@ -565,15 +572,18 @@ __global__ void __launch_bounds__(kXtThreads, 1) SddmmWgmmaXtKernel(const SddmmP
   const int kt_begin = blockIdx.z * p.kt_per_split;
   const int num_kt = max(min(all_kt - kt_begin, p.kt_per_split), 0);
   const T* __restrict__ xt = static_cast<const T*>(p.x);  // [K][T]
-  const T* __restrict__ dy = static_cast<const T*>(p.dy);
   // 2:4 keeps every column and V >= 128 puts both halves in one block: one B tile serves both warpgroups.
   const bool one_block = p.cols == nullptr || p.v % kXtBR == 0;
   const int halves = one_block ? 1 : 2;
+  // 2:4: the condensed rows are x^T's rows g0*4 .. g0*4 + 127 themselves, one TMA box; else a gather by cp.async.
+  const bool x_by_tma = p.cols == nullptr;
 
-  // dy: 64 token rows x 16 chunks; thread copies chunk dy_c of rows dy_t + 16 i.
-  const int dy_t = tid >> 4, dy_c = tid & 15;
-  const T* dy_src0 = dy + static_cast<int64_t>(dy_t) * p.rows + row0 + dy_c * 8;
-  // x^T: per half, 128 condensed rows x 8 chunks; thread copies chunk xc_c of condensed rows xc_q + 32 i.
+  if (tid == 0)
+    for (int s = 0; s < kXtStages; ++s) MbarInit(full0 + 8 * s, 1);  // thread 0's expect_tx arrival
+  __syncthreads();
+
+  // x^T (gathered, V:2:M): per half, 128 condensed rows x 8 chunks; thread copies chunk xc_c of condensed
+  // rows xc_q + 32 i.
   const int xc_q = tid >> 3, xc_c = tid & 7;
   const T* xc_src[2][4];
   bool xc_ok[4];
@@ -593,25 +603,29 @@ __global__ void __launch_bounds__(kXtThreads, 1) SddmmWgmmaXtKernel(const SddmmP
     }
   }
 
+  // Thread 0 loads dy by TMA (two boxes of 64 tokens x 64 rows: the MN-major 128B-swizzled halves) and, at
+  // 2:4, x^T too (one box of 64 tokens x 128 rows, K-major 128B-swizzled); tokens past T and rows past K
+  // arrive as zeros.
   auto load_stage = [&](int buf, int kt) {
-    const uint32_t base = smem_base + buf * L::kStageBytes;
+    const uint32_t base = smem_base + buf * L::kStageBytes, full = full0 + 8 * buf;
     const int t0 = kt * kXtBT;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int t = dy_t + 16 * i;
-      const bool ok = t0 + t < p.tokens;
-      const uint32_t dst = (dy_c >> 3) * L::kDyHalf + Sw128MnOffset((dy_c & 7) * 8, t, 0);
-      CpAsync16(base + dst, ok ? dy_src0 + static_cast<int64_t>(t0 + 16 * i) * p.rows : dy, ok ? 16 : 0);
+    if (tid == 0) {
+      MbarArriveExpectTx(full, 2 * L::kDyHalf + (x_by_tma ? L::kXcTile : 0));
+      TmaLoad2d(base, &tma_dy, row0, t0, full);
+      TmaLoad2d(base + L::kDyHalf, &tma_dy, row0 + 64, t0, full);
+      if (x_by_tma) TmaLoad2d(base + L::kXcOff, &tma_xt, t0, 4 * g0, full);
     }
-    const bool tok_ok = t0 + xc_c * 8 < p.tokens;  // T % 8 == 0: a chunk is all in or all out
+    if (!x_by_tma) {
+      const bool tok_ok = t0 + xc_c * 8 < p.tokens;  // T % 8 == 0: a chunk is all in or all out
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (h >= halves) break;
+      for (int h = 0; h < 2; ++h) {
+        if (h >= halves) break;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const bool ok = tok_ok && xc_ok[i];
-        const uint32_t dst = L::kXcOff + h * L::kXcTile + Sw128KOffset(xc_q + 32 * i, xc_c * 8);
-        CpAsync16(base + dst, ok ? xc_src[h][i] + t0 : xt, ok ? 16 : 0);
+        for (int i = 0; i < 4; ++i) {
+          const bool ok = tok_ok && xc_ok[i];
+          const uint32_t dst = L::kXcOff + h * L::kXcTile + Sw128KOffset(xc_q + 32 * i, xc_c * 8);
+          CpAsync16(base + dst, ok ? xc_src[h][i] + t0 : xt, ok ? 16 : 0);
+        }
       }
     }
   };
@@ -626,15 +640,16 @@ __global__ void __launch_bounds__(kXtThreads, 1) SddmmWgmmaXtKernel(const SddmmP
     CpAsyncCommit();
   }
   for (int kt = 0; kt < num_kt; ++kt) {
+    const int buf = kt % kXtStages;
     CpAsyncWait<kXtStages - 3>();  // this thread's copies of stage kt landed
     FenceProxyAsyncShared();
+    MbarWait(full0 + 8 * buf, (kt / kXtStages) & 1);  // and the stage's TMA boxes
     __syncthreads();  // stage kt visible to all; every warpgroup's wgmmas up to stage kt-2 completed
     {
       const int next = kt + kXtStages - 2;  // into the buffer of stage kt-2
       if (next < num_kt) load_stage(next % kXtStages, kt_begin + next);
       CpAsyncCommit();
     }
-    const int buf = kt % kXtStages;
     const uint32_t a_base = smem_base + buf * L::kStageBytes + wg * L::kDyHalf;
     const uint32_t b_base = smem_base + buf * L::kStageBytes + L::kXcOff + (one_block ? 0 : wg) * L::kXcTile;
     WgmmaFenceOperands(acc);
@@ -741,11 +756,15 @@ ffi::Error LaunchXt(cudaStream_t stream, const SddmmParams& p, int split, ffi::S
   if (ffi::Error e = RaiseSmemLimit<SddmmWgmmaXtKernel<T>>(kSmem, "cudaFuncSetAttribute(SddmmWgmmaXtKernel)");
       e.failure())
     return e;
+  CUtensorMap tma_dy{}, tma_xt{};
+  if (!MakeTensorMap2d(&tma_dy, p.dy, p.tokens, p.rows, kXtBT) ||
+      (p.cols == nullptr && !MakeTensorMap2d(&tma_xt, p.x, p.k, p.tokens, kXtNC)))
+    return ffi::Error::Internal("jaxsparse_sddmm: cuTensorMapEncodeTiled failed for the x^T engine");
   const int gy = (p.groups + kXtGC - 1) / kXtGC;
   return LaunchSplit<T>(
       stream, p, split, (p.rows / kXtBR) * gy, kXtBT, scratch,
       [&](const SddmmParams& q, int z) {
-        SddmmWgmmaXtKernel<T><<<dim3(p.rows / kXtBR, gy, z), kXtThreads, kSmem, stream>>>(q);
+        SddmmWgmmaXtKernel<T><<<dim3(p.rows / kXtBR, gy, z), kXtThreads, kSmem, stream>>>(q, tma_dy, tma_xt);
         return LastLaunchError("SddmmWgmmaXtKernel");
       },
       1);
