@@ -10,9 +10,15 @@ selection scores feed ``jaxsparse.format.select_mask``:
   over calibration tokens (the score of Wanda, Sun et al. 2023): for V:2:M this changes which 4 columns
   a block keeps, the step that loses most (``benchmarks/mask_energy.py``).
 
+With ``--permute``, each V:N:M pattern is also run after ``jaxsparse.permute.search_permutations``
+reorders the FFN units and attention dimensions of every layer (function-preserving: the dense model's
+states are unchanged) for that pattern and score (the activation score's permutations are searched on
+``|W_jr| * ||X_j||``, then the input norms are measured again on the permuted model). Those rows carry
+``"permuted": true``.
+
 Calibration and evaluation use disjoint sentences. Writes ``benchmarks/results/cpu/oneshot_proxy.json``.
 
-    python benchmarks/oneshot_proxy.py [--calibration 256 --evaluation 256]
+    python benchmarks/oneshot_proxy.py [--calibration 256 --evaluation 256] [--permute --patterns 64:2:8]
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from jaxsparse import format as F
-from jaxsparse import pruning, train
+from jaxsparse import permute, pruning, train
 from jaxsparse.models import bert
 from jaxsparse.nn import NMDense
 
@@ -71,6 +77,10 @@ def main() -> None:
     parser.add_argument("--calibration", type=int, default=256, help="sentences for the input norms")
     parser.add_argument("--evaluation", type=int, default=256, help="held-out sentences compared with dense")
     parser.add_argument("--max-len", type=int, default=64)
+    parser.add_argument("--patterns", default=",".join(PATTERNS))
+    parser.add_argument("--permute", action="store_true",
+                        help="also prune after searched channel permutations (V:N:M patterns with V > 1)")
+    parser.add_argument("--permute-iters", type=int, default=30, help="search_permutations iters")
     parser.add_argument("--out", default="benchmarks/results/cpu/oneshot_proxy.json")
     args = parser.parse_args()
     t0 = time.time()
@@ -84,19 +94,39 @@ def main() -> None:
     dense_h, _ = jax.jit(lambda p: model.apply({"params": p}, *evalb))(params)
     rows = []
     print(f"{'pattern':>9} {'criterion':>10} {'token-state rel. error':>23} {'embedding cos (mean, min)':>27}")
-    for pattern in PATTERNS:
+    heads = cfg.num_attention_heads
+    for pattern in args.patterns.split(","):
         for criterion in CRITERIA:
-            masks = pruning.oneshot_masks(params, pattern, input_sq=sq if criterion == "activation" else None)
-            assert all(F.check_mask(m, pattern) for m in jax.tree_util.tree_leaves(masks))
-            r = {"pattern": pattern, "criterion": criterion, **compare(model, params, masks, evalb, dense_h)}
-            rows.append(r)
-            print(f"{pattern:>9} {criterion:>10} {r['token_state_rel_error']:23.4f} "
-                  f"{r['embedding_cosine_mean']:14.4f} ({r['embedding_cosine_min']:.4f})", flush=True)
+            variants = [False] + ([True] if args.permute and F.VNM.parse(pattern).v > 1 else [])
+            for permuted in variants:
+                p, q, extra = params, sq, {}
+                if permuted:
+                    score = None
+                    if criterion == "activation":  # |W_jr| * ||X_j|| at every encoder kernel
+                        score = jax.tree_util.tree_map(lambda w, s: None if s is None else jnp.abs(w) * jnp.sqrt(s)[:, None],
+                                                       params, sq, is_leaf=lambda x: x is None)
+                        score = jax.tree_util.tree_map(lambda w, s: w if s is None else s, params, score,
+                                                       is_leaf=lambda x: x is None)
+                    t1 = time.time()
+                    perms = permute.search_permutations(params, pattern, num_heads=heads, score=score,
+                                                        iters=args.permute_iters)
+                    extra = {"permute_seconds": time.time() - t1}
+                    p = jax.tree_util.tree_map(jnp.asarray, permute.apply_permutations(params, perms, num_heads=heads))
+                    q = input_sq(model, p, calib)
+                    same, _ = jax.jit(lambda v: model.apply({"params": v}, *evalb))(p)
+                    extra["dense_max_abs_change"] = float(jnp.abs(same - dense_h).max())
+                masks = pruning.oneshot_masks(p, pattern, input_sq=q if criterion == "activation" else None)
+                assert all(F.check_mask(m, pattern) for m in jax.tree_util.tree_leaves(masks))
+                r = {"pattern": pattern, "criterion": criterion, "permuted": permuted,
+                     **compare(model, p, masks, evalb, dense_h), **extra}
+                rows.append(r)
+                print(f"{pattern:>9} {criterion + ('+perm' if permuted else ''):>15} {r['token_state_rel_error']:18.4f} "
+                      f"{r['embedding_cosine_mean']:14.4f} ({r['embedding_cosine_min']:.4f})", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(jax=jax.__version__, python=platform.python_version(), model="all-MiniLM-L6-v2",
                                    calibration_sentences=args.calibration, evaluation_sentences=len(evalb[0]),
-                                   max_len=args.max_len, rows=rows, seconds=time.time() - t0), indent=1))
+                                   max_len=args.max_len, permute_iters=args.permute_iters if args.permute else None, rows=rows, seconds=time.time() - t0), indent=1))
     print(f"wrote {out} ({time.time() - t0:.0f} s)")
 
 
