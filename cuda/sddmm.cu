@@ -522,9 +522,9 @@ __global__ void __launch_bounds__(kWgThreads, 2) SddmmWgmmaKernel(const SddmmPar
 // 64-token stages, 4 deep.  Per stage: dy [64 t][128 r] lands as two MN-major 128B-swizzled 64-row halves
 // (A, trans-a = 1, as in SddmmWgmmaKernel); each V block's condensed x^T rows [128 q][64 t] land as a
 // K-major 128B-swizzled B tile (trans-b = 0; two tiles when V = 64, one for V >= 128 and for 2:4).
-// Loads (session 6): at 2:4, where the condensed rows are x^T's own consecutive rows, thread 0 brings the
-// stage by TMA (two dy boxes, one x^T box of 128 rows); V:2:M stays on cp.async from every thread (a
-// one-row TMA box cannot land 128-byte swizzled at a shared address that is not 1024-byte aligned).
+// Loads (session 6): thread 0 brings dy by TMA (two boxes per stage) and, at 2:4, where the condensed rows
+// are x^T's own consecutive rows, x^T too (one box of 128 rows); the gathered rows of V:2:M stay on cp.async
+// (a one-row TMA box cannot land 128-byte swizzled at a shared address that is not 1024-byte aligned).
 // Pipeline: the loads for stage kt+2 are issued right after the barrier of stage kt, whose wgmmas then run
 // while one group of the previous stage may still be in flight (wgmma.wait_group 1), so the tensor cores
 // see back-to-back work; a buffer is refilled only after every warpgroup's wgmmas on it completed.
@@ -582,11 +582,8 @@ __global__ void __launch_bounds__(kXtThreads, 1)
     for (int s = 0; s < kXtStages; ++s) MbarInit(full0 + 8 * s, 1);  // thread 0's expect_tx arrival
   __syncthreads();
 
-  // Without TMA (V:2:M): dy as 64 token rows x 16 chunks, thread copies chunk dy_c of rows dy_t + 16 i; x^T
-  // per half as 128 condensed rows x 8 chunks, thread copies chunk xc_c of condensed rows xc_q + 32 i.
-  const int dy_t = tid >> 4, dy_c = tid & 15;
-  const T* __restrict__ dy = static_cast<const T*>(p.dy);
-  const T* dy_src0 = dy + static_cast<int64_t>(dy_t) * p.rows + row0 + dy_c * 8;
+  // x^T (gathered, V:2:M): per half, 128 condensed rows x 8 chunks; thread copies chunk xc_c of condensed
+  // rows xc_q + 32 i.
   const int xc_q = tid >> 3, xc_c = tid & 7;
   const T* xc_src[2][4];
   bool xc_ok[4];
@@ -606,28 +603,19 @@ __global__ void __launch_bounds__(kXtThreads, 1)
     }
   }
 
-  // 2:4: thread 0 loads the stage by TMA, dy as two boxes of 64 tokens x 64 rows (the MN-major 128B-swizzled
-  // halves) and x^T as one box of 64 tokens x 128 rows (K-major 128B-swizzled); tokens past T and rows past K
-  // arrive as zeros.  V:2:M: everything by cp.async (dy by TMA next to the gathered rows measured 3-9 % slower
-  // at 64:2:8: device call 6).
+  // Thread 0 loads dy by TMA (two boxes of 64 tokens x 64 rows: the MN-major 128B-swizzled halves) and, at
+  // 2:4, x^T too (one box of 64 tokens x 128 rows, K-major 128B-swizzled); tokens past T and rows past K
+  // arrive as zeros.
   auto load_stage = [&](int buf, int kt) {
     const uint32_t base = smem_base + buf * L::kStageBytes, full = full0 + 8 * buf;
     const int t0 = kt * kXtBT;
-    if (x_by_tma) {
-      if (tid == 0) {
-        MbarArriveExpectTx(full, 2 * L::kDyHalf + L::kXcTile);
-        TmaLoad2d(base, &tma_dy, row0, t0, full);
-        TmaLoad2d(base + L::kDyHalf, &tma_dy, row0 + 64, t0, full);
-        TmaLoad2d(base + L::kXcOff, &tma_xt, t0, 4 * g0, full);
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int t = dy_t + 16 * i;
-        const bool ok = t0 + t < p.tokens;
-        const uint32_t dst = (dy_c >> 3) * L::kDyHalf + Sw128MnOffset((dy_c & 7) * 8, t, 0);
-        CpAsync16(base + dst, ok ? dy_src0 + static_cast<int64_t>(t0 + 16 * i) * p.rows : dy, ok ? 16 : 0);
-      }
+    if (tid == 0) {
+      MbarArriveExpectTx(full, 2 * L::kDyHalf + (x_by_tma ? L::kXcTile : 0));
+      TmaLoad2d(base, &tma_dy, row0, t0, full);
+      TmaLoad2d(base + L::kDyHalf, &tma_dy, row0 + 64, t0, full);
+      if (x_by_tma) TmaLoad2d(base + L::kXcOff, &tma_xt, t0, 4 * g0, full);
+    }
+    if (!x_by_tma) {
       const bool tok_ok = t0 + xc_c * 8 < p.tokens;  // T % 8 == 0: a chunk is all in or all out
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -655,7 +643,7 @@ __global__ void __launch_bounds__(kXtThreads, 1)
     const int buf = kt % kXtStages;
     CpAsyncWait<kXtStages - 3>();  // this thread's copies of stage kt landed
     FenceProxyAsyncShared();
-    if (x_by_tma) MbarWait(full0 + 8 * buf, (kt / kXtStages) & 1);  // or the stage's TMA boxes
+    MbarWait(full0 + 8 * buf, (kt / kXtStages) & 1);  // and the stage's TMA boxes
     __syncthreads();  // stage kt visible to all; every warpgroup's wgmmas up to stage kt-2 completed
     {
       const int next = kt + kXtStages - 2;  // into the buffer of stage kt-2
@@ -769,8 +757,8 @@ ffi::Error LaunchXt(cudaStream_t stream, const SddmmParams& p, int split, ffi::S
       e.failure())
     return e;
   CUtensorMap tma_dy{}, tma_xt{};
-  if (p.cols == nullptr &&
-      (!MakeTensorMap2d(&tma_dy, p.dy, p.tokens, p.rows, kXtBT) || !MakeTensorMap2d(&tma_xt, p.x, p.k, p.tokens, kXtNC)))
+  if (!MakeTensorMap2d(&tma_dy, p.dy, p.tokens, p.rows, kXtBT) ||
+      (p.cols == nullptr && !MakeTensorMap2d(&tma_xt, p.x, p.k, p.tokens, kXtNC)))
     return ffi::Error::Internal("jaxsparse_sddmm: cuTensorMapEncodeTiled failed for the x^T engine");
   const int gy = (p.groups + kXtGC - 1) / kXtGC;
   return LaunchSplit<T>(
