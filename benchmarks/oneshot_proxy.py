@@ -16,9 +16,23 @@ states are unchanged) for that pattern and score (the activation score's permuta
 ``|W_jr| * ||X_j||``, then the input norms are measured again on the permuted model). Those rows carry
 ``"permuted": true``.
 
+Second-order criteria (``jaxsparse.obs``), from each kernel's input second moment ``H = X^T X / n`` over
+the calibration tokens (padding excluded), damped by ``--damp * mean(diag H)``:
+
+* ``obs``: the OBS saliency ``W_jr^2 / [H^-1]_jj`` as the ``select_mask`` score;
+* ``--refit``: after a layer's mask is chosen, its kept weights are re-solved by least squares
+  (``jaxsparse.obs.refit``: per output row, ``w_S = H_SS^-1 H_S: w``; biases are left as they are).
+  Refit rows are **sequential**: the kernels are processed in forward order (layer by layer; inside a
+  layer Q/K/V together, then the attention output, ``intermediate``, ``output``), and each one's ``H`` is
+  measured on the model whose earlier kernels are already pruned and refit, so later layers are fit to
+  the inputs they will see; the mask score of that row uses the same ``H`` (activation:
+  ``|W_jr| * sqrt(H_jj)``). Rows without refit measure everything on the dense model.
+  ``--refit-independent`` adds refit rows whose ``H`` (mask and refit) all come from the dense model.
+
 Calibration and evaluation use disjoint sentences. Writes ``benchmarks/results/cpu/oneshot_proxy.json``.
 
     python benchmarks/oneshot_proxy.py [--calibration 256 --evaluation 256] [--permute --patterns 64:2:8]
+    python benchmarks/oneshot_proxy.py --criteria activation,obs --refit --out benchmarks/results/cpu/oneshot_proxy_obs.json
 """
 
 from __future__ import annotations
@@ -32,15 +46,16 @@ from pathlib import Path
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import traverse_util
 
 from jaxsparse import format as F
-from jaxsparse import permute, pruning, train
+from jaxsparse import obs, permute, pruning, train
 from jaxsparse.models import bert
 from jaxsparse.nn import NMDense
 
 PATTERNS = ["2:4", "64:2:8", "128:2:16"]
-CRITERIA = ["magnitude", "activation"]
+CRITERIA = ["magnitude", "activation", "obs"]
 
 
 def input_sq(model: bert.BertModel, params: dict, batch: tuple) -> dict:
@@ -59,6 +74,87 @@ def input_sq(model: bert.BertModel, params: dict, batch: tuple) -> dict:
     with nn.intercept_methods(record):
         model.apply({"params": params}, ids, types, mask)
     return pruning.input_norms_tree(traverse_util.unflatten_dict(sums), params)
+
+
+class _Stop(Exception):
+    """Raised inside the forward once every wanted kernel input is recorded (skips the rest of the model)."""
+
+
+def input_hessians(model: bert.BertModel, params: dict, batch: tuple, masks=None, want=None) -> dict:
+    """``{module path: H = X^T X / n}`` (float32 numpy ``[K, K]``) of each sparse kernel's input over the
+    unpadded tokens of ``batch``, on the model with ``masks`` applied; only the paths in ``want`` (all when
+    None), stopping the forward once they are recorded. Q/K/V share one ``H``."""
+    ids, types, mask = batch
+    keep = np.asarray(mask).reshape(-1) > 0
+    cache: dict[tuple, np.ndarray] = {}
+    out: dict[tuple, np.ndarray] = {}
+
+    def record(next_fun, args, kwargs, context):
+        if isinstance(context.module, NMDense) and context.method_name == "__call__":
+            path = tuple(context.module.path)
+            if want is None or path in want:
+                key = path[:-1] + ("qkv",) if path[-1] in ("query", "key", "value") else path
+                if key not in cache:
+                    x = np.asarray(args[0], np.float32)
+                    x = x.reshape(-1, x.shape[-1])[keep]
+                    cache[key] = (x.T @ x) / len(x)
+                out[path] = cache[key]
+                if want is not None and set(want) <= set(out):
+                    raise _Stop
+        return next_fun(*args, **kwargs)
+
+    try:
+        with nn.intercept_methods(record):
+            model.apply(pruning.model_variables(params, masks=masks), ids, types, mask)
+    except _Stop:
+        pass
+    return out
+
+
+def kernel_stages(params: dict) -> list[list[tuple]]:
+    """Module paths of the encoder kernels in forward order, grouped by shared input position."""
+    layers = sorted({p[0] for p in traverse_util.flatten_dict(params) if p[0].startswith("encoder_layer_")},
+                    key=lambda n: int(n.rsplit("_", 1)[1]))
+    out = []
+    for name in layers:
+        out += [[(name, "attention", q) for q in ("query", "key", "value")], [(name, "attention", "output")],
+                [(name, "intermediate")], [(name, "output")]]
+    return out
+
+
+def _score(criterion: str, w, h: np.ndarray, damp: float):
+    if criterion == "magnitude":
+        return w
+    if criterion == "activation":
+        return jnp.abs(w) * jnp.sqrt(jnp.maximum(jnp.asarray(np.diag(h)), 0.0))[:, None]
+    if criterion == "obs":
+        return obs.obs_scores(w, obs.hessian_inverse_diag(h, damp))
+    raise ValueError(f"criterion must be one of {CRITERIA}, got {criterion!r}")
+
+
+def second_order_prune(model, params, pattern, criterion, calib, damp, refit, sequential):
+    """Masks (params-shaped, None off the encoder kernels) and params for one criterion, optionally refit.
+
+    ``sequential``: each stage's ``H`` is measured on the model pruned (and refit) so far; else all ``H``
+    come from the dense model."""
+    flat = dict(traverse_util.flatten_dict(params))
+    masks_flat = {p: None for p in flat}
+    dense_h = None if sequential else input_hessians(model, params, calib)
+    for stage in kernel_stages(params):
+        if sequential:
+            cur_p = traverse_util.unflatten_dict(flat)
+            cur_m = traverse_util.unflatten_dict(masks_flat)
+            hs = input_hessians(model, cur_p, calib, masks=cur_m, want=set(stage))
+        else:
+            hs = dense_h
+        for path in stage:
+            kp = path + ("kernel",)
+            w, h = flat[kp], hs[path]
+            m = F.select_mask(_score(criterion, w, h, damp), pattern)
+            masks_flat[kp] = m
+            if refit:
+                flat[kp] = obs.refit(w, m, h, damp=damp)
+    return traverse_util.unflatten_dict(flat), traverse_util.unflatten_dict(masks_flat)
 
 
 def compare(model, params, masks, batch, dense_h) -> dict[str, float]:
@@ -81,6 +177,12 @@ def main() -> None:
     parser.add_argument("--permute", action="store_true",
                         help="also prune after searched channel permutations (V:N:M patterns with V > 1)")
     parser.add_argument("--permute-iters", type=int, default=30, help="search_permutations iters")
+    parser.add_argument("--criteria", default=",".join(CRITERIA), help=f"subset of {CRITERIA}")
+    parser.add_argument("--refit", action="store_true",
+                        help="also rows with least-squares refit of the kept weights (sequential, see above)")
+    parser.add_argument("--refit-independent", action="store_true",
+                        help="also refit rows with every H from the dense model (layer-independent)")
+    parser.add_argument("--damp", type=float, default=0.01, help="relative Hessian damping for obs and refit")
     parser.add_argument("--out", default="benchmarks/results/cpu/oneshot_proxy.json")
     args = parser.parse_args()
     t0 = time.time()
@@ -95,8 +197,13 @@ def main() -> None:
     rows = []
     print(f"{'pattern':>9} {'criterion':>10} {'token-state rel. error':>23} {'embedding cos (mean, min)':>27}")
     heads = cfg.num_attention_heads
+    criteria = args.criteria.split(",")
+    for c in criteria:
+        if c not in CRITERIA:
+            raise SystemExit(f"--criteria: {c!r} is not one of {CRITERIA}")
+    refit_modes = ([("sequential", True)] if args.refit else []) + ([("dense", False)] if args.refit_independent else [])
     for pattern in args.patterns.split(","):
-        for criterion in CRITERIA:
+        for criterion in criteria:
             variants = [False] + ([True] if args.permute and F.VNM.parse(pattern).v > 1 else [])
             for permuted in variants:
                 p, q, extra = params, sq, {}
@@ -115,18 +222,32 @@ def main() -> None:
                     q = input_sq(model, p, calib)
                     same, _ = jax.jit(lambda v: model.apply({"params": v}, *evalb))(p)
                     extra["dense_max_abs_change"] = float(jnp.abs(same - dense_h).max())
-                masks = pruning.oneshot_masks(p, pattern, input_sq=q if criterion == "activation" else None)
+                if criterion == "obs":
+                    _, masks = second_order_prune(model, p, pattern, criterion, calib, args.damp, False, False)
+                    extra["damp"] = args.damp
+                else:
+                    masks = pruning.oneshot_masks(p, pattern, input_sq=q if criterion == "activation" else None)
                 assert all(F.check_mask(m, pattern) for m in jax.tree_util.tree_leaves(masks))
-                r = {"pattern": pattern, "criterion": criterion, "permuted": permuted,
+                r = {"pattern": pattern, "criterion": criterion, "permuted": permuted, "refit": False,
                      **compare(model, p, masks, evalb, dense_h), **extra}
                 rows.append(r)
                 print(f"{pattern:>9} {criterion + ('+perm' if permuted else ''):>15} {r['token_state_rel_error']:18.4f} "
+                      f"{r['embedding_cosine_mean']:14.4f} ({r['embedding_cosine_min']:.4f})", flush=True)
+            for mode, sequential in refit_modes:
+                t1 = time.time()
+                p, masks = second_order_prune(model, params, pattern, criterion, calib, args.damp, True, sequential)
+                assert all(F.check_mask(m, pattern) for m in jax.tree_util.tree_leaves(masks))
+                r = {"pattern": pattern, "criterion": criterion, "permuted": False, "refit": True, "hessian": mode,
+                     "damp": args.damp, **compare(model, p, masks, evalb, dense_h), "seconds": time.time() - t1}
+                rows.append(r)
+                print(f"{pattern:>9} {criterion + '+refit(' + mode + ')':>15} {r['token_state_rel_error']:18.4f} "
                       f"{r['embedding_cosine_mean']:14.4f} ({r['embedding_cosine_min']:.4f})", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(jax=jax.__version__, python=platform.python_version(), model="all-MiniLM-L6-v2",
                                    calibration_sentences=args.calibration, evaluation_sentences=len(evalb[0]),
-                                   max_len=args.max_len, permute_iters=args.permute_iters if args.permute else None, rows=rows, seconds=time.time() - t0), indent=1))
+                                   max_len=args.max_len, criteria=criteria, damp=args.damp,
+                                   permute_iters=args.permute_iters if args.permute else None, rows=rows, seconds=time.time() - t0), indent=1))
     print(f"wrote {out} ({time.time() - t0:.0f} s)")
 
 

@@ -1,0 +1,209 @@
+"""Layer-wise second-order (OBS / least-squares) pieces for one-shot pruning of a linear layer.
+
+For a linear layer ``y = x @ W`` with kernel ``W`` of shape ``[K, R]`` (``K`` input features, ``R``
+output features: the Flax convention of ``jaxsparse.format``) and calibration inputs ``X`` (``[n, K]``,
+one row per token), pruning output ``r`` to a kept set ``S`` and changing its kept weights costs
+
+    E_r(w'_r) = ||X w_r - X w'_r||^2 / n = (w_r - w'_r)^T H (w_r - w'_r),    H = X^T X / n.
+
+Everything here works from ``H`` (:func:`input_hessian`, damped by :func:`damp_hessian`):
+
+* :func:`obs_scores` -- the Optimal Brain Surgeon saliency ``w_kr^2 / [H^-1]_kk`` of every weight (the
+  error of removing that weight alone when the others are re-solved), a score tree for
+  ``jaxsparse.format.select_mask`` (higher = keep);
+* :func:`refit` -- given a mask, the kept weights that minimise ``E_r`` for every output:
+  ``w'_S = (H_SS)^-1 H_S: w_r`` (zero off the mask).
+
+In V:2:M every row of a V-block shares the block's 4 of every M inputs but keeps its own 2 of them, so
+the kept set differs from row to row: :func:`refit` solves one ``|S| x |S|`` system per output row,
+batched (rows of equal kept count are solved together in chunks; a row keeping fewer is padded with
+identity rows).
+
+Example::
+
+    h = damp_hessian(input_hessian(x), 0.01)                  # x: [tokens, K] layer inputs
+    scores = obs_scores(w, hessian_inverse_diag(h))
+    mask = format.select_mask(scores, "64:2:8")
+    w_new = refit(w, mask, h, damp=0.0)                     # h already damped
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "input_hessian",
+    "damp_hessian",
+    "hessian_inverse_diag",
+    "obs_scores",
+    "refit",
+    "reconstruction_error",
+]
+
+ArrayLike = Any  # np.ndarray | jax.Array
+
+
+def _as_np(x: ArrayLike, name: str) -> np.ndarray:
+    try:
+        return np.asarray(x)
+    except Exception as e:  # pragma: no cover - defensive
+        raise ValueError(f"{name} must be an array, got {type(x).__name__}") from e
+
+
+def input_hessian(x: ArrayLike, weights: ArrayLike | None = None) -> jax.Array:
+    """``H = X^T X / n``: the second moment of one linear layer's inputs over calibration tokens.
+
+    Args:
+      x: ``[..., K]`` layer inputs (e.g. ``[batch, tokens, K]``); every leading index is a token.
+      weights: optional ``x.shape[:-1]`` token weights (e.g. the attention mask, 0 for padding); ``n``
+        is then their sum and each token's outer product is scaled by its weight.
+
+    Returns:
+      ``[K, K]`` float32 ``H`` (symmetric, positive semi-definite).
+    """
+    x = jnp.asarray(x)
+    if x.ndim < 2:
+        raise ValueError(f"input_hessian needs x of shape [..., K] with at least one token axis, got {x.shape}")
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k).astype(jnp.float32)
+    if weights is None:
+        n = x2.shape[0]
+        if n == 0:
+            raise ValueError("input_hessian needs at least one token (n > 0)")
+        return (x2.T @ x2) / n
+    weights = jnp.asarray(weights, jnp.float32)
+    if weights.shape != x.shape[:-1]:
+        raise ValueError(f"weights must have shape x.shape[:-1] = {x.shape[:-1]}, got {weights.shape}")
+    wt = weights.reshape(-1)
+    n = jnp.sum(wt)
+    if not isinstance(n, jax.core.Tracer) and float(n) <= 0:
+        raise ValueError("input_hessian needs the token weights to sum to n > 0")
+    return (x2.T @ (x2 * wt[:, None])) / n
+
+
+def _check_hessian(h: np.ndarray, k: int | None = None) -> None:
+    if h.ndim != 2 or h.shape[0] != h.shape[1]:
+        raise ValueError(f"H must be a square [K, K] matrix, got shape {h.shape}")
+    if k is not None and h.shape[0] != k:
+        raise ValueError(f"H must be [K, K] with K = {k} (the kernel's input features), got {h.shape}")
+
+
+def damp_hessian(h: ArrayLike, damp: float = 0.01) -> jax.Array:
+    """``H + damp * mean(diag H) * I`` (float32): makes ``H`` invertible where inputs are degenerate.
+
+    ``damp`` must be >= 0; an all-zero ``H`` is damped with ``damp * I`` instead (mean of the diagonal 1).
+    """
+    if not np.isfinite(damp) or damp < 0:
+        raise ValueError(f"damp must be a finite number >= 0, got {damp}")
+    h = jnp.asarray(h, jnp.float32)
+    _check_hessian(h)
+    mean = jnp.mean(jnp.diag(h))
+    mean = jnp.where(mean > 0, mean, 1.0)
+    return h + damp * mean * jnp.eye(h.shape[0], dtype=jnp.float32)
+
+
+def hessian_inverse_diag(h: ArrayLike, damp: float = 0.0) -> jax.Array:
+    """``diag((H + damp * mean(diag H) * I)^-1)`` as ``[K]`` float32 (computed in float64 with numpy)."""
+    hd = np.asarray(damp_hessian(h, damp) if damp else jnp.asarray(h, jnp.float32), np.float64)
+    _check_hessian(hd)
+    try:
+        c = np.linalg.cholesky(hd)
+    except np.linalg.LinAlgError:
+        raise ValueError("H must be positive definite: damp it (damp_hessian or damp > 0)") from None
+    c_inv = np.linalg.inv(c)  # H^-1 = C^-T C^-1, so [H^-1]_kk = sum_i (C^-1)_ik^2
+    return jnp.asarray(np.sum(c_inv * c_inv, axis=0), jnp.float32)
+
+
+def obs_scores(w: ArrayLike, h_inv_diag: ArrayLike) -> jax.Array:
+    """The OBS saliency ``w_kr^2 / [H^-1]_kk`` of every weight of a ``[K, R]`` kernel (higher = keep).
+
+    It is the layer error of removing ``w_kr`` alone while the row's other weights are re-solved; with
+    ``H = I`` it ranks exactly as ``|w|``. Feed it to ``jaxsparse.format.select_mask`` (which sums the
+    scores a mask keeps per row and V-block).
+
+    Args:
+      w: ``[K, R]`` kernel.
+      h_inv_diag: ``[K]`` positive diagonal of ``H^-1`` (:func:`hessian_inverse_diag`).
+
+    Returns:
+      ``[K, R]`` float32 scores.
+    """
+    w = jnp.asarray(w)
+    d = jnp.asarray(h_inv_diag, jnp.float32)
+    if w.ndim != 2:
+        raise ValueError(f"obs_scores needs a 2-D kernel [K, R], got shape {w.shape}")
+    if d.shape != (w.shape[0],):
+        raise ValueError(f"h_inv_diag must have shape [K] = ({w.shape[0]},) (the kernel's input features), got {d.shape}")
+    if not bool(jnp.all(d > 0)):
+        raise ValueError("h_inv_diag must be > 0 everywhere (the diagonal of a positive definite H^-1)")
+    w32 = w.astype(jnp.float32)
+    return (w32 * w32) / d[:, None]
+
+
+def reconstruction_error(w: ArrayLike, w_new: ArrayLike, h: ArrayLike) -> float:
+    """``sum_r (w_r - w'_r)^T H (w_r - w'_r)``: the layer's squared output error per token, summed over outputs."""
+    d = np.asarray(w, np.float64) - np.asarray(w_new, np.float64)
+    h = np.asarray(h, np.float64)
+    _check_hessian(h, d.shape[0])
+    return float(np.sum(d * (h @ d)))
+
+
+def refit(w: ArrayLike, mask: ArrayLike, h: ArrayLike, damp: float = 0.01, *, chunk: int = 64) -> jax.Array:
+    """Least-squares optimal kept weights for a fixed mask: ``w'_S = (H_SS)^-1 H_S: w_r`` per output ``r``.
+
+    Minimises ``(w_r - w'_r)^T H_d (w_r - w'_r)`` with ``H_d = damp_hessian(H, damp)`` over ``w'_r`` zero
+    off ``S = mask[:, r]``; with ``damp = 0`` that is ``||X w_r - X w'_r||^2`` (``H = X^T X / n``), the
+    layer's output error, and a positive ``damp`` adds ``damp * mean(diag H) * ||w_r - w'_r||^2`` (keeps
+    the kept weights near their old values where the inputs say little). Each output row has its own kept
+    set (V:2:M rows of one block keep different 2 of the block's 4 columns), so one system is solved per
+    row, ``chunk`` rows at a time, in float64 with numpy.
+
+    Args:
+      w: ``[K, R]`` kernel (inputs ``K``, outputs ``R``).
+      mask: ``[K, R]`` boolean, True where a weight is kept.
+      h: ``[K, K]`` input second moment (:func:`input_hessian`); must be positive definite after damping.
+      damp: relative damping, >= 0.
+      chunk: rows solved per batched call (memory ``chunk * |S|^2 * 8`` bytes).
+
+    Returns:
+      ``[K, R]`` refit kernel in ``w``'s dtype, exactly zero where ``mask`` is False.
+    """
+    w_in = w
+    wn = _as_np(w, "w")
+    mk = _as_np(mask, "mask")
+    if wn.ndim != 2:
+        raise ValueError(f"refit needs a 2-D kernel [K, R], got shape {wn.shape}")
+    if mk.shape != wn.shape:
+        raise ValueError(f"mask shape {mk.shape} must equal the kernel shape {wn.shape}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    k, r = wn.shape
+    hn = np.asarray(damp_hessian(h, damp) if damp else h, np.float64)
+    _check_hessian(hn, k)
+    mk = mk.astype(bool)
+    w64 = wn.astype(np.float64)
+    target = hn @ w64  # [K, R]: column r is H w_r
+    out = np.zeros((k, r), np.float64)
+    counts = mk.sum(axis=0)
+    for s in np.unique(counts):
+        if s == 0:
+            continue
+        rows = np.nonzero(counts == s)[0]
+        for start in range(0, len(rows), chunk):
+            rr = rows[start:start + chunk]
+            # Kept input indices of each row, ascending: [c, s].
+            idx = np.sort(np.argsort(~mk[:, rr].T, axis=1, kind="stable")[:, :s], axis=1)
+            a = hn[idx[:, :, None], idx[:, None, :]]  # [c, s, s]
+            b = np.take_along_axis(target[:, rr].T, idx, axis=1)  # [c, s]
+            try:
+                sol = np.linalg.solve(a, b[..., None])[..., 0]
+            except np.linalg.LinAlgError:
+                raise ValueError("H restricted to a row's kept inputs is singular: use damp > 0") from None
+            out[idx, rr[:, None]] = sol
+    out = np.where(mk, out, 0.0)
+    dtype = getattr(w_in, "dtype", wn.dtype)
+    return jnp.asarray(out.astype(np.float32), dtype=dtype)
