@@ -83,6 +83,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="share distillation teachers between processes: the first trains and saves "
                         "teacher-<task>.npz here (under a file lock), the others load it")
     p.add_argument("--prune-end", type=float, default=0.5, help="GMP ramp from step 0 to this fraction of all steps")
+    p.add_argument("--prune", default="gmp", choices=("gmp", "oneshot"),
+                   help="how sparse runs reach their pattern: GMP through the default ladder, or one-shot at step 0")
+    p.add_argument("--refit", action="store_true",
+                   help="as jaxsparse-train --refit (needs --prune oneshot): least-squares refit of the one-shot "
+                        "masks' kept weights before training")
+    p.add_argument("--refit-batches", type=int, default=8, help="as jaxsparse-train --refit-batches")
     p.add_argument("--max-train", type=int, default=0, help="training examples per task (0 = all)")
     p.add_argument("--max-eval", type=int, default=0, help="dev/test examples per task (0 = all)")
     p.add_argument("--layers", type=int, default=None, help="keep only the first N MiniLM layers (smoke runs)")
@@ -127,6 +133,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.seed_values = ([int(x) for x in args.seed_list.split(",") if x.strip()] if args.seed_list
                         else list(range(args.seeds)))
     train.check_recipe_arguments(p, args)
+    if args.refit and args.prune != "oneshot":
+        p.error(train.REFIT_RULE)
+    if args.refit_batches < 1:
+        p.error("--refit-batches must be >= 1")
     if not args.tasks or not args.sparsities or args.seeds < 1 or not args.seed_values:
         p.error("need at least one task, one sparsity and --seeds >= 1")
     if args.dtype == "auto":
@@ -136,12 +146,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def hyperparameters(args: argparse.Namespace) -> dict[str, Any]:
     """What every run of the study shares (compared by ``--resume``)."""
-    return {"model": "minilm", "layers": args.layers, "prune": "gmp", "ladder": "default (jaxsparse.pruning.default_ladder)",
+    return {"model": "minilm", "layers": args.layers, "prune": args.prune,
+            "ladder": "default (jaxsparse.pruning.default_ladder)" if args.prune == "gmp" else "final pattern only",
             "prune_begin": 0.0, "prune_end": args.prune_end, "epochs": args.epochs, "batch_size": args.batch_size,
             "lr": args.lr, "schedule": "linear warm-up, cosine decay to 0", "warmup": args.warmup,
             "weight_decay": args.weight_decay, "optimizer": "adamw (no decay on vectors)", "max_len": args.max_len,
             "distill": args.distill, "temperature": args.temperature if args.distill > 0 else None,
             "fade": args.fade, "score": args.score, "init": args.init,
+            "refit": args.refit, "refit_batches": args.refit_batches if args.refit else None,
             "max_train": args.max_train, "max_eval": args.max_eval, "dtype": args.dtype,
             "param_dtype": "float32", "compress": args.compress, "quick": bool(args.quick)}
 
@@ -149,7 +161,7 @@ def hyperparameters(args: argparse.Namespace) -> dict[str, Any]:
 def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> argparse.Namespace:
     """The ``jaxsparse-train`` arguments of one run (parsed by :func:`jaxsparse.train.parse_args`)."""
     argv = ["--model", "minilm", "--task", task, "--sparsity", sparsity,
-            "--prune", "none" if sparsity == "dense" else "gmp", "--prune-begin", "0",
+            "--prune", "none" if sparsity == "dense" else args.prune, "--prune-begin", "0",
             "--prune-end", str(args.prune_end), "--compress", args.compress, "--epochs", str(args.epochs),
             "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--weight-decay", str(args.weight_decay),
             "--warmup", str(args.warmup), "--seed", str(seed), "--max-train", str(args.max_train),
@@ -157,6 +169,8 @@ def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> a
             "--distill", str(args.distill if sparsity != "dense" else 0.0), "--temperature", str(args.temperature),
             "--fade", str(args.fade), "--score", args.score,
             "--init", args.init if sparsity != "dense" else "pretrained", "--no-progress"]
+    if args.refit and sparsity != "dense":
+        argv += ["--refit", "--refit-batches", str(args.refit_batches)]
     return train.parse_args(argv)
 
 
@@ -283,7 +297,9 @@ def section(payload: dict) -> str:
     done = "complete" if payload.get("finished") else "incomplete (cut short; resume with --resume)"
     layers = "" if hp.get("layers") is None else f", first {hp['layers']} layer(s) only"
     fade = "" if not hp.get("fade") else f", each stage faded in over {hp['fade']:g} of all steps"
-    recipe = ", ".join([f"{hp['epochs']} epochs, GMP to {hp['prune_end']:g}"]
+    oneshot = hp.get("prune") == "oneshot"
+    recipe = ", ".join([f"{hp['epochs']} epochs, " + ("one-shot" if oneshot else f"GMP to {hp['prune_end']:g}")]
+                       + (["least-squares refit"] if hp.get("refit") else [])
                        + ([f"distillation {hp['distill']:g}"] if hp.get("distill") else [])
                        + ([f"fade {hp['fade']:g}"] if hp.get("fade") else [])
                        + ([f"{hp['score']} score"] if hp.get("score", "magnitude") != "magnitude" else [])
@@ -293,8 +309,12 @@ def section(payload: dict) -> str:
         "",
         f"Pretrained all-MiniLM-L6-v2{layers}, fine-tuned {hp['epochs']} epochs, batch {hp['batch_size']}, "
         f"{hp['max_len']} tokens, AdamW lr {hp['lr']:g} (warm-up {hp['warmup']:g}, cosine), weight decay "
-        f"{hp['weight_decay']:g}, compute {hp['dtype']}, fp32 master weights; sparse runs use GMP from step 0 "
-        f"to {hp['prune_end']:g} of training through the kernel-eligible ladder (2:4 → V:2:8 → V:2:16)"
+        f"{hp['weight_decay']:g}, compute {hp['dtype']}, fp32 master weights; sparse runs "
+        + ("are pruned one-shot to their pattern at step 0" + (
+            f", after a sequential least-squares refit of the kept weights on {hp.get('refit_batches')} calibration "
+            "batches (`--refit`)" if hp.get("refit") else "") if oneshot else
+           f"use GMP from step 0 to {hp['prune_end']:g} of training through the kernel-eligible ladder "
+           "(2:4 → V:2:8 → V:2:16)") +
         f"{fade}"
         f"{compressed_note(payload)}{distill_note(payload)}"
         f"{'; sparse runs start from the dense teacher fine-tuned with the same schedule (seed 0), so they see twice the epochs in all' if hp.get('init') == 'teacher' else ''}. "
@@ -531,7 +551,7 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
 # Hyper-parameters that change only sparse runs: dense baselines measured under another pruning recipe are
 # the same experiment, so --dense-from may take them into a study that differs only in these.
 SPARSE_ONLY_HYPERPARAMETERS = ("prune", "ladder", "prune_begin", "prune_end", "fade", "score", "distill",
-                               "temperature", "compress", "init")
+                               "temperature", "compress", "init", "refit", "refit_batches")
 
 
 def _dense_settings(hp: dict) -> dict:

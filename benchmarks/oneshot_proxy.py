@@ -22,7 +22,8 @@ the calibration tokens (padding excluded), damped by ``--damp * mean(diag H)``:
 * ``obs``: the OBS saliency ``W_jr^2 / [H^-1]_jj`` as the ``select_mask`` score;
 * ``--refit``: after a layer's mask is chosen, its kept weights are re-solved by least squares
   (``jaxsparse.obs.refit``: per output row, ``w_S = H_SS^-1 H_S: w``; biases are left as they are).
-  Refit rows are **sequential**: the kernels are processed in forward order (layer by layer; inside a
+  Refit rows are **sequential** (``jaxsparse.obs.oneshot_refit``, which ``jaxsparse-train --refit`` uses too):
+  the kernels are processed in forward order (layer by layer; inside a
   layer Q/K/V together, then the attention output, ``intermediate``, ``output``), and each one's ``H`` is
   measured on the model whose earlier kernels are already pruned and refit, so later layers are fit to
   the inputs they will see; the mask score of that row uses the same ``H`` (activation:
@@ -46,7 +47,6 @@ from pathlib import Path
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import traverse_util
 
 from jaxsparse import format as F
@@ -55,7 +55,7 @@ from jaxsparse.models import bert
 from jaxsparse.nn import NMDense
 
 PATTERNS = ["2:4", "64:2:8", "128:2:16"]
-CRITERIA = ["magnitude", "activation", "obs"]
+CRITERIA = list(obs.CRITERIA)
 
 
 def input_sq(model: bert.BertModel, params: dict, batch: tuple) -> dict:
@@ -76,85 +76,12 @@ def input_sq(model: bert.BertModel, params: dict, batch: tuple) -> dict:
     return pruning.input_norms_tree(traverse_util.unflatten_dict(sums), params)
 
 
-class _Stop(Exception):
-    """Raised inside the forward once every wanted kernel input is recorded (skips the rest of the model)."""
-
-
-def input_hessians(model: bert.BertModel, params: dict, batch: tuple, masks=None, want=None) -> dict:
-    """``{module path: H = X^T X / n}`` (float32 numpy ``[K, K]``) of each sparse kernel's input over the
-    unpadded tokens of ``batch``, on the model with ``masks`` applied; only the paths in ``want`` (all when
-    None), stopping the forward once they are recorded. Q/K/V share one ``H``."""
-    ids, types, mask = batch
-    keep = np.asarray(mask).reshape(-1) > 0
-    cache: dict[tuple, np.ndarray] = {}
-    out: dict[tuple, np.ndarray] = {}
-
-    def record(next_fun, args, kwargs, context):
-        if isinstance(context.module, NMDense) and context.method_name == "__call__":
-            path = tuple(context.module.path)
-            if want is None or path in want:
-                key = path[:-1] + ("qkv",) if path[-1] in ("query", "key", "value") else path
-                if key not in cache:
-                    x = np.asarray(args[0], np.float32)
-                    x = x.reshape(-1, x.shape[-1])[keep]
-                    cache[key] = (x.T @ x) / len(x)
-                out[path] = cache[key]
-                if want is not None and set(want) <= set(out):
-                    raise _Stop
-        return next_fun(*args, **kwargs)
-
-    try:
-        with nn.intercept_methods(record):
-            model.apply(pruning.model_variables(params, masks=masks), ids, types, mask)
-    except _Stop:
-        pass
-    return out
-
-
-def kernel_stages(params: dict) -> list[list[tuple]]:
-    """Module paths of the encoder kernels in forward order, grouped by shared input position."""
-    layers = sorted({p[0] for p in traverse_util.flatten_dict(params) if p[0].startswith("encoder_layer_")},
-                    key=lambda n: int(n.rsplit("_", 1)[1]))
-    out = []
-    for name in layers:
-        out += [[(name, "attention", q) for q in ("query", "key", "value")], [(name, "attention", "output")],
-                [(name, "intermediate")], [(name, "output")]]
-    return out
-
-
-def _score(criterion: str, w, h: np.ndarray, damp: float):
-    if criterion == "magnitude":
-        return w
-    if criterion == "activation":
-        return jnp.abs(w) * jnp.sqrt(jnp.maximum(jnp.asarray(np.diag(h)), 0.0))[:, None]
-    if criterion == "obs":
-        return obs.obs_scores(w, obs.hessian_inverse_diag(h, damp))
-    raise ValueError(f"criterion must be one of {CRITERIA}, got {criterion!r}")
-
-
 def second_order_prune(model, params, pattern, criterion, calib, damp, refit, sequential):
-    """Masks (params-shaped, None off the encoder kernels) and params for one criterion, optionally refit.
-
-    ``sequential``: each stage's ``H`` is measured on the model pruned (and refit) so far; else all ``H``
-    come from the dense model."""
-    flat = dict(traverse_util.flatten_dict(params))
-    masks_flat = {p: None for p in flat}
-    dense_h = None if sequential else input_hessians(model, params, calib)
-    for stage in kernel_stages(params):
-        if sequential:
-            cur_p = traverse_util.unflatten_dict(flat)
-            cur_m = traverse_util.unflatten_dict(masks_flat)
-            hs = input_hessians(model, cur_p, calib, masks=cur_m, want=set(stage))
-        else:
-            hs = dense_h
-        for path in stage:
-            kp = path + ("kernel",)
-            w, h = flat[kp], hs[path]
-            m = F.select_mask(_score(criterion, w, h, damp), pattern)
-            masks_flat[kp] = m
-            if refit:
-                flat[kp] = obs.refit(w, m, h, damp=damp)
-    return traverse_util.unflatten_dict(flat), traverse_util.unflatten_dict(masks_flat)
+    """Masks (params-shaped, None off the encoder kernels) and params for one criterion, optionally refit:
+    :func:`jaxsparse.obs.oneshot_refit` on the one calibration batch ``calib`` (``sequential``: each
+    stage's ``H`` is measured on the model pruned and refit so far; else all ``H`` come from the dense model)."""
+    return obs.oneshot_refit(model, params, [calib], pattern, criterion, damp=damp, refit=refit,
+                             sequential=sequential)
 
 
 def compare(model, params, masks, batch, dense_h) -> dict[str, float]:

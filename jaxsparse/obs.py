@@ -12,7 +12,11 @@ Everything here works from ``H`` (:func:`input_hessian`, damped by :func:`damp_h
   error of removing that weight alone when the others are re-solved), a score tree for
   ``jaxsparse.format.select_mask`` (higher = keep);
 * :func:`refit` -- given a mask, the kept weights that minimise ``E_r`` for every output:
-  ``w'_S = (H_SS)^-1 H_S: w_r`` (zero off the mask).
+  ``w'_S = (H_SS)^-1 H_S: w_r`` (zero off the mask);
+* :func:`oneshot_refit` -- a whole model: every sparse kernel in forward order gets its mask (and with
+  ``refit``, refit kept weights) from its input ``H`` over calibration batches (:func:`input_hessians`),
+  measured on the model already pruned and refit before it. ``benchmarks/oneshot_proxy.py`` and
+  ``jaxsparse-train --prune oneshot --refit`` both use it.
 
 In V:2:M every row of a V-block shares the block's 4 of every M inputs but keeps its own 2 of them, so
 the kept set differs from row to row: :func:`refit` solves one ``|S| x |S|`` system per output row,
@@ -29,11 +33,17 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import traverse_util
+
+from jaxsparse import format as F
+from jaxsparse import pruning
+from jaxsparse.nn import NMDense
 
 __all__ = [
     "input_hessian",
@@ -42,6 +52,11 @@ __all__ = [
     "obs_scores",
     "refit",
     "reconstruction_error",
+    "CRITERIA",
+    "mask_score",
+    "kernel_stages",
+    "input_hessians",
+    "oneshot_refit",
 ]
 
 ArrayLike = Any  # np.ndarray | jax.Array
@@ -207,3 +222,153 @@ def refit(w: ArrayLike, mask: ArrayLike, h: ArrayLike, damp: float = 0.01, *, ch
     out = np.where(mk, out, 0.0)
     dtype = getattr(w_in, "dtype", wn.dtype)
     return jnp.asarray(out.astype(np.float32), dtype=dtype)
+
+
+CRITERIA = ("magnitude", "activation", "obs")
+"""Mask scores of :func:`oneshot_refit` (:func:`mask_score`)."""
+
+
+def mask_score(criterion: str, w: ArrayLike, h: ArrayLike, damp: float = 0.01) -> jax.Array:
+    """The ``select_mask`` score of kernel ``w`` ``[K, R]`` under ``criterion``, from its input ``H``:
+
+    ``magnitude``: ``w`` itself (``|W|``); ``activation``: ``|W_jr| * sqrt(H_jj)`` (Wanda's ``|W_jr| * ||X_j||``
+    up to a constant, the ``score="activation"`` of :func:`jaxsparse.pruning.gmp_prune`); ``obs``:
+    :func:`obs_scores` with ``H`` damped by ``damp``.
+    """
+    if criterion == "magnitude":
+        return w
+    if criterion == "activation":
+        return jnp.abs(w) * jnp.sqrt(jnp.maximum(jnp.asarray(np.diag(np.asarray(h))), 0.0))[:, None]
+    if criterion == "obs":
+        return obs_scores(w, hessian_inverse_diag(h, damp))
+    raise ValueError(f"criterion must be one of {CRITERIA}, got {criterion!r}")
+
+
+_LAYER_ORDER = (("attention", "query"), ("attention", "key"), ("attention", "value"), ("attention", "output"),
+                ("intermediate",), ("output",))
+
+
+def kernel_stages(params, filter_fn: pruning.FilterFn = pruning.encoder_kernels) -> list[list[tuple]]:
+    """Module paths of the kernels ``filter_fn`` selects (the encoder kernels of a BERT, at any prefix, e.g.
+    ``bert/encoder_layer_0/...`` in a classifier), in forward order, grouped by shared input: per
+    ``encoder_layer_<i>`` (by ``i``) Q/K/V together, then the attention output, ``intermediate``, ``output``.
+    A selected kernel outside that layout is a ``ValueError``."""
+    flat = traverse_util.flatten_dict(dict(params))
+    chosen = [p[:-1] for p, x in flat.items() if filter_fn(tuple(map(str, p)), x)]
+    layers: dict[tuple, dict[tuple, tuple]] = {}
+    for path in chosen:
+        at = next((i for i, c in enumerate(path) if c.startswith("encoder_layer_")), None)
+        rest = path[at + 1:] if at is not None else None
+        if rest not in _LAYER_ORDER:
+            raise ValueError(f"kernel_stages: {'/'.join(path)} is not a BERT encoder kernel "
+                             f"(encoder_layer_<i>/{{{', '.join('/'.join(r) for r in _LAYER_ORDER)}}})")
+        layers.setdefault(path[:at + 1], {})[rest] = path
+    out = []
+    for prefix in sorted(layers, key=lambda p: (p[:-1], int(p[-1].rsplit("_", 1)[1]))):
+        have = layers[prefix]
+        qkv = [have[r] for r in _LAYER_ORDER[:3] if r in have]
+        out += ([qkv] if qkv else []) + [[have[r]] for r in _LAYER_ORDER[3:] if r in have]
+    return out
+
+
+class _Stop(Exception):
+    """Raised inside the forward once every wanted kernel input is recorded (skips the rest of the model)."""
+
+
+def input_hessians(model: nn.Module, params, batches: Sequence[tuple], masks=None, want=None) -> dict:
+    """``{module path: H = X^T X / n}`` (float32 numpy ``[K, K]``) of each :class:`~jaxsparse.nn.NMDense`
+    input over the unpadded tokens of ``batches`` (each ``(input_ids, token_type_ids, attention_mask, ...)``;
+    ``n`` counts the tokens of all of them), on the model with ``masks`` (params-shaped) applied.
+
+    Only the paths in ``want`` (all when None) are recorded, each forward stopping once they are. Q/K/V
+    (one input) share one ``H``. The forward runs eagerly (``model.apply`` without jit, deterministic)."""
+    sums: dict[tuple, np.ndarray] = {}
+    counts: dict[tuple, int] = {}
+    keys: dict[tuple, tuple] = {}
+    variables = pruning.model_variables(params, masks=masks)
+    for batch in batches:
+        ids, types, mask = batch[:3]
+        keep = np.asarray(mask).reshape(-1) > 0
+        seen: set = set()
+
+        def record(next_fun, args, kwargs, context):
+            if isinstance(context.module, NMDense) and context.method_name == "__call__":
+                path = tuple(context.module.path)
+                if want is None or path in want:
+                    key = path[:-1] + ("qkv",) if path[-1] in ("query", "key", "value") else path
+                    keys[path] = key
+                    if key not in seen:
+                        seen.add(key)
+                        x = np.asarray(args[0], np.float32)
+                        x = x.reshape(-1, x.shape[-1])[keep]
+                        xtx = x.T @ x
+                        sums[key] = xtx if key not in sums else sums[key] + xtx
+                        counts[key] = counts.get(key, 0) + len(x)
+                    if want is not None and set(want) <= {p for p, k in keys.items() if k in seen}:
+                        raise _Stop
+            return next_fun(*args, **kwargs)
+
+        try:
+            with nn.intercept_methods(record):
+                model.apply(variables, ids, types, mask)
+        except _Stop:
+            pass
+    hs = {key: s / counts[key] for key, s in sums.items()}
+    return {path: hs[key] for path, key in keys.items()}
+
+
+def oneshot_refit(model: nn.Module, params, batches: Sequence[tuple], spec, score: str = "magnitude", *,
+                  damp: float = 0.01, refit: bool = True, sequential: bool = True,
+                  filter_fn: pruning.FilterFn = pruning.encoder_kernels) -> tuple[Any, Any]:
+    """One-shot masks of pattern ``spec`` for a BERT's sparse kernels, with least-squares refit.
+
+    The kernels of :func:`kernel_stages` are processed in forward order. With ``sequential`` (the default)
+    each stage's input ``H`` (:func:`input_hessians` over the calibration ``batches``) is measured on the
+    model whose earlier kernels are already pruned (and refit), so later layers are fit to the inputs
+    they will see; otherwise every ``H`` comes from the dense model. Each kernel's mask is
+    ``select_mask(mask_score(score, W, H, damp), spec)`` and, with ``refit``, its kernel becomes
+    ``refit(W, mask, H, damp)`` (exactly zero off the mask; biases are left as they are).
+
+    Args:
+      model: a Flax BERT (``BertModel`` or ``BertForSequenceClassification``, master mode) whose
+        ``apply(variables, input_ids, token_type_ids, attention_mask)`` runs the forward.
+      params: its params (dense kernels).
+      batches: calibration batches ``(input_ids, token_type_ids, attention_mask, ...)``.
+      spec: the V:N:M pattern.
+      score: one of :data:`CRITERIA`.
+      damp: relative Hessian damping (:func:`damp_hessian`) of the refit and the ``obs`` score.
+      refit: refit the kept weights (False: masks only, params unchanged).
+      sequential: see above.
+      filter_fn: the kernels to prune (:func:`jaxsparse.pruning.encoder_kernels`, as ``gmp_prune``).
+
+    Returns:
+      ``(params, masks)``: the (refit) params and a params-shaped mask tree (None off the pruned kernels).
+    """
+    if score not in CRITERIA:
+        raise ValueError(f"score must be one of {CRITERIA}, got {score!r}")
+    if not batches:
+        raise ValueError("oneshot_refit needs at least one calibration batch")
+    flat = dict(traverse_util.flatten_dict(dict(params)))
+    masks_flat = {p: None for p in flat}
+    stages = kernel_stages(params, filter_fn)
+    if not stages:
+        raise ValueError("oneshot_refit: filter_fn selected no kernel")
+    dense_h = None if sequential else input_hessians(model, params, batches)
+    for stage in stages:
+        if sequential:
+            cur_p = traverse_util.unflatten_dict(flat)
+            cur_m = traverse_util.unflatten_dict(masks_flat)
+            hs = input_hessians(model, cur_p, batches, masks=cur_m, want=set(stage))
+        else:
+            hs = dense_h
+        for path in stage:
+            kp = path + ("kernel",)
+            w, h = flat[kp], hs[path]
+            m = F.select_mask(mask_score(score, w, h, damp), spec)
+            masks_flat[kp] = m
+            if refit:
+                flat[kp] = refit_kernel(w, m, h, damp=damp)
+    return traverse_util.unflatten_dict(flat), traverse_util.unflatten_dict(masks_flat)
+
+
+refit_kernel = refit  # `refit` is also oneshot_refit's flag name

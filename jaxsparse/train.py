@@ -37,6 +37,9 @@ __all__ = ["main", "parse_args", "run", "fit", "load_data", "load_model", "TaskT
            "add_recipe_arguments", "check_recipe_arguments"]
 
 INITS = ("pretrained", "teacher")
+REFIT_RULE = "--refit needs --prune oneshot (it refits the one-shot masks before training)"
+REFIT_DAMP = 0.01
+"""Relative Hessian damping of ``--refit`` (``jaxsparse.obs.damp_hessian``)."""
 MODELS = ("minilm",) + tuple(n for n in bert.PRESETS if n != "minilm")
 
 
@@ -98,6 +101,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--devices", default="1",
                    help="data parallel over N local devices or 'all' (gradients averaged; the batch is split)")
     p.add_argument("--out", default="runs/latest", help="output folder (metrics.json, checkpoint/)")
+    p.add_argument("--refit", action="store_true",
+                   help="with --prune oneshot only: before training, choose each sparse kernel's mask (same --score) "
+                        "and refit its kept weights by least squares to its input Hessian over calibration batches, "
+                        "layer by layer in forward order (jaxsparse.obs.oneshot_refit)")
+    p.add_argument("--refit-batches", type=int, default=8,
+                   help="--refit calibration: the first N training batches (of --batch-size, --max-len)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.sparsity != "dense":
@@ -120,6 +129,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error("--devices must be >= 1")
     if not 0.0 <= args.prune_begin <= args.prune_end <= 1.0:
         p.error("need 0 <= --prune-begin <= --prune-end <= 1")
+    if args.refit and args.prune != "oneshot":
+        p.error(REFIT_RULE)
+    if args.refit_batches < 1:
+        p.error("--refit-batches must be >= 1")
     check_recipe_arguments(p, args)
     if args.distill > 0 and args.sparsity == "dense":
         p.error("--distill trains a sparse student from a dense teacher: give a --sparsity pattern")
@@ -353,6 +366,12 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
       init_params: the whole classifier's starting params (``--init teacher``: the teacher's fine-tuned
         params); ``pretrained`` is ignored then.
 
+    With ``args.refit`` (``--prune oneshot`` only) the starting params are first pruned and refit by
+    :func:`jaxsparse.obs.oneshot_refit` (sequential: each kernel's input Hessian is measured on the model
+    already pruned and refit before it) over the first ``args.refit_batches`` training batches, masks chosen
+    with ``args.score`` (the activation score from the same calibration inputs); training then proceeds as
+    ``--prune oneshot``, whose step-0 masks are the refit's.
+
     Returns:
       ``(metrics, variables)``: the metrics of ``metrics.json`` (without ``seconds`` of loading) and the
       final ``{"params": ..., "sparsity": ...}``.
@@ -400,6 +419,20 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         params = jax.tree_util.tree_map(jnp.asarray, init_params)
     elif pretrained is not None:
         params = bert.merge_params(params, pretrained)
+    refit = bool(getattr(args, "refit", False))
+    if refit:
+        if args.prune != "oneshot":
+            raise ValueError(REFIT_RULE)
+        from jaxsparse import obs
+
+        n_cal = min(getattr(args, "refit_batches", 8), len(train) // args.batch_size)
+        calib = [_arrays(train, slice(i * args.batch_size, (i + 1) * args.batch_size))[:3] for i in range(n_cal)]
+        t_refit = time.time()
+        params, _ = obs.oneshot_refit(master, params, calib, spec, getattr(args, "score", "magnitude"),
+                                      damp=REFIT_DAMP)
+        # The one-shot prune below selects its masks at step 0 from these params (the warm-up's learning rate
+        # is 0 there, so the update is 0): the refit kernels are zero exactly off their masks, so it picks them again.
+        log(f"refit: {n_cal} calibration batches, {time.time() - t_refit:.0f} s")
 
     steps_per_epoch = len(train) // args.batch_size
     total = steps_per_epoch * args.epochs
@@ -495,6 +528,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         "compressed_training": compressed, "seed": args.seed, "epochs": args.epochs,
         "batch_size": args.batch_size, "lr": args.lr, "max_len": args.max_len, "dtype": args.dtype,
         "distill": distill, "temperature": temperature if distill > 0 else None,
+        "refit": refit, "refit_batches": n_cal if refit else None,
         "train_examples": len(train), "dev_examples": len(dev), "test_examples": len(test), "steps": global_step,
         "history": history, "dev_accuracy": history[-1]["dev_accuracy"], "test_accuracy": test_metrics["accuracy"],
         "test_loss": test_metrics["loss"], "weight_sparsity": achieved,

@@ -166,3 +166,22 @@ def test_merge_takes_dense_baselines_from_another_recipe(acc, tmp_path):
     old.write_text(json.dumps(_payload(acc, "rt", ["dense"], accs, lr=1.0)))  # dense settings differ: refused
     with pytest.raises(ValueError, match="other settings"):
         acc.merge([study], out, dense_from=[old])
+
+
+def test_refit_is_passed_through(acc):
+    """--prune oneshot --refit reaches the sparse runs' jaxsparse-train arguments and the hyper-parameters."""
+    args = acc.parse_args(["--quick", "--prune", "oneshot", "--refit", "--refit-batches", "3"])
+    sparse, dense = acc.run_args(args, "trec", "2:4", 0), acc.run_args(args, "trec", "dense", 0)
+    assert (sparse.prune, sparse.refit, sparse.refit_batches) == ("oneshot", True, 3)
+    assert (dense.prune, dense.refit) == ("none", False)
+    hp = acc.hyperparameters(args)
+    assert hp["refit"] is True and hp["refit_batches"] == 3 and hp["prune"] == "oneshot"
+    default = acc.hyperparameters(acc.parse_args(["--quick"]))
+    assert default["refit"] is False and default["prune"] == "gmp" and not acc.run_args(
+        acc.parse_args(["--quick"]), "trec", "2:4", 0).refit
+    payload = _payload(acc, "trec", ["dense", "2:4"], {"dense": [0.9, 0.9], "2:4": [0.8, 0.8]},
+                       prune="oneshot", refit=True, refit_batches=3)
+    payload["summary"] = []
+    assert "least-squares refit" in acc.section(payload)
+    with pytest.raises(SystemExit, match="2"):
+        acc.parse_args(["--quick", "--refit"])  # GMP runs cannot be refit

@@ -133,3 +133,62 @@ def test_bad_inputs_raise():
         obs.refit(np.ones(16), np.ones(16, bool), h)
     with pytest.raises(ValueError, match="positive definite"):
         obs.hessian_inverse_diag(np.zeros((4, 4)))
+
+
+def _tiny_bert(seed=0):
+    import jax
+
+    from jaxsparse.models import bert
+
+    cfg = bert.BertConfig.preset("tiny")
+    model = bert.BertModel(cfg, add_pooler=False)
+    rng = np.random.default_rng(seed)
+    ids = jnp.asarray(rng.integers(1, 500, size=(4, 12)), jnp.int32)
+    types = jnp.zeros_like(ids)
+    mask = jnp.asarray(np.arange(12)[None] < np.array([12, 9, 7, 12])[:, None], jnp.int32)
+    params = model.init(jax.random.key(seed), ids, types, mask)["params"]
+    return model, params, (ids, types, mask)
+
+
+def test_kernel_stages_and_multi_batch_hessians():
+    """Forward order with Q/K/V grouped, at any prefix; H over two batches = H over their concatenation."""
+    from jaxsparse.pruning import encoder_kernels
+
+    model, params, (ids, types, mask) = _tiny_bert()
+    stages = obs.kernel_stages(params)
+    assert stages[0] == [("encoder_layer_0", "attention", q) for q in ("query", "key", "value")]
+    assert stages[1:4] == [[("encoder_layer_0", "attention", "output")], [("encoder_layer_0", "intermediate")],
+                           [("encoder_layer_0", "output")]] and len(stages) == 8
+    nested = obs.kernel_stages({"bert": params})
+    assert nested[4] == [("bert", "encoder_layer_1", "attention", q) for q in ("query", "key", "value")]
+    whole = obs.input_hessians(model, params, [(ids, types, mask)])
+    split = obs.input_hessians(model, params, [(ids[:2], types[:2], mask[:2]), (ids[2:], types[2:], mask[2:])])
+    assert set(whole) == set(split) == {p for s in stages for p in s}
+    for p in whole:
+        np.testing.assert_allclose(split[p], whole[p], rtol=1e-4, atol=1e-5)
+    assert whole[stages[0][0]] is whole[stages[0][2]]  # Q/K/V share one input
+    with pytest.raises(ValueError, match="not a BERT encoder kernel"):
+        obs.kernel_stages({"encoder": {"odd": {"kernel": jnp.zeros((4, 4))}}}, encoder_kernels)
+
+
+def test_oneshot_refit_masks_survive_reselection(score="activation"):
+    """oneshot_refit's kernels obey their masks, and one-shot selection on them picks the same masks."""
+
+    from jaxsparse import pruning
+
+    from flax import traverse_util
+
+    model, params, batch = _tiny_bert()
+    new, masks = obs.oneshot_refit(model, params, [batch], "16:2:8", score)
+    flat_m = {k: v for k, v in traverse_util.flatten_dict(masks).items() if v is not None}
+    flat_w = traverse_util.flatten_dict(new)
+    assert len(flat_m) == 12
+    for k, m in flat_m.items():
+        m, w = np.asarray(m), np.asarray(flat_w[k])
+        assert fmt.check_mask(m, "16:2:8") and (w[~m] == 0).all() and (w[m] != 0).all()
+    sq = None
+    if score == "activation":
+        sq = traverse_util.unflatten_dict({k: (jnp.full((m.shape[0],), 3.0) if k in flat_m else None)
+                                           for k, m in traverse_util.flatten_dict(masks).items()})
+    again = traverse_util.flatten_dict(pruning.oneshot_masks(new, "16:2:8", input_sq=sq))
+    assert all(bool((np.asarray(again[k]) == np.asarray(m)).all()) for k, m in flat_m.items())

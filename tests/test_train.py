@@ -148,3 +148,50 @@ def test_init_teacher_starts_the_sparse_run_from_the_fine_tuned_teacher(tmp_path
     wrong = jax.tree_util.tree_map(lambda a: a[..., :1], teacher_params)
     with pytest.raises(ValueError, match="init_params does not match"):
         real_fit(args, data_, cfg, None, init_params=wrong)
+
+
+def test_oneshot_refit_run(tmp_path, monkeypatch, capsys):
+    """--prune oneshot --refit: the starting kernels are refit to the one-shot masks, step 0 keeps those masks."""
+    from flax import traverse_util
+
+    from jaxsparse import obs
+
+    calls = []
+    real = obs.oneshot_refit
+    monkeypatch.setattr(obs, "oneshot_refit", lambda *a, **k: calls.append((a, k, real(*a, **k))) or calls[-1][2])
+    out = tmp_path / "run"
+    metrics = train.run(train.parse_args(TINY + ["--sparsity", "16:2:8", "--prune", "oneshot", "--refit",
+                                                  "--refit-batches", "2", "--score", "activation", "--compress", "off",
+                                                  "--out", str(out)]))
+    assert metrics["refit"] is True and metrics["refit_batches"] == 2 and metrics["prune"] == "oneshot"
+    hist = metrics["history"]
+    assert hist[-1]["train_loss"] < hist[0]["first_loss"], hist
+    assert "refit: 2 calibration batches" in capsys.readouterr().err
+    (args, kwargs, (refit_params, refit_masks)), = calls
+    assert len(args[2]) == 2 and args[2][0][0].shape == (32, 24) and args[4] == "activation"
+    start = traverse_util.flatten_dict(args[1])
+    masks = {k: np.asarray(m) for k, m in traverse_util.flatten_dict(refit_masks).items() if m is not None}
+    kernels = traverse_util.flatten_dict(refit_params)
+    assert len(masks) == 12
+    for k, m in masks.items():  # the refit params obey the masks and differ from the start on the kept weights
+        w = np.asarray(kernels[k])
+        assert fmt.check_mask(m, "16:2:8") and (w[~m] == 0).all()
+        assert not np.allclose(w[m], np.asarray(start[k])[m])
+    # One-shot masks are chosen at step 0 only: the run's final masks are its step-0 masks.
+    restored = traverse_util.flatten_dict(train.load_checkpoint(out / "checkpoint")["sparsity"])
+    step0 = {k[:-1] + ("kernel",): np.asarray(m) for k, m in restored.items()}
+    assert step0.keys() == masks.keys() and all((step0[k] == masks[k]).all() for k in masks)
+
+
+def test_refit_needs_oneshot(capsys):
+    for argv in (["--sparsity", "2:4", "--prune", "gmp", "--refit"], ["--sparsity", "dense", "--refit"]):
+        with pytest.raises(SystemExit):
+            train.parse_args(argv)
+        assert "--refit needs --prune oneshot" in capsys.readouterr().err
+    args = train.parse_args(["--sparsity", "2:4", "--prune", "gmp"])
+    args.refit = True
+    data_ = train.load_data("trec", 64, 16, 16)
+    cfg, _ = train.load_model("tiny")
+    with pytest.raises(ValueError, match="--refit needs --prune oneshot"):
+        train.fit(args, data_, cfg, None)
+    assert not train.parse_args([]).refit
