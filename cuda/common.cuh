@@ -52,6 +52,19 @@ inline std::string ShapeString(const B& b) {
 // {4, 8, 16, 32}; V = 1 for M = 4, else 64 or 128; R % V == 0; G % 8 == 0; metadata [R, G/8]; columns
 // [R/V, G, 4] when M > 4. Returns InvalidArgument naming the target, or Success.
 // The kernels' pattern rules alone: M in {4, 8, 16, 32}; V = 1 for M = 4, else 64 or 128.
+// The forward epilogue's operands: a bias (empty, or [rows] in the input dtype `dt` or float32) and the
+// activation attribute (0 none, 1 gelu).
+inline ffi::Error CheckEpilogue(const char* target, const ffi::AnyBuffer& bias, int64_t rows, ffi::DataType dt,
+                                int32_t activation) {
+  const std::string name(target);
+  if (bias.element_count() > 0 && (bias.element_count() != static_cast<size_t>(rows) ||
+                                   (bias.element_type() != dt && bias.element_type() != ffi::F32)))
+    return ffi::Error::InvalidArgument(name + ": bias must be [R] in the input dtype or float32");
+  if (activation != 0 && activation != 1)
+    return ffi::Error::InvalidArgument(name + ": activation must be 0 (none) or 1 (gelu)");
+  return ffi::Error::Success();
+}
+
 inline ffi::Error CheckSpec(const char* target, int v, int m) {
   const std::string name(target);
   if (m != 4 && m != 8 && m != 16 && m != 32)

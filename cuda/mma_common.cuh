@@ -27,6 +27,18 @@ __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// The dynamic shared memory `raw` rounded up to a 1024-byte boundary (a 128-byte swizzle atom; launches ask
+// for 1024 bytes more than they use): its generic pointer and its shared-window address.
+struct AlignedSmem {
+  unsigned char* ptr;
+  uint32_t addr;
+};
+__device__ __forceinline__ AlignedSmem AlignSmem1024(unsigned char* raw) {
+  const uint32_t raw_addr = SmemAddr(raw);
+  const uint32_t pad = ((raw_addr + 1023u) & ~1023u) - raw_addr;
+  return {raw + pad, raw_addr + pad};
+}
+
 // 16-byte async copy; src_bytes = 0 zero-fills the destination (token tails).
 __device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));

@@ -363,10 +363,9 @@ __global__ void __launch_bounds__(kWgThreads, 2) SddmmWgmmaKernel(const SddmmPar
   using L = WgLayout<M>;
   constexpr int GC = C::GC, NC = L::NC, W = L::W, STAGES = C::STAGES;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const uint32_t raw_base = SmemAddr(smem_raw);
-  const uint32_t pad = ((raw_base + 1023u) & ~1023u) - raw_base;
-  unsigned char* smem = smem_raw + pad;
-  const uint32_t smem_base = raw_base + pad;  // 1024-byte aligned: swizzle atoms start on their boundary
+  const AlignedSmem aligned = AlignSmem1024(smem_raw);  // swizzle atoms start on their boundary
+  unsigned char* smem = aligned.ptr;
+  const uint32_t smem_base = aligned.addr;
 
   const int tid = threadIdx.x, warp = tid >> 5;
   const int wg = warp >> 2;  // warpgroup: rows 64*wg .. 64*wg+63 of the tile
@@ -557,10 +556,9 @@ __global__ void __launch_bounds__(kXtThreads, 1)
 #ifdef JAXSPARSE_WGMMA
   using L = XtLayout;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const uint32_t raw_base = SmemAddr(smem_raw);
-  const uint32_t pad = ((raw_base + 1023u) & ~1023u) - raw_base;
-  unsigned char* smem = smem_raw + pad;
-  const uint32_t smem_base = raw_base + pad;
+  const AlignedSmem aligned = AlignSmem1024(smem_raw);
+  unsigned char* smem = aligned.ptr;
+  const uint32_t smem_base = aligned.addr;
   const uint32_t full0 = smem_base + L::kBarOff;
 
   const int tid = threadIdx.x, warp = tid >> 5;

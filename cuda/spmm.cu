@@ -339,12 +339,8 @@ ffi::Error SpmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values
   const auto dt = x.element_type();
   if (values.element_type() != dt || out->element_type() != dt)
     return ffi::Error::InvalidArgument("jaxsparse_spmm: x, values and output must share one dtype");
+  if (ffi::Error e = CheckEpilogue("jaxsparse_spmm", bias, rows, dt, activation); e.failure()) return e;
   const bool has_bias = bias.element_count() > 0;
-  if (has_bias && (bias.element_count() != static_cast<size_t>(rows) ||
-                   (bias.element_type() != dt && bias.element_type() != ffi::F32)))
-    return ffi::Error::InvalidArgument("jaxsparse_spmm: bias must be [R] in the input dtype or float32");
-  if (activation != 0 && activation != 1)
-    return ffi::Error::InvalidArgument("jaxsparse_spmm: activation must be 0 (none) or 1 (gelu)");
   if (tokens == 0 || rows == 0) return ffi::Error::Success();
   if (tokens > static_cast<int64_t>(65535) * 64 || k >= (int64_t(1) << 30) || rows >= (int64_t(1) << 30))
     return ffi::Error::InvalidArgument("jaxsparse_spmm: shape too large");

@@ -58,6 +58,17 @@ struct XtLayout {
   static_assert(kStageBytes % 1024 == 0, "swizzle atoms are 1024-byte aligned");
 };
 
+// How a BR x BT tile splits over two (consumer) warpgroups: BR = 128 puts them on the two 64-feature halves,
+// BR = 64 on two token halves; each runs NCH wgmmas of N = NW per k16 step.
+template <int BR, int BT>
+struct XtWarps {
+  static constexpr int WR = BR / 64;                // warpgroups along the features (1 or 2)
+  static constexpr int WN = BT * WR / 2;            // tokens per warpgroup
+  static constexpr int NW = WN >= 128 ? 128 : 64;   // N of one wgmma
+  static constexpr int NCH = WN / NW;               // wgmmas per k16 step
+  static_assert(WN % NW == 0, "token tile");
+};
+
 // One pipeline stage (condensed k [q0, q0 + 64)) of A [BR][64 k] (unless WITH_A is false) and Xc [64 k][BT
 // tokens] into shared memory at `base` by cp.async from THREADS threads (this one is `thread`); `tcols` is the V
 // block's kept columns (null at M = 4).
@@ -139,16 +150,12 @@ template <typename T, int BR, int BT, int STAGES, int MIN_BLOCKS>
 __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const SpmmXtParams p) {
 #ifdef JAXSPARSE_WGMMA
   using L = XtLayout<BR, BT, STAGES>;
-  constexpr int WR = BR / 64;                   // warpgroups along the features (1 or 2)
-  constexpr int WN = BT * WR / 2;               // tokens per warpgroup
-  constexpr int NW = WN >= 128 ? 128 : 64;      // N of one wgmma
-  constexpr int NCH = WN / NW;                  // wgmmas per k16 step
-  static_assert(WN % NW == 0, "token tile");
+  using W = XtWarps<BR, BT>;
+  constexpr int WR = W::WR, WN = W::WN, NW = W::NW, NCH = W::NCH;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const uint32_t raw_base = SmemAddr(smem_raw);
-  const uint32_t pad = ((raw_base + 1023u) & ~1023u) - raw_base;
-  unsigned char* smem = smem_raw + pad;
-  const uint32_t smem_base = raw_base + pad;
+  const AlignedSmem aligned = AlignSmem1024(smem_raw);
+  unsigned char* smem = aligned.ptr;
+  const uint32_t smem_base = aligned.addr;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int wg = warp >> 2, wq = warp & 3;
@@ -244,16 +251,12 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                         const __grid_constant__ CUtensorMap tma_x) {
 #ifdef JAXSPARSE_WGMMA
   using L = XtWsLayout<BR, BT, STAGES>;
-  constexpr int WR = BR / 64;               // consumer warpgroups along the features (1 or 2)
-  constexpr int WN = BT * WR / 2;           // tokens per consumer warpgroup
-  constexpr int NW = WN >= 128 ? 128 : 64;  // N of one wgmma
-  constexpr int NCH = WN / NW;
-  static_assert(WN % NW == 0, "token tile");
+  using W = XtWarps<BR, BT>;  // over the two consumer warpgroups
+  constexpr int WR = W::WR, WN = W::WN, NW = W::NW, NCH = W::NCH;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const uint32_t raw_base = SmemAddr(smem_raw);
-  const uint32_t pad = ((raw_base + 1023u) & ~1023u) - raw_base;
-  unsigned char* smem = smem_raw + pad;
-  const uint32_t smem_base = raw_base + pad;
+  const AlignedSmem aligned = AlignSmem1024(smem_raw);
+  unsigned char* smem = aligned.ptr;
+  const uint32_t smem_base = aligned.addr;
   const uint32_t full0 = smem_base + L::kBarOff, empty0 = full0 + STAGES * 8;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
@@ -440,12 +443,8 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer a, 
   const auto dt = xt.element_type();
   if (a.element_type() != dt || out->element_type() != dt)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T, A and the output must share one dtype");
+  if (ffi::Error e = CheckEpilogue("jaxsparse_spmm_xt", bias, rows, dt, activation); e.failure()) return e;
   const bool has_bias = bias.element_count() > 0;
-  if (has_bias && (bias.element_count() != static_cast<size_t>(rows) ||
-                   (bias.element_type() != dt && bias.element_type() != ffi::F32)))
-    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: bias must be [R] in the input dtype or float32");
-  if (activation != 0 && activation != 1)
-    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: activation must be 0 (none) or 1 (gelu)");
   if (tokens == 0 || rows == 0) return ffi::Error::Success();
   if (tokens >= (int64_t(1) << 30) || k >= (int64_t(1) << 30) || rows >= (int64_t(1) << 30) ||
       (tokens + 63) / 64 > 65535)
