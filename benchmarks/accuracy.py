@@ -437,7 +437,9 @@ def _teacher(args: argparse.Namespace, task: str, data: train.TaskTokens, cfg, p
         fcntl.flock(lock, fcntl.LOCK_EX)  # one process trains, the others wait and load
         if path.exists():
             saved = np.load(path, allow_pickle=False)
-            if json.loads(str(saved["hyperparameters"])) != hyperparameters(args):
+            # The teacher is a dense run: only the settings dense runs depend on must match (a --refit or --prune
+            # study shares the teacher of its control).
+            if json.loads(str(saved["hyperparameters"])) != _dense_settings(hyperparameters(args)):
                 raise SystemExit(f"--teacher-dir: {path} was trained with other hyper-parameters")
             params = traverse_util.unflatten_dict({tuple(k[len("param/"):].split("/")): saved[k]
                                                    for k in saved.files if k.startswith("param/")})
@@ -446,7 +448,8 @@ def _teacher(args: argparse.Namespace, task: str, data: train.TaskTokens, cfg, p
         keep = {k: metrics[k] for k in ("test_accuracy", "dev_accuracy", "steps")}
         flat = {"param/" + "/".join(k): np.asarray(v) for k, v in traverse_util.flatten_dict(dict(params)).items()}
         tmp = path.with_suffix(".tmp.npz")
-        np.savez(tmp, logits=logits, metrics=json.dumps(keep), hyperparameters=json.dumps(hyperparameters(args)), **flat)
+        np.savez(tmp, logits=logits, metrics=json.dumps(keep), hyperparameters=json.dumps(_dense_settings(hyperparameters(args))),
+                 **flat)
         tmp.replace(path)
         return logits, keep, params
 

@@ -528,6 +528,9 @@ __global__ void __launch_bounds__(kWgThreads, 2) SddmmWgmmaKernel(const SddmmPar
 // while one group of the previous stage may still be in flight (wgmma.wait_group 1), so the tensor cores
 // see back-to-back work; a buffer is refilled only after every warpgroup's wgmmas on it completed.
 // Needs T % 8 == 0 (16-byte rows of x^T) and R % 128 == 0; the Python side takes this path only then.
+// XROW (2:4 only, session 7): the same engine reads x [T, K] as XLA holds it, so the layer needs no transpose:
+// the 128 condensed columns are x's columns 4 g0 .. 4 g0 + 127, two TMA boxes of 64 tokens x 64 columns that
+// land as an MN-major 128B-swizzled B (trans-b = 1, LBO = one 64-column block), like dy.
 // Epilogue: StoreKeptPairs, as both other engines.
 constexpr int kXtBR = 128;
 constexpr int kXtBT = 64;
@@ -549,7 +552,7 @@ struct XtLayout {
   static_assert(kDyHalf % 1024 == 0 && kXcTile % 1024 == 0 && kStageBytes % 1024 == 0, "swizzle atoms");
 };
 
-template <typename T>
+template <typename T, bool XROW>
 __global__ void __launch_bounds__(kXtThreads, 1)
     SddmmWgmmaXtKernel(const SddmmParams p, const __grid_constant__ CUtensorMap tma_dy,
                        const __grid_constant__ CUtensorMap tma_xt) {
@@ -574,7 +577,7 @@ __global__ void __launch_bounds__(kXtThreads, 1)
   const bool one_block = p.cols == nullptr || p.v % kXtBR == 0;
   const int halves = one_block ? 1 : 2;
   // 2:4: the condensed rows are x^T's rows g0*4 .. g0*4 + 127 themselves, one TMA box; else a gather by cp.async.
-  const bool x_by_tma = p.cols == nullptr;
+  const bool x_by_tma = XROW || p.cols == nullptr;
 
   if (tid == 0)
     for (int s = 0; s < kXtStages; ++s) MbarInit(full0 + 8 * s, 1);  // thread 0's expect_tx arrival
@@ -611,7 +614,12 @@ __global__ void __launch_bounds__(kXtThreads, 1)
       MbarArriveExpectTx(full, 2 * L::kDyHalf + (x_by_tma ? L::kXcTile : 0));
       TmaLoad2d(base, &tma_dy, row0, t0, full);
       TmaLoad2d(base + L::kDyHalf, &tma_dy, row0 + 64, t0, full);
-      if (x_by_tma) TmaLoad2d(base + L::kXcOff, &tma_xt, t0, 4 * g0, full);
+      if (XROW) {  // x [T, K]: columns 4 g0 .. 4 g0 + 127 of tokens t0 .. t0 + 63, two 64-column boxes
+        TmaLoad2d(base + L::kXcOff, &tma_xt, 4 * g0, t0, full);
+        TmaLoad2d(base + L::kXcOff + L::kXcTile / 2, &tma_xt, 4 * g0 + 64, t0, full);
+      } else if (x_by_tma) {
+        TmaLoad2d(base + L::kXcOff, &tma_xt, t0, 4 * g0, full);
+      }
     }
     if (!x_by_tma) {
       const bool tok_ok = t0 + xc_c * 8 < p.tokens;  // T % 8 == 0: a chunk is all in or all out
@@ -655,8 +663,13 @@ __global__ void __launch_bounds__(kXtThreads, 1)
 #pragma unroll
     for (int ks = 0; ks < kXtBT / 16; ++ks) {
       const uint64_t da = WgmmaDescSw128(a_base + ks * 2048, L::kDyHalf, 1024);
-      const uint64_t db = WgmmaDescSw128(b_base + ks * 32, 16, 1024);
-      Wgmma<kXtNC, T, 0>::Run(acc, da, db);
+      if (XROW) {
+        const uint64_t db = WgmmaDescSw128(b_base + ks * 2048, L::kXcTile / 2, 1024);
+        Wgmma<kXtNC, T, 1>::Run(acc, da, db);
+      } else {
+        const uint64_t db = WgmmaDescSw128(b_base + ks * 32, 16, 1024);
+        Wgmma<kXtNC, T, 0>::Run(acc, da, db);
+      }
     }
     WgmmaCommit();
     WgmmaWait<1>();  // stage kt-1's wgmmas of this warpgroup completed
@@ -717,8 +730,10 @@ int ChooseSplits(int split, int tiles, int all_kt, int ctas_per_sm) {
   return std::max(1, std::min(s, all_kt));
 }
 
-// Engine attribute: 0 = auto (wgmma where it applies), 1 = mma.sync, 2 = wgmma (an error where it cannot run).
-constexpr int kEngineAuto = 0, kEngineMma = 1, kEngineWgmma = 2;
+// Engine attribute: 0 = auto (the TMA engine for 2:4 from x [T, K], else wgmma where it applies), 1 = mma.sync,
+// 2 = wgmma (the row-major gather engine), 3 = tma (SddmmWgmmaXtKernel on x [T, K], 2:4 only); 2 and 3 are an
+// error where they cannot run.
+constexpr int kEngineAuto = 0, kEngineMma = 1, kEngineWgmma = 2, kEngineTma = 3;
 
 // Splits the token range (`split` as ChooseSplits reads it) over `tiles` CTAs of BT-token stages, takes the
 // float32 partial planes from XLA's scratch, launches `launch(grid_z)` and the ordered reduction.
@@ -743,26 +758,27 @@ ffi::Error LaunchSplit(cudaStream_t stream, SddmmParams p, int split, int tiles,
   return LastLaunchError("SddmmReduceKernel");
 }
 
-// x^T [K, T] (x_layout = 1): the x^T engine, the only one that reads it.
-template <typename T>
+// x^T [K, T] (x_layout = 1): the x^T engine, the only one that reads it; with XROW (2:4), the same engine on
+// x [T, K] (x_layout = 0), chosen by Dispatch.
+template <typename T, bool XROW>
 ffi::Error LaunchXt(cudaStream_t stream, const SddmmParams& p, int split, ffi::ScratchAllocator& scratch) {
-  if (!Sm90aImageLoaded<SddmmWgmmaXtKernel<T>>())
+  constexpr auto kernel = SddmmWgmmaXtKernel<T, XROW>;
+  if (!Sm90aImageLoaded<kernel>())
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: x^T (x_layout 1) needs an sm_90a build on a Hopper GPU");
-  if (p.rows % kXtBR || p.tokens % 8)
+  if (p.rows % kXtBR || (!XROW && p.tokens % 8))
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: x^T (x_layout 1) needs R % 128 == 0 and T % 8 == 0");
   constexpr int kSmem = XtLayout::kSmemBytes;
-  if (ffi::Error e = RaiseSmemLimit<SddmmWgmmaXtKernel<T>>(kSmem, "cudaFuncSetAttribute(SddmmWgmmaXtKernel)");
-      e.failure())
-    return e;
+  if (ffi::Error e = RaiseSmemLimit<kernel>(kSmem, "cudaFuncSetAttribute(SddmmWgmmaXtKernel)"); e.failure()) return e;
   CUtensorMap tma_dy{}, tma_xt{};
   if (!MakeTensorMap2d(&tma_dy, p.dy, p.tokens, p.rows, kXtBT) ||
-      (p.cols == nullptr && !MakeTensorMap2d(&tma_xt, p.x, p.k, p.tokens, kXtNC)))
+      (XROW && !MakeTensorMap2d(&tma_xt, p.x, p.tokens, p.k, kXtBT)) ||
+      (!XROW && p.cols == nullptr && !MakeTensorMap2d(&tma_xt, p.x, p.k, p.tokens, kXtNC)))
     return ffi::Error::Internal("jaxsparse_sddmm: cuTensorMapEncodeTiled failed for the x^T engine");
   const int gy = (p.groups + kXtGC - 1) / kXtGC;
   return LaunchSplit<T>(
       stream, p, split, (p.rows / kXtBR) * gy, kXtBT, scratch,
       [&](const SddmmParams& q, int z) {
-        SddmmWgmmaXtKernel<T><<<dim3(p.rows / kXtBR, gy, z), kXtThreads, kSmem, stream>>>(q, tma_dy, tma_xt);
+        kernel<<<dim3(p.rows / kXtBR, gy, z), kXtThreads, kSmem, stream>>>(q, tma_dy, tma_xt);
         return LastLaunchError("SddmmWgmmaXtKernel");
       },
       1);
@@ -804,7 +820,15 @@ ffi::Error Launch(cudaStream_t stream, const SddmmParams& p, int split, int engi
 template <typename T>
 ffi::Error Dispatch(cudaStream_t stream, const SddmmParams& p, int m, int split, int engine, int x_layout,
                     ffi::ScratchAllocator& scratch) {
-  if (x_layout == 1) return LaunchXt<T>(stream, p, split, scratch);
+  if (x_layout == 1) return LaunchXt<T, false>(stream, p, split, scratch);
+  // 2:4 from x [T, K] on Hopper: the TMA engine reads x as it is (the x^T engine's TMA path took 0.28 ms against
+  // 0.39 for the row-major wgmma engine at 16384x1024x4096; docs/kernel-notes.md, sessions 6 and 7).
+  if (engine == kEngineTma) {
+    if (m != 4) return ffi::Error::InvalidArgument("jaxsparse_sddmm: the tma engine takes 2:4 only");
+    return LaunchXt<T, true>(stream, p, split, scratch);
+  }
+  if (m == 4 && engine == kEngineAuto && p.rows % kXtBR == 0 && Sm90aImageLoaded<SddmmWgmmaXtKernel<T, true>>())
+    return LaunchXt<T, true>(stream, p, split, scratch);
   return DispatchGroupWidth("jaxsparse_sddmm", m, [&](auto width) {
     return Launch<T, decltype(width)::value>(stream, p, split, engine, scratch);
   });
@@ -831,8 +855,10 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::An
   if (out->element_type() != dt && out->element_type() != ffi::F32)
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: the output must be in the input dtype or float32");
   if (split < 0) return ffi::Error::InvalidArgument("jaxsparse_sddmm: split must be >= 0 (0 = auto, 1 = none)");
-  if (engine < kEngineAuto || engine > kEngineWgmma)
-    return ffi::Error::InvalidArgument("jaxsparse_sddmm: engine must be 0 (auto), 1 (mma.sync) or 2 (wgmma)");
+  if (engine < kEngineAuto || engine > kEngineTma)
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: engine must be 0 (auto), 1 (mma.sync), 2 (wgmma) or 3 (tma)");
+  if (engine == kEngineTma && x_layout != 0)
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: the tma engine reads x [T, K] (x_layout 0)");
   if (x_layout != 0 && x_layout != 1)
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: x_layout must be 0 (x [T, K]) or 1 (x^T [K, T])");
   if (rows == 0 || groups == 0) return ffi::Error::Success();
@@ -872,5 +898,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSddmm, jaxsparse::SddmmImpl,
                                   .Attr<int32_t>("v")
                                   .Attr<int32_t>("m")
                                   .Attr<int32_t>("split")    // 1 = none, 0 = auto, n > 1 = n ranges
-                                  .Attr<int32_t>("engine")     // 0 = auto, 1 = mma.sync, 2 = wgmma
+                                  .Attr<int32_t>("engine")     // 0 = auto, 1 = mma.sync, 2 = wgmma, 3 = tma
                                   .Attr<int32_t>("x_layout"));  // 0 = x [T, K], 1 = x^T [K, T]

@@ -64,17 +64,6 @@ constexpr int SmemBytes() {
   return pipe > epi ? pipe : epi;
 }
 
-// The per-thread metadata operand of mma.sp m16n8k32 (16-bit types, sparsity selector 0) from the two
-// stored row words of rows gid and gid + 8 (stored word = 8 groups of one row, group j in bits 4j..4j+3).
-//   mode 0: thread 4*gid + 0 holds groups 0-3 of row gid (bits 0-15) and of row gid+8 (bits 16-31),
-//           thread 4*gid + 1 holds groups 4-7 of the two rows likewise;
-//   mode 1: thread 4*gid + 0 holds row gid whole, thread 4*gid + 1 row gid + 8 whole.
-// Threads 2 and 3 of a quad mirror 0 and 1 (they are not read with selector 0).
-__device__ __forceinline__ uint32_t MetaWord(uint32_t w_lo_row, uint32_t w_hi_row, int tig, int mode) {
-  if (mode == 0) return (tig & 1) ? __byte_perm(w_lo_row, w_hi_row, 0x7632) : __byte_perm(w_lo_row, w_hi_row, 0x5410);
-  return (tig & 1) ? w_hi_row : w_lo_row;
-}
-
 template <typename T, int M, int BM, int BN, int WM, int WN, int GS, int STAGES, int MIN_BLOCKS>
 __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MIN_BLOCKS)
     SpmmKernel(const SpmmParams p) {

@@ -1,18 +1,18 @@
 // Forward SpMM on Hopper from x^T:  Y[T, R] = act(X[T, K] @ W[K, R] + bias[R])  with the activations given
 // as x^T [K, T] (tokens contiguous; jaxsparse_transpose writes it, and sparse_linear keeps it as the
-// residual that the x^T SDDMM reads in the backward pass) and W as its condensed form A [R, 4G]: for
-// each group g the 4 kept columns of the row's V block, the 2 stored values at their metadata positions
-// and zeros at the other 2 (jaxsparse.format.condensed; docs/format.md).
+// residual that the x^T SDDMM reads in the backward pass) and W as the compressed SparseWeight: values
+// [R, 2G], metadata [R, G/8] and the kept columns [R/V, G, 4] (docs/format.md).
 //
-// Math view: Y^T[R, T] = A[R, 4G] Xc[4G, T], where Xc holds the kept rows of x^T (Y is stored [T, R]).  A CTA owns BR output
-// features inside one V block, so its condensed reduction has one column set: each kept column of X is a
-// contiguous row of x^T, copied straight into shared memory by cp.async (16 bytes = 8 tokens); only 4/M of
-// X's bytes move, and no gather pass runs.  The product is a dense wgmma.m64nNk16 over the condensed
-// reduction 4G (half of it multiplies the zeros of A: the 2:4 half of the structure is not used yet;
-// wgmma.sp would use it).
+// Math view: Y^T[R, T] = A[R, 4G] Xc[4G, T], where A is W^T over each V block's 4 kept columns per group (2:4
+// sparse: the stored values at their metadata positions) and Xc holds the kept rows of x^T (Y is stored [T, R]).
+// A CTA owns BR output features inside one V block, so its condensed reduction has one column set: each kept
+// column of X is a contiguous row of x^T, copied straight into shared memory (16 bytes = 8 tokens); only 4/M
+// of X's bytes move, and no gather pass runs.  The product is wgmma.sp.m64nNk32 over the condensed reduction
+// 4G: the tensor cores skip A's zeros, and A arrives compressed (the stored values, 2 per group).
 //
-// Per 64-k stage: A [BR][64 k] lands K-major 128B-swizzled (trans-a = 0, the layout of the x^T SDDMM's
-// B), Xc [64 k][BT tokens] MN-major 128B-swizzled (trans-b = 1).  Two warpgroups: BR = 128 puts them on the
+// Per 64-k stage: A's values [BR][32] land K-major 64B-swizzled (trans-a = 0), Xc [64 k][BT tokens]
+// MN-major 128B-swizzled (trans-b = 1); each consumer thread reads its metadata words from global memory one
+// stage ahead.  Two warpgroups: BR = 128 puts them on the
 // two 64-row halves (each over all BT tokens), BR = 64 on two token halves.  Pipeline as in
 // SddmmWgmmaXtKernel: loads for stage kt+STAGES-2 issued right after stage kt's barrier, wgmma.wait_group 1.
 // Epilogue: + bias, optional GELU (tanh), convert, stage as [BT tokens][BR features], 16-byte row stores.
@@ -33,7 +33,8 @@ namespace {
 
 struct SpmmXtParams {
   const void* xt;        // [K, T]
-  const void* a;         // [R, 4G]
+  const void* values;    // [R, 2G]
+  const uint32_t* meta;  // [R, G/8]
   const uint8_t* cols;   // [R/V, G, 4] or null (M = 4: every column kept)
   const void* bias;      // [R] or null
   void* y;               // [T, R]
@@ -45,10 +46,11 @@ struct SpmmXtParams {
 constexpr int kKc = 64;           // condensed k per stage: one 128-byte swizzle row of 16-bit values per k
 constexpr int kThreads = 256;     // two warpgroups
 constexpr int kColBytes = kKc * 128;  // one 64-wide M/N column of swizzle atoms over the stage's 64 k
+constexpr int kAColBytes = 64 * 64;   // 64 rows of A's 32 stored values (64-byte swizzle) for the stage's 64 k
 
 template <int BR, int BT, int STAGES>
 struct XtLayout {
-  static constexpr int kABytes = (BR / 64) * kColBytes;
+  static constexpr int kABytes = (BR / 64) * kAColBytes;
   static constexpr int kBBytes = (BT / 64) * kColBytes;
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kPipeBytes = STAGES * kStageBytes;
@@ -69,33 +71,33 @@ struct XtWarps {
   static_assert(WN % NW == 0, "token tile");
 };
 
-// One pipeline stage (condensed k [q0, q0 + 64)) of A [BR][64 k] (unless WITH_A is false) and Xc [64 k][BT
-// tokens] into shared memory at `base` by cp.async from THREADS threads (this one is `thread`); `tcols` is the V
-// block's kept columns (null at M = 4).
+// One pipeline stage (condensed k [q0, q0 + 64)) of A's values [BR][32] (unless WITH_A is false) and Xc [64
+// k][BT tokens] into shared memory at `base` by cp.async from THREADS threads (this one is `thread`); `tcols` is
+// the V block's kept columns (null at M = 4).
 template <typename T, int BR, int BT, int THREADS, bool WITH_A = true>
 __device__ __forceinline__ void LoadXtStage(uint32_t base, int q0, int thread, const SpmmXtParams& p, int row0, int tok0,
                                             const uint8_t* tcols) {
   constexpr int kBChunks = BT / 8;                 // 16-byte chunks of 8 tokens per k row of Xc
   constexpr int kBRows = THREADS / kBChunks;       // k rows of Xc per pass
-  constexpr int kARows = THREADS / 8;              // A rows per pass (8 chunks of 8 k per row)
+  constexpr int kARows = THREADS / 4;              // A rows per pass (4 chunks of 8 stored values per row)
   const int kc_total = 4 * p.groups;
   const T* __restrict__ xt = static_cast<const T*>(p.xt);
-  const T* __restrict__ a = static_cast<const T*>(p.a);
   if (WITH_A) {
-    const int a_r = thread >> 3, a_c = thread & 7;
-    const bool a_ok = q0 + a_c * 8 < kc_total;  // 4G % 8 == 0: a chunk is all in or all out
-    const T* a_src = a + static_cast<int64_t>(row0 + a_r) * kc_total + q0 + a_c * 8;
+    const T* __restrict__ vals = static_cast<const T*>(p.values);
+    const int a_r = thread >> 2, a_c = thread & 3, vs_total = 2 * p.groups;
+    const bool a_ok = q0 / 2 + a_c * 8 < vs_total;  // 2G % 16 == 0: a chunk is all in or all out
+    const T* a_src = vals + static_cast<int64_t>(row0 + a_r) * vs_total + q0 / 2 + a_c * 8;
 #pragma unroll
     for (int i = 0; i < BR / kARows; ++i) {
       const int r = a_r + kARows * i;
-      CpAsync16(base + Sw128KOffset(r, a_c * 8), a_ok ? a_src + static_cast<int64_t>(kARows * i) * kc_total : a,
+      CpAsync16(base + Sw64KOffset(r, a_c * 8), a_ok ? a_src + static_cast<int64_t>(kARows * i) * vs_total : vals,
                 a_ok ? 16 : 0);
     }
   }
   const int b_k = thread / kBChunks, b_c = thread % kBChunks;
   const bool b_tok_ok = tok0 + b_c * 8 < p.tokens;  // T % 8 == 0: a chunk is all in or all out
   const T* b_src = xt + tok0 + b_c * 8;
-  const uint32_t b_base = base + (BR / 64) * kColBytes;
+  const uint32_t b_base = base + (BR / 64) * kAColBytes;
 #pragma unroll
   for (int i = 0; i < kKc / kBRows; ++i) {
     const int kk = b_k + kBRows * i, q = q0 + kk;
@@ -106,20 +108,52 @@ __device__ __forceinline__ void LoadXtStage(uint32_t base, int q0, int thread, c
   }
 }
 
-// The wgmmas of one stage for one warpgroup: its A rows (feature half wr) times its Xc tokens (from b_col, a
-// 64-token column index), NCH products of N = NW per k16 step.
-template <typename T, int BR, int NW, int NCH>
-__device__ __forceinline__ void XtStageMma(float (&acc)[NCH][NW / 2], uint32_t stage, int wr, int b_col) {
-#ifdef JAXSPARSE_WGMMA
-  const uint32_t a_base = stage + wr * kColBytes;
-  const uint32_t b_base = stage + (BR / 64) * kColBytes + b_col * kColBytes;
+// kSparseMetaRule: a wgmma.sp reads its metadata register while it runs, not when it is issued, so the register
+// may change only once no wgmma.sp is in flight (wgmma.wait_group 0).  Measured the hard way (session 7, device
+// call 2): reloading it after wait_group 1, with the stage's own products still in flight, gave wrong results on
+// every 128-feature tile and on some 64-feature ones, and ptxas did not warn; CUTLASS's SM90 sparse mainloop
+// keeps no wgmma in flight across stages (K_PIPE_MMAS = 0) for the same reason.  The two consumer warpgroups
+// keep the tensor cores busy while one of them waits.
+//
+// This thread's wgmma.sp metadata for stage kt (condensed k [64 kt, 64 kt + 64), stored words 2 kt and 2 kt + 1
+// of its rows r and r + 8; `rows` points at row r's words, `words` = G/8 per row); past the end of the
+// reduction 0x44444444 (positions 0 and 1: a valid pattern; A and Xc are zero there).
+__device__ __forceinline__ void LoadStageMeta(uint32_t (&e)[2], const uint32_t* __restrict__ rows, int words, int kt,
+                                              int tig) {
 #pragma unroll
-  for (int ks = 0; ks < kKc / 16; ++ks) {
-    const uint64_t da = WgmmaDescSw128(a_base + ks * 32, 16, 1024);
+  for (int j = 0; j < 2; ++j) {
+    const int w = 2 * kt + j;
+    e[j] = w < words ? MetaWord(__ldg(rows + w), __ldg(rows + 8 * words + w), tig, 0) : 0x44444444u;
+  }
+}
+
+// Row r of the stored metadata for warp wq (of the warpgroup on feature half wr), lane `lane`.
+__device__ __forceinline__ const uint32_t* MetaRows(const SpmmXtParams& p, int row0, int wr, int wq, int lane) {
+  return p.meta + static_cast<int64_t>(row0 + 64 * wr + 16 * wq + (lane >> 2)) * (p.groups / 8);
+}
+
+// The wgmma.sp products of one stage for one warpgroup: its A rows (feature half wr) times its Xc tokens (from
+// b_col, a 64-token column index), NCH products of N = NW per k32 step, with the metadata `e` of the two steps.
+// Xc is MN-major (x^T rows: 64-token columns of kColBytes) or, with XROW, K-major (x's own rows: one 128-byte
+// row of the stage's 64 k per token, as TMA lands a box of x [T, K]; trans-b = 0).
+template <typename T, int BR, int NW, int NCH, bool XROW = false>
+__device__ __forceinline__ void XtStageMma(float (&acc)[NCH][NW / 2], uint32_t stage, int wr, int b_col,
+                                           const uint32_t (&e)[2]) {
+#ifdef JAXSPARSE_WGMMA
+  const uint32_t a_base = stage + wr * kAColBytes;
+  const uint32_t b_base = stage + (BR / 64) * kAColBytes + b_col * kColBytes;  // (64 tokens x 128 B either way)
+#pragma unroll
+  for (int ks = 0; ks < kKc / 32; ++ks) {
+    const uint64_t da = WgmmaDescSw64K(a_base + ks * 32, 512);
 #pragma unroll
     for (int c = 0; c < NCH; ++c) {
-      const uint64_t db = WgmmaDescSw128(b_base + c * (NW / 64) * kColBytes + ks * 2048, kColBytes, 1024);
-      Wgmma<NW, T, 1, 0>::Run(acc[c], da, db);
+      if (XROW) {
+        const uint64_t db = WgmmaDescSw128(b_base + c * NW * 128 + ks * 64, 16, 1024);
+        WgmmaSp<NW, T, 0>::Run(acc[c], da, db, e[ks]);
+      } else {
+        const uint64_t db = WgmmaDescSw128(b_base + c * (NW / 64) * kColBytes + ks * 4096, kColBytes, 1024);
+        WgmmaSp<NW, T, 1>::Run(acc[c], da, db, e[ks]);
+      }
     }
   }
 #endif
@@ -179,6 +213,9 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
   for (int c = 0; c < NCH; ++c)
 #pragma unroll
     for (int i = 0; i < NW / 2; ++i) acc[c][i] = 0.f;
+  const uint32_t* meta_rows = MetaRows(p, row0, wr, warp & 3, lane);
+  uint32_t e[2];
+  LoadStageMeta(e, meta_rows, p.groups / 8, 0, lane & 3);
 
 #pragma unroll
   for (int s = 0; s < STAGES - 2; ++s) {
@@ -199,15 +236,13 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
 #pragma unroll
     for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
     WgmmaFence();
-    XtStageMma<T, BR, NW, NCH>(acc, smem_base + (kt % STAGES) * L::kStageBytes, wr, wt * WN / 64);
+    XtStageMma<T, BR, NW, NCH>(acc, smem_base + (kt % STAGES) * L::kStageBytes, wr, wt * WN / 64, e);
     WgmmaCommit();
-    WgmmaWait<1>();  // stage kt-1's wgmmas of this warpgroup completed
+    WgmmaWait<0>();  // see kSparseMetaRule
 #pragma unroll
     for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
+    LoadStageMeta(e, meta_rows, p.groups / 8, kt + 1, lane & 3);
   }
-  WgmmaWait<0>();
-#pragma unroll
-  for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
 
   // ---------------------------------------------------------------- epilogue
   CpAsyncWait<0>();
@@ -225,7 +260,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
 //
 // 384 threads: warpgroup 0 is the producer, warpgroups 1 and 2 consume (wait full, wgmma, release the
 // previous stage to the producer once its wgmmas completed: one group in flight).  The producer fills a
-// STAGES-deep ring: thread 0 loads A by TMA (one box per stage, 128-byte swizzled, arrival with expect_tx);
+// STAGES-deep ring: thread 0 loads A's values by TMA (one box per stage, 64-byte swizzled, arrival with expect_tx);
 // Xc comes by TMA too at M = 4 (dense rows of x^T: BT/64 boxes of 64 tokens x 64 k), and otherwise by cp.async
 // from all 128 producer threads, each marking its part with cp.async.mbarrier.arrive.  The grid is persistent
 // (one CTA per SM, tiles strided over the grid, features fastest so CTAs running together share x^T rows);
@@ -235,7 +270,7 @@ constexpr int kWsThreads = 384;
 
 template <int BR, int BT, int STAGES>
 struct XtWsLayout {
-  static constexpr int kABytes = (BR / 64) * kColBytes;
+  static constexpr int kABytes = (BR / 64) * kAColBytes;
   static constexpr int kBBytes = (BT / 64) * kColBytes;
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kYRowBytes = BR * 2 + 16;
@@ -245,7 +280,7 @@ struct XtWsLayout {
   static_assert(kStageBytes % 1024 == 0 && kBarOff % 8 == 0, "alignment");
 };
 
-template <typename T, int BR, int BT, int STAGES>
+template <typename T, int BR, int BT, int STAGES, bool XROW>
 __global__ void __launch_bounds__(kWsThreads, 1)
     SpmmWgmmaXtWsKernel(const SpmmXtParams p, const __grid_constant__ CUtensorMap tma_a,
                         const __grid_constant__ CUtensorMap tma_x) {
@@ -260,7 +295,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const uint32_t full0 = smem_base + L::kBarOff, empty0 = full0 + STAGES * 8;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
-  const bool x_by_tma = p.cols == nullptr;  // M = 4: Xc is x^T itself
+  const bool x_by_tma = XROW || p.cols == nullptr;  // M = 4: Xc is x^T (or x) itself
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       // Thread 0's expect_tx arrival, plus every producer thread's cp.async arrival when Xc is gathered.
@@ -286,8 +321,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         if (it >= STAGES) MbarWait(empty0 + 8 * s, ((it / STAGES) & 1) ^ 1);
         if (tid == 0) {
           MbarArriveExpectTx(full, L::kABytes + (x_by_tma ? L::kBBytes : 0));
-          TmaLoad2d(stage, &tma_a, kt * kKc, row0, full);
-          if (x_by_tma)
+          TmaLoad2d(stage, &tma_a, kt * (kKc / 2), row0, full);
+          if (XROW)
+            TmaLoad2d(stage + L::kABytes, &tma_x, kt * kKc, tok0, full);  // x [T, K]: BT rows of the stage's 64 k
+          else if (x_by_tma)
 #pragma unroll
             for (int c = 0; c < BT / 64; ++c) TmaLoad2d(stage + L::kABytes + c * kColBytes, &tma_x, tok0 + 64 * c, kt * kKc, full);
         }
@@ -311,6 +348,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       for (int c = 0; c < NCH; ++c)
 #pragma unroll
         for (int i = 0; i < NW / 2; ++i) acc[c][i] = 0.f;
+      const uint32_t* meta_rows = MetaRows(p, row0, wr, wq, lane);
+      uint32_t e[2];
+      LoadStageMeta(e, meta_rows, p.groups / 8, 0, lane & 3);
       for (int kt = 0; kt < num_kt; ++kt, ++it) {
         const int s = it % STAGES;
         MbarWait(full0 + 8 * s, (it / STAGES) & 1);
@@ -318,17 +358,14 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #pragma unroll
         for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
         WgmmaFence();
-        XtStageMma<T, BR, NW, NCH>(acc, smem_base + s * L::kStageBytes, wr, wt * WN / 64);
+        XtStageMma<T, BR, NW, NCH, XROW>(acc, smem_base + s * L::kStageBytes, wr, wt * WN / 64, e);
         WgmmaCommit();
-        WgmmaWait<1>();  // the previous stage's wgmmas of this warpgroup completed: hand its buffer back
+        WgmmaWait<0>();  // see kSparseMetaRule; the stage's buffer goes back to the producer
 #pragma unroll
         for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
-        if (kt > 0 && lane == 0) MbarArrive(empty0 + 8 * ((it - 1) % STAGES));
+        if (lane == 0) MbarArrive(empty0 + 8 * s);
+        LoadStageMeta(e, meta_rows, p.groups / 8, kt + 1, lane & 3);
       }
-      WgmmaWait<0>();
-#pragma unroll
-      for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
-      if (lane == 0) MbarArrive(empty0 + 8 * ((it - 1) % STAGES));
       NamedBarSync(1, 256);  // the previous tile's stores have read the staged Y tile
       StageXtAccumulators<T, NW, NCH>(acc, ytile, L::kYRowBytes, p, row0, 64 * wr, wt * WN, wq, lane);
       NamedBarSync(1, 256);
@@ -372,17 +409,18 @@ ffi::Error LaunchTile(cudaStream_t stream, const SpmmXtParams& p) {
   return LastLaunchError("SpmmWgmmaXtKernel");
 }
 
-template <typename T, int BR, int BT, int STAGES>
+template <typename T, int BR, int BT, int STAGES, bool XROW>
 ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& p) {
-  constexpr auto kernel = SpmmWgmmaXtWsKernel<T, BR, BT, STAGES>;
+  constexpr auto kernel = SpmmWgmmaXtWsKernel<T, BR, BT, STAGES, XROW>;
   if (!Sm90aImageLoaded<kernel>())
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: needs an sm_90a build on a Hopper GPU");
   constexpr int smem = XtWsLayout<BR, BT, STAGES>::kBytes + 1024;
   static_assert(smem <= 227 * 1024, "shared memory");
   if (ffi::Error e = RaiseSmemLimit<kernel>(smem, "cudaFuncSetAttribute(SpmmWgmmaXtWsKernel)"); e.failure()) return e;
   CUtensorMap tma_a{}, tma_x{};
-  if (!MakeTensorMap2d(&tma_a, p.a, p.rows, 4 * static_cast<uint64_t>(p.groups), BR) ||
-      (p.cols == nullptr && !MakeTensorMap2d(&tma_x, p.xt, p.k, p.tokens, 64)))
+  if (!MakeTensorMap2d(&tma_a, p.values, p.rows, 2 * static_cast<uint64_t>(p.groups), BR, kKc / 2) ||
+      (XROW && !MakeTensorMap2d(&tma_x, p.xt, p.tokens, p.k, BT)) ||
+      (!XROW && p.cols == nullptr && !MakeTensorMap2d(&tma_x, p.xt, p.k, p.tokens, 64)))
     return ffi::Error::Internal("jaxsparse_spmm_xt: cuTensorMapEncodeTiled failed for the warp-specialized tile");
   const int tiles = p.rows / BR * ((p.tokens + BT - 1) / BT);
   kernel<<<std::min(tiles, SmCount()), kWsThreads, smem, stream>>>(p, tma_a, tma_x);
@@ -402,11 +440,16 @@ int AutoTile(const SpmmXtParams& p, bool can128) {
 }
 
 template <typename T>
-ffi::Error Dispatch(cudaStream_t stream, const SpmmXtParams& p, int tile) {
+ffi::Error Dispatch(cudaStream_t stream, const SpmmXtParams& p, int tile, bool x_rows) {
   const bool can128 = p.rows % 128 == 0 && (p.cols == nullptr || p.v % 128 == 0);
   if (tile == kTileAuto) tile = AutoTile(p, can128);
   if ((tile == kTile128x256 || tile == kTile128x128 || tile == kTileWs128x256) && !can128)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: 128-feature tiles need R % 128 == 0 and V >= 128");
+  if (x_rows) {  // x [T, K] as it is (M = 4): only the TMA kernel reads it
+    if (tile == kTileWs128x256) return LaunchWs<T, 128, 256, 3, true>(stream, p);
+    if (tile == kTileWs64x256) return LaunchWs<T, 64, 256, 4, true>(stream, p);
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x [T, K] (x_rows 1) takes tile auto, ws128x256 or ws64x256");
+  }
   switch (tile) {
     case kTile128x256:
       return LaunchTile<T, 128, 256, 4, 1>(stream, p);
@@ -417,32 +460,37 @@ ffi::Error Dispatch(cudaStream_t stream, const SpmmXtParams& p, int tile) {
     case kTile64x128:
       return LaunchTile<T, 64, 128, 4, 2>(stream, p);
     case kTileWs128x256:
-      return LaunchWs<T, 128, 256, 3>(stream, p);
+      return LaunchWs<T, 128, 256, 3, false>(stream, p);
     case kTileWs64x256:
-      return LaunchWs<T, 64, 256, 4>(stream, p);
+      return LaunchWs<T, 64, 256, 4, false>(stream, p);
     default:
       return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: tile must be 0 (auto) to 6, got " + std::to_string(tile));
   }
 }
 
-ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer a, ffi::Buffer<ffi::U8> columns,
-                      ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out, int32_t v, int32_t m, int32_t activation,
-                      int32_t tile) {
-  if (xt.dimensions().size() != 2 || a.dimensions().size() != 2 || out->dimensions().size() != 2)
-    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T, A and the output must be 2-D");
-  const int64_t k = Dim(xt, 0), tokens = Dim(xt, 1), rows = Dim(a, 0), kc = Dim(a, 1);
+ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer values, ffi::Buffer<ffi::U8> columns,
+                      ffi::Buffer<ffi::U32> metadata, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out, int32_t v,
+                      int32_t m, int32_t activation, int32_t tile, int32_t x_rows) {
+  if (xt.dimensions().size() != 2 || values.dimensions().size() != 2 || out->dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T, values and the output must be 2-D");
+  if (x_rows != 0 && x_rows != 1)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x_rows must be 0 (x^T [K, T]) or 1 (x [T, K])");
+  if (x_rows && m != 4)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x [T, K] (x_rows 1) needs M = 4 (nothing to gather)");
+  const int64_t k = Dim(xt, x_rows ? 1 : 0), tokens = Dim(xt, x_rows ? 0 : 1), rows = Dim(values, 0);
   if (ffi::Error e = CheckSpec("jaxsparse_spmm_xt", v, m); e.failure()) return e;
   const int64_t groups = k / m;
-  if (k % m || kc != 4 * groups || out->dimensions()[0] != tokens || out->dimensions()[1] != rows || rows % 64 ||
-      rows % std::max<int64_t>(v, 1) ||
-      (m > 4 && columns.element_count() != static_cast<size_t>(rows / v * groups * 4)))
-    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: inconsistent shapes: x^T " + ShapeString(xt) + ", A " +
-                                       ShapeString(a) + ", columns " + ShapeString(columns) + ", out " +
-                                       ShapeString(*out) + " (need A [R, 4K/M], R % 64 == 0, R % V == 0)");
-  if (tokens % 8) return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: needs T % 8 == 0");
+  if (k % m || Dim(values, 1) != 2 * groups || out->dimensions()[0] != tokens || out->dimensions()[1] != rows ||
+      rows % 64)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: inconsistent shapes: x^T " + ShapeString(xt) + ", values " +
+                                       ShapeString(values) + ", out " + ShapeString(*out) +
+                                       " (need values [R, 2K/M], R % 64 == 0)");
+  if (ffi::Error e = CheckSparseWeight("jaxsparse_spmm_xt", rows, groups, columns, metadata, v, m); e.failure())
+    return e;
+  if (!x_rows && tokens % 8) return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T needs T % 8 == 0");
   const auto dt = xt.element_type();
-  if (a.element_type() != dt || out->element_type() != dt)
-    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T, A and the output must share one dtype");
+  if (values.element_type() != dt || out->element_type() != dt)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T, values and the output must share one dtype");
   if (ffi::Error e = CheckEpilogue("jaxsparse_spmm_xt", bias, rows, dt, activation); e.failure()) return e;
   const bool has_bias = bias.element_count() > 0;
   if (tokens == 0 || rows == 0) return ffi::Error::Success();
@@ -452,7 +500,8 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer a, 
 
   SpmmXtParams p;
   p.xt = xt.untyped_data();
-  p.a = a.untyped_data();
+  p.values = values.untyped_data();
+  p.meta = metadata.typed_data();
   p.cols = m > 4 ? columns.typed_data() : nullptr;
   p.bias = has_bias ? bias.untyped_data() : nullptr;
   p.y = out->untyped_data();
@@ -464,8 +513,8 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer a, 
   p.m = m;
   p.bias_f32 = has_bias && bias.element_type() == ffi::F32;
   p.activation = activation;
-  if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, tile);
-  if (dt == ffi::F16) return Dispatch<__half>(stream, p, tile);
+  if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, tile, x_rows == 1);
+  if (dt == ffi::F16) return Dispatch<__half>(stream, p, tile, x_rows == 1);
   return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T must be bfloat16 or float16");
 }
 
@@ -475,12 +524,14 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer a, 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSpmmXt, jaxsparse::SpmmXtImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()               // x^T [K, T]
-                                  .Arg<xla::ffi::AnyBuffer>()               // A [R, 4G]
+                                  .Arg<xla::ffi::AnyBuffer>()               // x^T [K, T], or x [T, K] (x_rows 1)
+                                  .Arg<xla::ffi::AnyBuffer>()               // values [R, 2G]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // columns [R/V, G, 4] or [0]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // metadata [R, G/8]
                                   .Arg<xla::ffi::AnyBuffer>()               // bias [R] or [0]
                                   .Ret<xla::ffi::AnyBuffer>()               // y [T, R]
                                   .Attr<int32_t>("v")
                                   .Attr<int32_t>("m")
                                   .Attr<int32_t>("activation")
-                                  .Attr<int32_t>("tile"));
+                                  .Attr<int32_t>("tile")
+                                  .Attr<int32_t>("x_rows"));  // 0 = x^T [K, T], 1 = x [T, K] (M = 4)

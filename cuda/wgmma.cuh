@@ -1,6 +1,6 @@
-// Hopper warpgroup MMA (wgmma, sm_90a only): shared-memory matrix descriptors and the m64nNk16 products
-// with float32 accumulators that jaxsparse uses, both operands MN-major ("transposed") in shared memory
-// with the 128-byte swizzle.  Everything here compiles to nothing outside an sm_90a device pass
+// Hopper warpgroup MMA (wgmma, sm_90a only): shared-memory matrix descriptors, the dense m64nNk16 and the
+// sparse m64nNk32 (wgmma.sp, A 2:4-compressed) products with float32 accumulators that jaxsparse uses, the
+// mbarrier and TMA helpers of the warp-specialized pipelines.  Everything here compiles to nothing outside an sm_90a device pass
 // (JAXSPARSE_WGMMA is defined only there); callers guard their kernel bodies with the same macro.
 //
 // Layout facts used (PTX ISA, "Asynchronous Warpgroup Level Matrix Shared Memory Layout" and "Matrix
@@ -15,7 +15,11 @@
 //   atoms of one 64-wide column are stacked), LBO = bytes to the next 64-wide M/N column of atoms.
 //   Element (mn, k) of a column-of-atoms block: k * 128 + (((mn % 64) / 8) ^ (k % 8)) * 16 + (mn % 8) * 2
 //   plus (mn / 64) * LBO.  Advancing K by 16 adds 2 * SBO to the start address.
-// * accumulators of m64nNk16 (f32): thread t of the warpgroup, register i < N/2 holds
+// * wgmma.sp (16-bit types): A's shared-memory tile is the compressed [64 x 16] matrix per k32 step, laid out
+//   as a dense K-major operand (here 64-byte swizzled rows of 32 stored values: two k32 steps per row); the
+//   metadata operand is one 32-bit register per thread, warp w describing rows 16w .. 16w + 15 exactly as
+//   mma.sp.m16n8k32 does (CUTLASS's SM90 sparse GMMA ELayout_64x32 says the same).
+// * accumulators of m64nNk16 and m64nNk32 (f32): thread t of the warpgroup, register i < N/2 holds
 //   row 16 * (t / 32) + (t % 32) / 4 + 8 * ((i / 2) % 2), column 8 * (i / 4) + 2 * (t % 4) + i % 2.
 // * shared memory written by ordinary stores or cp.async must be followed by fence.proxy.async.shared::cta
 //   in the writing thread before the barrier that precedes the wgmma reading it.
@@ -35,10 +39,26 @@
 
 namespace jaxsparse {
 
-// Descriptor of an MN-major 128-byte-swizzled operand starting at shared address `addr` (1024-byte aligned).
+// Descriptor of a 128-byte-swizzled operand (MN- or K-major) starting at shared address `addr` (its atoms
+// 1024-byte aligned; a k step may move `addr` inside a row).
 __device__ __forceinline__ uint64_t WgmmaDescSw128(uint32_t addr, uint32_t lbo, uint32_t sbo) {
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16) |
          (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+// Descriptor of a K-major 64-byte-swizzled operand (rows of 32 16-bit values, 8-row atoms of 512 bytes
+// 512-byte aligned, SBO = 512 when the rows are packed; LBO unused): the compressed A of wgmma.sp, where one
+// k32 step reads 16 stored values (32 bytes) of each row.
+__device__ __forceinline__ uint64_t WgmmaDescSw64K(uint32_t addr, uint32_t sbo) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) |
+         (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (2ull << 62);
+}
+
+// Byte offset of element (r, k) of a K-major 64-byte-swizzled block of rows of 32 k (512-byte-aligned base):
+// the 16-byte chunk j of row r stored at chunk j ^ ((r / 2) % 4), as TMA's 64-byte swizzle writes it.
+__host__ __device__ constexpr uint32_t Sw64KOffset(int r, int k) {
+  return static_cast<uint32_t>(r) * 64 + ((static_cast<uint32_t>(k / 8) ^ (static_cast<uint32_t>(r / 2) % 4)) << 4) +
+         static_cast<uint32_t>(k % 8) * 2;
 }
 
 // Byte offset of element (r, k) of a K-major 128-byte-swizzled block of rows of 64 k (1024-byte-aligned base).
@@ -68,10 +88,12 @@ bool Sm90aImageLoaded() {
 }
 
 // A TMA map over a row-major [rows, cols] matrix of 16-bit values (cols contiguous, cols % 8 == 0, base
-// 16-byte aligned): boxes of `box_rows` rows x 64 columns (128 bytes per row), landing 128-byte swizzled, that
-// is as Sw128KOffset lays them out (row r at r * 128, 16-byte chunk j at j ^ (r % 8)) when the destination is
-// 1024-byte aligned; out-of-bounds elements arrive as zeros.  False when the driver cannot make one.
-inline bool MakeTensorMap2d(CUtensorMap* map, const void* base, uint64_t rows, uint64_t cols, uint32_t box_rows) {
+// 16-byte aligned): boxes of `box_rows` rows x `box_cols` columns, landing swizzled with the row length:
+// 64 columns (128 bytes) as Sw128KOffset lays them out (row r at r * 128, 16-byte chunk j at j ^ (r % 8)) when
+// the destination is 1024-byte aligned, 32 columns (64 bytes) as Sw64KOffset (512-byte aligned);
+// out-of-bounds elements arrive as zeros.  False when the driver cannot make one.
+inline bool MakeTensorMap2d(CUtensorMap* map, const void* base, uint64_t rows, uint64_t cols, uint32_t box_rows,
+                            uint32_t box_cols = 64) {
   static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found;
@@ -86,10 +108,12 @@ inline bool MakeTensorMap2d(CUtensorMap* map, const void* base, uint64_t rows, u
   if (encode == nullptr) return false;
   const cuuint64_t dims[2] = {cols, rows};
   const cuuint64_t strides[1] = {cols * 2};  // bytes from one row to the next
-  const cuuint32_t box[2] = {64, box_rows};
+  if (box_cols != 64 && box_cols != 32) return false;
+  const cuuint32_t box[2] = {box_cols, box_rows};
   const cuuint32_t element_strides[2] = {1, 1};
   return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<void*>(base), dims, strides, box, element_strides,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, box_cols == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
@@ -142,50 +166,54 @@ __device__ __forceinline__ void WgmmaFenceOperands(float (&d)[K]) {
   for (int i = 0; i < K; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// Accumulator operands of the m64n64 (32 floats per thread) and m64n128 (64) products.
+#define JAXSPARSE_ACC_REGS_32 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
+#define JAXSPARSE_ACC_OPS_32(d) "+f"(d[0]),"+f"(d[1]),"+f"(d[2]),"+f"(d[3]),"+f"(d[4]),"+f"(d[5]),"+f"(d[6]),"+f"(d[7]),"+f"(d[8]),"+f"(d[9]),"+f"(d[10]),"+f"(d[11]),"+f"(d[12]),"+f"(d[13]),"+f"(d[14]),"+f"(d[15]),"+f"(d[16]),"+f"(d[17]),"+f"(d[18]),"+f"(d[19]),"+f"(d[20]),"+f"(d[21]),"+f"(d[22]),"+f"(d[23]),"+f"(d[24]),"+f"(d[25]),"+f"(d[26]),"+f"(d[27]),"+f"(d[28]),"+f"(d[29]),"+f"(d[30]),"+f"(d[31])
+#define JAXSPARSE_ACC_REGS_64 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
+#define JAXSPARSE_ACC_OPS_64(d) "+f"(d[0]),"+f"(d[1]),"+f"(d[2]),"+f"(d[3]),"+f"(d[4]),"+f"(d[5]),"+f"(d[6]),"+f"(d[7]),"+f"(d[8]),"+f"(d[9]),"+f"(d[10]),"+f"(d[11]),"+f"(d[12]),"+f"(d[13]),"+f"(d[14]),"+f"(d[15]),"+f"(d[16]),"+f"(d[17]),"+f"(d[18]),"+f"(d[19]),"+f"(d[20]),"+f"(d[21]),"+f"(d[22]),"+f"(d[23]),"+f"(d[24]),"+f"(d[25]),"+f"(d[26]),"+f"(d[27]),"+f"(d[28]),"+f"(d[29]),"+f"(d[30]),"+f"(d[31]),"+f"(d[32]),"+f"(d[33]),"+f"(d[34]),"+f"(d[35]),"+f"(d[36]),"+f"(d[37]),"+f"(d[38]),"+f"(d[39]),"+f"(d[40]),"+f"(d[41]),"+f"(d[42]),"+f"(d[43]),"+f"(d[44]),"+f"(d[45]),"+f"(d[46]),"+f"(d[47]),"+f"(d[48]),"+f"(d[49]),"+f"(d[50]),"+f"(d[51]),"+f"(d[52]),"+f"(d[53]),"+f"(d[54]),"+f"(d[55]),"+f"(d[56]),"+f"(d[57]),"+f"(d[58]),"+f"(d[59]),"+f"(d[60]),"+f"(d[61]),"+f"(d[62]),"+f"(d[63])
+
 // D[64 x N] += A[64 x 16] * B[16 x N] from shared memory, scale-d = 1. Each operand MN-major (TRANS = 1) or
 // K-major (TRANS = 0: 128-byte-swizzled rows of 64 k, SBO = 1024 per 8 rows, a k16 step advances the start
 // address by 32 bytes inside the row); A defaults to MN-major.
 template <int N, typename T, int TRANS_B = 1, int TRANS_A = 1>
 struct Wgmma;
-template <int TRANS_B, int TRANS_A>
-struct Wgmma<128, __nv_bfloat16, TRANS_B, TRANS_A> {
-  __device__ __forceinline__ static void Run(float (&d)[64], uint64_t a_desc, uint64_t b_desc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, %68, %67;\n}\n"
-        : "+f"(d[0]),"+f"(d[1]),"+f"(d[2]),"+f"(d[3]),"+f"(d[4]),"+f"(d[5]),"+f"(d[6]),"+f"(d[7]),"+f"(d[8]),"+f"(d[9]),"+f"(d[10]),"+f"(d[11]),"+f"(d[12]),"+f"(d[13]),"+f"(d[14]),"+f"(d[15]),"+f"(d[16]),"+f"(d[17]),"+f"(d[18]),"+f"(d[19]),"+f"(d[20]),"+f"(d[21]),"+f"(d[22]),"+f"(d[23]),"+f"(d[24]),"+f"(d[25]),"+f"(d[26]),"+f"(d[27]),"+f"(d[28]),"+f"(d[29]),"+f"(d[30]),"+f"(d[31]),"+f"(d[32]),"+f"(d[33]),"+f"(d[34]),"+f"(d[35]),"+f"(d[36]),"+f"(d[37]),"+f"(d[38]),"+f"(d[39]),"+f"(d[40]),"+f"(d[41]),"+f"(d[42]),"+f"(d[43]),"+f"(d[44]),"+f"(d[45]),"+f"(d[46]),"+f"(d[47]),"+f"(d[48]),"+f"(d[49]),"+f"(d[50]),"+f"(d[51]),"+f"(d[52]),"+f"(d[53]),"+f"(d[54]),"+f"(d[55]),"+f"(d[56]),"+f"(d[57]),"+f"(d[58]),"+f"(d[59]),"+f"(d[60]),"+f"(d[61]),"+f"(d[62]),"+f"(d[63])
-        : "l"(a_desc), "l"(b_desc), "r"(1), "n"(TRANS_B), "n"(TRANS_A));
-  }
-};
 
-template <int TRANS_B, int TRANS_A>
-struct Wgmma<128, __half, TRANS_B, TRANS_A> {
-  __device__ __forceinline__ static void Run(float (&d)[64], uint64_t a_desc, uint64_t b_desc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, %68, %67;\n}\n"
-        : "+f"(d[0]),"+f"(d[1]),"+f"(d[2]),"+f"(d[3]),"+f"(d[4]),"+f"(d[5]),"+f"(d[6]),"+f"(d[7]),"+f"(d[8]),"+f"(d[9]),"+f"(d[10]),"+f"(d[11]),"+f"(d[12]),"+f"(d[13]),"+f"(d[14]),"+f"(d[15]),"+f"(d[16]),"+f"(d[17]),"+f"(d[18]),"+f"(d[19]),"+f"(d[20]),"+f"(d[21]),"+f"(d[22]),"+f"(d[23]),"+f"(d[24]),"+f"(d[25]),"+f"(d[26]),"+f"(d[27]),"+f"(d[28]),"+f"(d[29]),"+f"(d[30]),"+f"(d[31]),"+f"(d[32]),"+f"(d[33]),"+f"(d[34]),"+f"(d[35]),"+f"(d[36]),"+f"(d[37]),"+f"(d[38]),"+f"(d[39]),"+f"(d[40]),"+f"(d[41]),"+f"(d[42]),"+f"(d[43]),"+f"(d[44]),"+f"(d[45]),"+f"(d[46]),"+f"(d[47]),"+f"(d[48]),"+f"(d[49]),"+f"(d[50]),"+f"(d[51]),"+f"(d[52]),"+f"(d[53]),"+f"(d[54]),"+f"(d[55]),"+f"(d[56]),"+f"(d[57]),"+f"(d[58]),"+f"(d[59]),"+f"(d[60]),"+f"(d[61]),"+f"(d[62]),"+f"(d[63])
-        : "l"(a_desc), "l"(b_desc), "r"(1), "n"(TRANS_B), "n"(TRANS_A));
-  }
-};
+// D[64 x N] += A[64 x 32] * B[32 x N] with A 2:4-sparse (wgmma.sp): A's shared-memory tile holds the 16
+// stored values per row (the compressed [64 x 16] matrix, laid out as a dense K-major operand), and `e` is
+// this thread's metadata word in the layout of mma.sp.m16n8k32 (MetaWord mode 0; warp w of the warpgroup
+// describes rows 16w .. 16w + 15), sparsity selector 0.  A is K-major (trans-a = 0).
+template <int N, typename T, int TRANS_B = 1>
+struct WgmmaSp;
 
-template <int TRANS_B, int TRANS_A>
-struct Wgmma<64, __nv_bfloat16, TRANS_B, TRANS_A> {
-  __device__ __forceinline__ static void Run(float (&d)[32], uint64_t a_desc, uint64_t b_desc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, %36, %35;\n}\n"
-        : "+f"(d[0]),"+f"(d[1]),"+f"(d[2]),"+f"(d[3]),"+f"(d[4]),"+f"(d[5]),"+f"(d[6]),"+f"(d[7]),"+f"(d[8]),"+f"(d[9]),"+f"(d[10]),"+f"(d[11]),"+f"(d[12]),"+f"(d[13]),"+f"(d[14]),"+f"(d[15]),"+f"(d[16]),"+f"(d[17]),"+f"(d[18]),"+f"(d[19]),"+f"(d[20]),"+f"(d[21]),"+f"(d[22]),"+f"(d[23]),"+f"(d[24]),"+f"(d[25]),"+f"(d[26]),"+f"(d[27]),"+f"(d[28]),"+f"(d[29]),"+f"(d[30]),"+f"(d[31])
-        : "l"(a_desc), "l"(b_desc), "r"(1), "n"(TRANS_B), "n"(TRANS_A));
-  }
-};
+// NR = N / 2 accumulators; S0 .. S4 are the asm operand numbers NR .. NR + 4 as strings.  Dense operands:
+// a, b, scale-d, trans-b, trans-a; sparse: a, b, e, scale-d, trans-b.
+#define JAXSPARSE_DEFINE_WGMMA(N, NR, CT, PT, S0, S1, S2, S3, S4)                                                \
+  template <int TRANS_B, int TRANS_A>                                                                          \
+  struct Wgmma<N, CT, TRANS_B, TRANS_A> {                                                                      \
+    __device__ __forceinline__ static void Run(float (&d)[NR], uint64_t a_desc, uint64_t b_desc) {             \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" S2 ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N       \
+                   "k16.f32." PT "." PT " " JAXSPARSE_ACC_REGS_##NR ", %" S0 ", %" S1 ", p, 1, 1, %" S4 ", %" S3 \
+                   ";\n}\n"                                                                                     \
+                   : JAXSPARSE_ACC_OPS_##NR(d)                                                                  \
+                   : "l"(a_desc), "l"(b_desc), "r"(1), "n"(TRANS_B), "n"(TRANS_A));                             \
+    }                                                                                                          \
+  };                                                                                                           \
+  template <int TRANS_B>                                                                                       \
+  struct WgmmaSp<N, CT, TRANS_B> {                                                                             \
+    __device__ __forceinline__ static void Run(float (&d)[NR], uint64_t a_desc, uint64_t b_desc, uint32_t e) { \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" S3 ", 0;\nwgmma.mma_async.sp.sync.aligned.m64n" #N    \
+                   "k32.f32." PT "." PT " " JAXSPARSE_ACC_REGS_##NR ", %" S0 ", %" S1 ", %" S2 ", 0, p, 1, 1, 0, %" \
+                   S4 ";\n}\n"                                                                                  \
+                   : JAXSPARSE_ACC_OPS_##NR(d)                                                                  \
+                   : "l"(a_desc), "l"(b_desc), "r"(e), "r"(1), "n"(TRANS_B));                                   \
+    }                                                                                                          \
+  };
 
-template <int TRANS_B, int TRANS_A>
-struct Wgmma<64, __half, TRANS_B, TRANS_A> {
-  __device__ __forceinline__ static void Run(float (&d)[32], uint64_t a_desc, uint64_t b_desc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, %36, %35;\n}\n"
-        : "+f"(d[0]),"+f"(d[1]),"+f"(d[2]),"+f"(d[3]),"+f"(d[4]),"+f"(d[5]),"+f"(d[6]),"+f"(d[7]),"+f"(d[8]),"+f"(d[9]),"+f"(d[10]),"+f"(d[11]),"+f"(d[12]),"+f"(d[13]),"+f"(d[14]),"+f"(d[15]),"+f"(d[16]),"+f"(d[17]),"+f"(d[18]),"+f"(d[19]),"+f"(d[20]),"+f"(d[21]),"+f"(d[22]),"+f"(d[23]),"+f"(d[24]),"+f"(d[25]),"+f"(d[26]),"+f"(d[27]),"+f"(d[28]),"+f"(d[29]),"+f"(d[30]),"+f"(d[31])
-        : "l"(a_desc), "l"(b_desc), "r"(1), "n"(TRANS_B), "n"(TRANS_A));
-  }
-};
+JAXSPARSE_DEFINE_WGMMA(128, 64, __nv_bfloat16, "bf16", "64", "65", "66", "67", "68")
+JAXSPARSE_DEFINE_WGMMA(128, 64, __half, "f16", "64", "65", "66", "67", "68")
+JAXSPARSE_DEFINE_WGMMA(64, 32, __nv_bfloat16, "bf16", "32", "33", "34", "35", "36")
+JAXSPARSE_DEFINE_WGMMA(64, 32, __half, "f16", "32", "33", "34", "35", "36")
+#undef JAXSPARSE_DEFINE_WGMMA
 #endif  // JAXSPARSE_WGMMA
 
 }  // namespace jaxsparse

@@ -19,7 +19,6 @@ import numpy as np
 
 __all__ = [
     "VNM",
-    "condensed",
     "SparseWeight",
     "select_mask",
     "mask_is_valid",
@@ -356,26 +355,6 @@ def decompress(sw: SparseWeight) -> jax.Array:
     vals = sw.values.reshape(r, g, 2)
     dense = (jax.nn.one_hot(cols, m, dtype=sw.values.dtype) * vals[..., None]).sum(axis=-2)  # [R, G, M]
     return dense.reshape(r, k).T
-
-
-def condensed(sw: SparseWeight) -> jax.Array:
-    """``A [R, 4G]``: the condensed weight the Hopper forward kernel reads (``jaxsparse_spmm_xt``).
-
-    ``A[r, 4g + p]`` is the weight of output feature ``r`` at dense input column ``g*M + columns[r // V, g, p]``
-    (``g*4 + p`` for ``M = 4``): the row's stored value where the metadata puts one, zero at the other two of
-    the 4 kept columns. Over the kept columns ``x_c`` of x (per V block), ``x_c @ A^T`` is ``x @ W``. Rows
-    are the values' rows, widened from 2 to 4 per group: no transpose, one elementwise pass that XLA fuses
-    (half the size of a dense weight at M = 8).
-    """
-    k, r = sw.shape
-    g = k // sw.spec.m
-    p0, p1 = _unpack_metadata(sw.metadata)  # [R, G] positions among the 4 kept columns
-    vals = sw.values.reshape(r, g, 2)
-    pos = jnp.arange(4, dtype=jnp.int32)
-    zero = jnp.zeros((), sw.values.dtype)
-    a = (jnp.where(pos == p0[..., None], vals[..., :1], zero)
-         + jnp.where(pos == p1[..., None], vals[..., 1:], zero))  # [R, G, 4]; p0 < p1, so one term is zero
-    return a.reshape(r, 4 * g)
 
 
 def compress_like(dense: jax.Array, sw: SparseWeight) -> jax.Array:

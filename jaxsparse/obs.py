@@ -289,6 +289,7 @@ def input_hessians(model: nn.Module, params, batches: Sequence[tuple], masks=Non
     for batch in batches:
         ids, types, mask = batch[:3]
         keep = np.asarray(mask).reshape(-1) > 0
+        keep_dev, n_keep = jnp.asarray(keep, jnp.float32), int(keep.sum())
         seen: set = set()
 
         def record(next_fun, args, kwargs, context):
@@ -299,11 +300,11 @@ def input_hessians(model: nn.Module, params, batches: Sequence[tuple], masks=Non
                     keys[path] = key
                     if key not in seen:
                         seen.add(key)
-                        x = np.asarray(args[0], np.float32)
-                        x = x.reshape(-1, x.shape[-1])[keep]
-                        xtx = x.T @ x
+                        x = jnp.asarray(args[0], jnp.float32)
+                        x = x.reshape(-1, x.shape[-1])
+                        xtx = _masked_gram(x, keep_dev)  # on the device the model runs on
                         sums[key] = xtx if key not in sums else sums[key] + xtx
-                        counts[key] = counts.get(key, 0) + len(x)
+                        counts[key] = counts.get(key, 0) + n_keep
                     if want is not None and set(want) <= {p for p, k in keys.items() if k in seen}:
                         raise _Stop
             return next_fun(*args, **kwargs)
@@ -313,8 +314,14 @@ def input_hessians(model: nn.Module, params, batches: Sequence[tuple], masks=Non
                 model.apply(variables, ids, types, mask)
         except _Stop:
             pass
-    hs = {key: s / counts[key] for key, s in sums.items()}
+    hs = {key: np.asarray(s, np.float32) / counts[key] for key, s in sums.items()}
     return {path: hs[key] for path, key in keys.items()}
+
+
+@jax.jit
+def _masked_gram(x: jax.Array, keep: jax.Array) -> jax.Array:
+    """``sum_t keep_t x_t x_t^T`` (``[K, K]``, float32 accumulation at full precision) of ``x [n, K]``."""
+    return jnp.dot((x * keep[:, None]).T, x, precision=jax.lax.Precision.HIGHEST)
 
 
 def oneshot_refit(model: nn.Module, params, batches: Sequence[tuple], spec, score: str = "magnitude", *,

@@ -130,6 +130,19 @@ def test_seed_slices_share_one_teacher_and_merge(acc, tmp_path, monkeypatch):
     assert "sparse runs distil from a dense teacher" in (tmp_path / "m" / "accuracy.md").read_text()
 
 
+def test_saved_teacher_serves_studies_that_differ_only_in_sparse_settings(acc, tmp_path, monkeypatch):
+    """The teacher is a dense run: a study with another pruning recipe loads it, one with another lr refuses it."""
+    from jaxsparse import train
+
+    common = ["--quick", "--tasks", "trec", "--sparsities", "2:4", "--seeds", "1", "--distill", "0.5",
+              "--teacher-dir", str(tmp_path / "teachers"), "--no-progress"]
+    assert acc.main(common + ["--out-dir", str(tmp_path / "a")]) == 0
+    monkeypatch.setattr(train, "fit_teacher", lambda *a, **k: pytest.fail("the saved teacher should be loaded"))
+    assert acc.main(common + ["--prune", "oneshot", "--fade", "0.1", "--out-dir", str(tmp_path / "b")]) == 0
+    with pytest.raises(SystemExit, match="other hyper-parameters"):
+        acc.main(common + ["--lr", "0.5", "--out-dir", str(tmp_path / "c")])
+
+
 def test_init_teacher_loads_the_saved_teacher_params(acc, tmp_path, monkeypatch):
     """--init teacher with --teacher-dir: the saved teacher's params start the sparse runs of another process."""
     from jaxsparse import train

@@ -70,12 +70,14 @@ def _hopper() -> bool:
 
 
 def _engines(spec: str) -> list:
-    """The SDDMM engines to test for a spec: mma.sync everywhere, wgmma on Hopper for M <= 16."""
-    wg = F.VNM.parse(spec).m <= 16 and cuda_ready("jaxsparse_sddmm") and _hopper()
-    return ["mma", "wgmma"] if wg else ["mma"]
+    """The SDDMM engines to test for a spec: mma.sync everywhere, wgmma on Hopper for M <= 16, and there the TMA
+    engine on a row-major x for 2:4."""
+    m = F.VNM.parse(spec).m
+    hopper = cuda_ready("jaxsparse_sddmm") and _hopper()
+    return ["mma"] + (["wgmma"] if hopper and m <= 16 else []) + (["tma"] if hopper and m == 4 else [])
 
 
-ENGINE_CASES = [(s, e) for s in SPECS for e in ("mma", "wgmma")]
+ENGINE_CASES = [(s, e) for s in SPECS for e in ("mma", "wgmma")] + [("2:4", "tma")]
 
 
 def _engine_rows(spec: str, engine: str) -> int:
@@ -135,7 +137,7 @@ def test_sddmm_large_tiles(spec, engine, dtype):
 
 
 @pytest.mark.parametrize("spec", ["2:4", "64:2:8", "128:2:16", "64:2:32"])
-@pytest.mark.parametrize("engine", ["mma", "wgmma"])
+@pytest.mark.parametrize("engine", ["mma", "wgmma", "tma"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_sddmm_float32_output(spec, engine, dtype):
     """float32 output (for float32 master weights): only accumulation order differs from the reference."""
@@ -436,10 +438,42 @@ def test_sparse_linear_grad_hlo_x_transposed_route_transposes_once(monkeypatch, 
     assert not layout_moves(text), layout_moves(text)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("t", [17, 1000])
+def test_sparse_linear_2_4_reads_x_as_it_is(monkeypatch, dtype, t):
+    """2:4 on Hopper, default routes: the TMA forward and the TMA SDDMM read x [T, K] as it is, so the jitted
+    gradient runs no transpose of ours or XLA's, and matches the reference."""
+    if not _hopper():
+        pytest.skip("the TMA kernels run on Hopper")
+    _force_backward_kernels(monkeypatch, "dense")
+    for env in ("JAXSPARSE_SPMM_X", "JAXSPARSE_SDDMM_X", "JAXSPARSE_SPMM_ROW_KERNEL", "JAXSPARSE_SDDMM_ENGINE"):
+        monkeypatch.delenv(env, raising=False)
+    k, r = 1024, 384
+    x, _, sw = _make(key("grad-2-4", str(dtype), t), t, k, r, "2:4", dtype)
+    kb, kt = jax.random.split(key("grad-2-4-bt", str(dtype), t))
+    bias = jax.random.normal(kb, (r,), jnp.float32).astype(dtype)
+    target = jax.random.normal(kt, (t, r), jnp.float32).astype(dtype).astype(jnp.float32)
+    vg = jax.jit(jax.value_and_grad(lambda x, v, b, tg: _loss(sw)(jnp.tanh(x), v, b, tg), argnums=(0, 1, 2)))
+    text = vg.lower(x, sw.values, bias, target).compile().as_text()
+    for name in ("jaxsparse_spmm_xt", "jaxsparse_sddmm"):
+        assert f'custom_call_target="{name}"' in text, name
+    assert 'custom_call_target="jaxsparse_transpose"' not in text
+    assert not layout_moves(text), layout_moves(text)
+    poison((t, k), dtype)
+    gx, gv, gb = _grad_fn(sw)(x, sw.values, bias, target)
+    dense = F.decompress(sw).astype(jnp.float32)
+    _compare(gx, jnp.dot(target, dense.T, precision=HIGHEST), TOL[dtype], "dx")
+    _compare(gv, F.compress_like(jnp.dot(x.astype(jnp.float32).T, target, precision=HIGHEST), sw), TOL[dtype],
+             "dvalues")
+    _compare(gb[None], target.sum(0)[None], TOL[dtype], "dbias")
+
+
 @pytest.mark.parametrize("spec,dx_route", [("2:4", "kernel"), ("2:4", "dense"), ("64:2:8", "dense")])
 def test_dense_dx_route_takes_the_dense_product_without_transposes(monkeypatch, spec, dx_route):
     """2:4 always, and any M on the dense route: dX is XLA's product over the decompressed weight."""
     text = _grad_hlo(monkeypatch, spec, dx_route)
-    for name in ("jaxsparse_spmm", "jaxsparse_sddmm", "jaxsparse_decompress"):
+    forward = "jaxsparse_spmm_xt" if calls.spmm_row_kernel(_make(key("k"), 8, 512, 256, spec, jnp.bfloat16)[2]) == "tma" \
+        else "jaxsparse_spmm"
+    for name in (forward, "jaxsparse_sddmm", "jaxsparse_decompress"):
         assert f'custom_call_target="{name}"' in text, name
     assert 'custom_call_target="jaxsparse_spmm_t"' not in text

@@ -86,24 +86,6 @@ def test_compress_round_trip(spec, blocks_r, words, dtype, seed):
     assert ((nib & 3) < (nib >> 2)).all()
 
 
-@pytest.mark.parametrize("spec", ["2:4", "16:2:8", "8:2:16", "4:2:32"])
-def test_condensed_times_kept_columns_is_the_product(spec):
-    """A [R, 4G] (the Hopper forward's operand): x's kept columns of each V block times A^T = x @ W."""
-    spec = F.VNM.parse(spec)
-    k, r = 8 * spec.m * 2, max(spec.v, 4) * 3
-    w = jax.random.normal(jax.random.PRNGKey(3), (k, r))
-    sw = F.compress(w, F.select_mask(w, spec), spec)
-    at = np.asarray(F.condensed(sw)).T
-    g = k // spec.m
-    assert at.shape == (4 * g, r)
-    x = np.asarray(jax.random.normal(jax.random.PRNGKey(4), (5, k)))
-    cols = np.tile(np.arange(4), (r, g, 1)) if sw.columns is None else np.repeat(np.asarray(sw.columns), spec.v, 0)
-    dense_col = (np.arange(g)[None, :, None] * spec.m + cols).reshape(r, 4 * g)  # [R, 4G] input column of A^T's row
-    y = np.einsum("trq,qr->tr", x[:, dense_col], at)
-    np.testing.assert_allclose(y, x @ np.asarray(F.decompress(sw)), rtol=1e-5, atol=1e-5)
-    assert ((at != 0).sum(0) <= 2 * g).all()  # two of every four condensed entries are the pattern's zeros
-
-
 def test_layout_by_hand():
     """Pins the byte layout of docs/format.md on a hand-made 1-block example (V=1, M=8)."""
     k, r = 64, 1  # 8 groups of 8 columns, one row

@@ -45,12 +45,13 @@ def _reference(x, sw, bias, activation):
     return y
 
 
-def _check(x, sw, bias, activation, tol, tile=None):
-    """``tile`` None: the row-major kernel (``jaxsparse_spmm``); else the Hopper x^T kernel with that tile."""
+def _check(x, sw, bias, activation, tol, tile=None, row_kernel="mma"):
+    """``tile`` None: the row route with ``row_kernel`` (``mma``: ``jaxsparse_spmm``; ``tma``: the Hopper kernel
+    reading x [T, K]); else the Hopper x^T kernel with that tile."""
     t, r = x.shape[0], sw.shape[1]
     poison((t, r), x.dtype)
     if tile is None:
-        fn = jax.jit(lambda x, sw, b: calls.spmm(x, sw, b, activation, x_layout="row"))
+        fn = jax.jit(lambda x, sw, b: calls.spmm(x, sw, b, activation, x_layout="row", row_kernel=row_kernel))
     else:
         fn = jax.jit(lambda x, sw, b: calls.spmm_from_xt(calls.transpose(x), sw, b, activation, tile))
     y = fn(x, sw, bias)
@@ -97,6 +98,45 @@ def test_spmm_epilogue(spec, activation, bias_dtype):
     if bias_dtype == "f32":
         bias = bias.astype(jnp.float32)
     _check(x, sw, bias, activation, TOL[dtype])
+
+
+def _skip_unless_tma_rows():
+    if not calls.hopper_gpu():
+        pytest.skip("the TMA row kernel runs on Hopper")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("t", [1, 17, 200, 1000])
+@pytest.mark.parametrize("k, r", [(512, 192), (768, 2176)], ids=["ws64", "ws128"])
+def test_spmm_rows_tma(dtype, t, k, r):
+    """2:4 from x [T, K] as it is (TMA boxes of x, wgmma.sp): token tails, a 64-row tile (R = 192) and
+    enough 128-row tiles that the persistent grid runs several per CTA."""
+    _skip_unless_tma_rows()
+    x, sw, bias = _make(key("rows-tma", str(dtype), t, k), t, k, r, "2:4", dtype, with_bias=True)
+    _check(x, sw, bias, None, TOL[dtype], row_kernel="tma")
+
+
+@pytest.mark.parametrize("activation, bias_dtype", [(None, "same"), ("gelu", None), ("gelu", "f32")])
+def test_spmm_rows_tma_epilogue(activation, bias_dtype):
+    _skip_unless_tma_rows()
+    dtype = jnp.bfloat16
+    x, sw, bias = _make(key("rows-tma-epi", activation, bias_dtype), 333, 1024, 384, "2:4", dtype,
+                        with_bias=bias_dtype is not None)
+    if bias_dtype == "f32":
+        bias = bias.astype(jnp.float32)
+    _check(x, sw, bias, activation, TOL[dtype], row_kernel="tma")
+
+
+def test_spmm_row_kernel_choice():
+    """auto takes the TMA kernel for 2:4 on Hopper and mma.sp for V:2:M; an explicit tma it cannot run raises."""
+    x, sw24, _ = _make(key("choice"), 8, 512, 192, "2:4", jnp.bfloat16, with_bias=False)
+    _, sw8, _ = _make(key("choice8"), 8, 512, 128, "64:2:8", jnp.bfloat16, with_bias=False)
+    assert calls.spmm_row_kernel(sw24, "auto") == ("tma" if calls.hopper_gpu() else "mma")
+    assert calls.spmm_row_kernel(sw8, "auto") == "mma"
+    with pytest.raises(ValueError, match="2:4"):
+        calls.spmm_row_kernel(sw8, "tma")
+    with pytest.raises(ValueError, match="one of"):
+        calls.spmm_row_kernel(sw24, "fast")
 
 
 def test_spmm_fresh_inputs_repeatable():

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsparse.ffi import register
-from jaxsparse.format import SparseWeight, condensed
+from jaxsparse.format import SparseWeight
 
 # vmap of any call runs the kernel once per batch element: a correct, if slow, batching rule.
 _VMAP = "sequential"
@@ -129,12 +129,12 @@ def _spmm_checks(name: str, sw: SparseWeight, dtype, bias: jax.Array | None, act
 
 
 def spmm(x: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activation: str | None = None,
-         x_layout: str | None = None) -> jax.Array:
+         x_layout: str | None = None, row_kernel: str | None = None) -> jax.Array:
     """``act(x @ W + bias)`` on the GPU: ``x [T, K] -> [T, R]`` in ``x.dtype``.
 
-    ``x_layout`` (see :func:`spmm_x_layout`): ``"row"`` runs the handler ``jaxsparse_spmm`` on ``x`` as it is
-    (``mma.sp``, sm_80 and sm_90a); ``"col"`` transposes ``x`` (:func:`transpose`) and runs the Hopper kernel
-    :func:`spmm_from_xt`. Kernel constraints (``ValueError`` here, before anything is launched): ``x`` 2-D
+    ``x_layout`` (see :func:`spmm_x_layout`): ``"row"`` reads ``x`` as it is, with the kernel
+    :func:`spmm_row_kernel` picks (``row_kernel``); ``"col"`` transposes ``x`` (:func:`transpose`) and runs the
+    Hopper kernel :func:`spmm_from_xt`. Kernel constraints (``ValueError`` here, before anything is launched): ``x`` 2-D
     bf16/fp16 with the dtype of ``sw.values``; ``K`` equal to ``sw.shape[0]``; spec ``2:4`` (V = 1) or
     ``V:2:M`` with ``V`` in {64, 128} and ``M`` in {8, 16, 32}; ``R % 64 == 0``; ``K % (8*M) == 0``;
     ``bias`` ``[R]`` in the input dtype or float32; ``activation`` None or ``"gelu"`` (tanh approximation).
@@ -149,6 +149,8 @@ def spmm(x: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activati
     _spmm_checks("spmm", sw, x.dtype, bias, activation)
     if spmm_x_layout(x.shape[0], sw, x_layout) == "col":
         return _spmm_xt_call(transpose(x), sw, bias, activation)
+    if spmm_row_kernel(sw, row_kernel) == "tma":
+        return _spmm_xt_call(x, sw, bias, activation, x_rows=True)
     b = bias if bias is not None else jnp.zeros((0,), x.dtype)
     return _call(
         "jaxsparse_spmm",
@@ -167,6 +169,8 @@ def spmm(x: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activati
 
 SPMM_X_LAYOUT_ENV = "JAXSPARSE_SPMM_X"
 SPMM_X_LAYOUTS = ("auto", "row", "col")
+SPMM_ROW_KERNEL_ENV = "JAXSPARSE_SPMM_ROW_KERNEL"
+SPMM_ROW_KERNELS = ("auto", "mma", "tma")
 SPMM_XT_TILE_ENV = "JAXSPARSE_SPMM_XT_TILE"
 SPMM_XT_TILES = {"auto": 0, "128x256": 1, "64x256": 2, "128x128": 3, "64x128": 4, "ws128x256": 5, "ws64x256": 6}
 
@@ -178,13 +182,14 @@ def spmm_x_layout(tokens: int, sw: SparseWeight, layout: str | None = None, shar
     ``sparse_linear`` follows the same choice for the whole layer: on ``"col"`` it keeps ``x^T`` as the
     residual and its SDDMM reads it (:func:`sddmm_from_xt`), so one transpose serves both products.
     ``layout`` ``None`` reads ``JAXSPARSE_SPMM_X`` (``auto``, ``row`` or ``col``; default ``auto``).
-    ``auto``: ``col`` on a Hopper GPU when ``T % 8 == 0`` and ``R % 128 == 0`` (what both x^T kernels need)
-    and either ``shares_xt`` (the caller keeps x^T for the SDDMM, as ``sparse_linear`` does) or ``M >= 16``;
-    ``row`` otherwise. Measured on the H100 at 16384 tokens (docs/kernel-notes.md, session 5): with its
-    own transpose the x^T route wins the forward alone at M >= 16 (128:2:16 at 4096x1024: 0.272 ms
-    against 0.340) and ties or loses below (64:2:8: 0.471 against 0.428); inside the layer, where the
-    transpose also serves the SDDMM, it wins at every M. An explicit ``col`` that the shapes cannot take
-    raises ``ValueError``.
+    ``auto``: ``col`` on a Hopper GPU for ``M > 4`` when ``T % 8 == 0`` and ``R % 128 == 0`` (what both x^T
+    kernels need) and either ``shares_xt`` (the caller keeps x^T for the SDDMM, as ``sparse_linear`` does) or
+    ``M >= 16``; ``row`` otherwise. 2:4 has no columns to gather, so its Hopper kernels read ``x`` as it is
+    (:func:`spmm_row_kernel`, and the SDDMM's TMA engine): no transpose at all. Measured on the H100 at 16384
+    tokens (docs/kernel-notes.md, session 5): with its own transpose the x^T route wins the forward alone at
+    M >= 16 (128:2:16 at 4096x1024: 0.272 ms against 0.340) and ties or loses below (64:2:8: 0.471 against
+    0.428); inside the layer, where the transpose also serves the SDDMM, it wins at every M > 4. An explicit
+    ``col`` that the shapes cannot take raises ``ValueError``.
     """
     layout = _setting(layout, SPMM_X_LAYOUT_ENV)
     if layout not in SPMM_X_LAYOUTS:
@@ -193,8 +198,30 @@ def spmm_x_layout(tokens: int, sw: SparseWeight, layout: str | None = None, shar
     if layout == "col" and problem:
         raise ValueError(f"spmm: a column-major x needs {problem}")
     if layout == "auto":
-        layout = "col" if problem is None and (shares_xt or sw.spec.m >= 16) and hopper_gpu() else "row"
+        layout = "col" if problem is None and sw.spec.m > 4 and (shares_xt or sw.spec.m >= 16) and hopper_gpu() else "row"
     return layout
+
+
+def spmm_row_kernel(sw: SparseWeight, kernel: str | None = None) -> str:
+    """The kernel of :func:`spmm`'s ``"row"`` route (``x [T, K]`` read as it is): ``"tma"``, the Hopper kernel
+    ``jaxsparse_spmm_xt`` in its x-rows mode (TMA loads of x, ``wgmma.sp``; 2:4 only, ``R % 64 == 0``, an
+    sm_90a build on a Hopper GPU), or ``"mma"``, ``jaxsparse_spmm`` (``mma.sp``, sm_80 and sm_90a, every spec).
+    ``kernel`` ``None`` reads ``JAXSPARSE_SPMM_ROW_KERNEL`` (``auto``, ``mma`` or ``tma``; default ``auto``:
+    ``tma`` where it runs). An explicit ``tma`` that ``sw`` cannot take raises ``ValueError``.
+    """
+    kernel = _setting(kernel, SPMM_ROW_KERNEL_ENV)
+    if kernel not in SPMM_ROW_KERNELS:
+        raise ValueError(f"the SpMM row kernel ({SPMM_ROW_KERNEL_ENV}) must be one of {SPMM_ROW_KERNELS}, got {kernel!r}")
+    problem = None
+    if sw.spec.m != 4:
+        problem = f"2:4 (V:2:M with M > 4 gathers columns: the x^T route), got {sw.spec}"
+    elif sw.shape[1] % 64:
+        problem = f"R % 64 == 0, got R = {sw.shape[1]}"
+    if kernel == "tma" and problem:
+        raise ValueError(f"spmm: the TMA row kernel needs {problem}")
+    if kernel == "auto":
+        kernel = "tma" if problem is None and hopper_gpu() else "mma"
+    return kernel
 
 
 def spmm_xt_tile(tile: str | None = None) -> int:
@@ -223,13 +250,16 @@ def spmm_from_xt(xt: jax.Array, sw: SparseWeight, bias: jax.Array | None = None,
     return _spmm_xt_call(xt, sw, bias, activation, tile)
 
 
-def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str | None = None) -> jax.Array:
-    """The ``jaxsparse_spmm_xt`` call, operands checked."""
+def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str | None = None,
+                  x_rows: bool = False) -> jax.Array:
+    """The ``jaxsparse_spmm_xt`` call, operands checked: ``xt`` is x^T [K, T], or x [T, K] with ``x_rows``."""
     b = bias if bias is not None else jnp.zeros((0,), xt.dtype)
+    tokens = xt.shape[0] if x_rows else xt.shape[1]
     return _call(
-        "jaxsparse_spmm_xt", (xt.shape[1], sw.shape[1]), xt.dtype, xt, condensed(sw),
-        _columns_operand(sw), b, v=np.int32(sw.spec.v), m=np.int32(sw.spec.m),
+        "jaxsparse_spmm_xt", (tokens, sw.shape[1]), xt.dtype, xt, sw.values,
+        _columns_operand(sw), sw.metadata, b, v=np.int32(sw.spec.v), m=np.int32(sw.spec.m),
         activation=np.int32(0 if activation is None else 1), tile=np.int32(spmm_xt_tile(tile)),
+        x_rows=np.int32(x_rows),
     )
 
 
@@ -258,13 +288,16 @@ def sddmm_split(split: int | str | None = None) -> int:
 
 
 SDDMM_ENGINE_ENV = "JAXSPARSE_SDDMM_ENGINE"
-SDDMM_ENGINES = {"auto": 0, "mma": 1, "wgmma": 2}
+SDDMM_ENGINES = {"auto": 0, "mma": 1, "wgmma": 2, "tma": 3}
 
 
 def sddmm_engine(engine: str | None = None) -> int:
-    """The SDDMM's engine attribute: ``auto`` (0; wgmma where it runs), ``mma`` (1; mma.sync, any GPU from
-    sm_80), ``wgmma`` (2; Hopper warpgroup MMAs: an sm_90a build on a Hopper GPU, M in {4, 8, 16} and R a
-    multiple of 128, else the call fails). ``None`` reads ``JAXSPARSE_SDDMM_ENGINE`` (default ``auto``).
+    """The SDDMM's engine attribute: ``auto`` (0; at 2:4 from a row-major x the TMA engine where it runs, else
+    wgmma where it runs), ``mma`` (1; mma.sync, any GPU from sm_80), ``wgmma`` (2; Hopper warpgroup MMAs
+    gathering from a row-major x: an sm_90a build on a Hopper GPU, M in {4, 8, 16} and R a multiple of 128,
+    else the call fails), ``tma`` (3; the x^T engine's TMA pipeline reading x [T, K] as it is: 2:4 only, R a
+    multiple of 128, a Hopper GPU, else the call fails). ``None`` reads ``JAXSPARSE_SDDMM_ENGINE`` (default
+    ``auto``).
     """
     engine = _setting(engine, SDDMM_ENGINE_ENV)
     if engine not in SDDMM_ENGINES:
@@ -306,13 +339,21 @@ def sddmm_x_layout(tokens: int, sw: SparseWeight, layout: str | None = None, eng
     memory (docs/kernel-notes.md, session 4); the transpose costs one read and one write of ``x``.
     ``layout`` ``None`` reads ``JAXSPARSE_SDDMM_X`` (``auto``, ``row`` or ``col``; default ``auto``).
     ``auto``: ``col`` on a Hopper GPU for ``M > 4`` when ``T % 8 == 0``, ``R % 128 == 0`` and the engine is
-    not ``mma``; ``row`` otherwise (2:4 keeps every column, so it has nothing to gather: measured on the H100,
-    the x^T engine ties or loses there, 0.406 ms against 0.388 row-major at 16384x1024x4096). An explicit
-    ``col`` that these shapes cannot take raises ``ValueError``.
+    not ``mma``; ``row`` otherwise (2:4 keeps every column, so it has nothing to gather: on a Hopper GPU its
+    ``tma`` engine, :func:`sddmm_engine`, reads ``x`` as it is with the x^T engine's TMA pipeline). An explicit
+    ``col`` that these shapes cannot take, and the ``tma`` engine on a spec or shape it cannot take, raise
+    ``ValueError``.
     """
     layout = _setting(layout, SDDMM_X_LAYOUT_ENV)
     if layout not in SDDMM_X_LAYOUTS:
         raise ValueError(f"the SDDMM x layout ({SDDMM_X_LAYOUT_ENV}) must be one of {SDDMM_X_LAYOUTS}, got {layout!r}")
+    if sddmm_engine(engine) == SDDMM_ENGINES["tma"]:
+        if sw.spec.m != 4 or sw.shape[1] % COL_MAJOR_ROW_TILE:
+            raise ValueError(f"sddmm: the tma engine needs 2:4 and R % {COL_MAJOR_ROW_TILE} == 0, got {sw.spec} and "
+                             f"R = {sw.shape[1]}")
+        if layout == "col":
+            raise ValueError("sddmm: the tma engine reads x [T, K]: x_layout must be 'row' or 'auto'")
+        return "row"
     problem = _xt_shape_problem(tokens, sw)
     if problem is None and sddmm_engine(engine) == SDDMM_ENGINES["mma"]:
         problem = "the wgmma engine (the mma.sync engine reads a row-major x only)"
