@@ -309,3 +309,23 @@ def test_x_transposed_layer_route_gives_the_same_gradients(monkeypatch, spec):
         calls.spmm_x_layout(16, sw)
     with pytest.raises(ValueError, match="JAXSPARSE_SPMM_XT_TILE"):
         calls.spmm_xt_tile("huge")
+
+
+def test_xt_kernel_tiles_and_row_kernel_refuse_what_they_cannot_take(monkeypatch):
+    """Tiles the x^T SpMM or the TMA row kernel cannot take, and the tma SDDMM engine off 2:4, raise ValueError
+    before anything is launched (no GPU needed)."""
+    from jaxsparse.ffi import calls
+
+    monkeypatch.delenv(calls.SPMM_XT_TILE_ENV, raising=False)
+    x8, sw8, _, _ = make(5, "64:2:8", k=512, r=128, tokens=(2, 8), dtype=jnp.bfloat16)
+    x8 = x8.reshape(-1, 512)
+    with pytest.raises(ValueError, match="R % 128 == 0 and V >= 128"):
+        calls.spmm_from_xt(x8.T, sw8, tile="ws128x256")
+    with pytest.raises(ValueError, match="2:4"):
+        calls.spmm(x8, sw8, x_layout="row", row_kernel="tma")
+    with pytest.raises(ValueError, match="the tma engine needs 2:4"):
+        calls.sddmm(x8, jnp.ones((16, 128), jnp.bfloat16), sw8, engine="tma")
+    x24, sw24, _, _ = make(6, "2:4", k=512, r=128, tokens=(2, 8), dtype=jnp.bfloat16)
+    monkeypatch.setenv(calls.SPMM_XT_TILE_ENV, "128x128")
+    with pytest.raises(ValueError, match="tile auto, ws128x256 or ws64x256"):
+        calls.spmm(x24.reshape(-1, 512), sw24, x_layout="row", row_kernel="tma")

@@ -255,10 +255,18 @@ def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str |
     """The ``jaxsparse_spmm_xt`` call, operands checked: ``xt`` is x^T [K, T], or x [T, K] with ``x_rows``."""
     b = bias if bias is not None else jnp.zeros((0,), xt.dtype)
     tokens = xt.shape[0] if x_rows else xt.shape[1]
+    tile_id = spmm_xt_tile(tile)
+    name = next(k for k, v in SPMM_XT_TILES.items() if v == tile_id)
+    if name.removeprefix("ws").startswith("128x") and (sw.shape[1] % 128 or sw.spec.v == 64):
+        raise ValueError(f"spmm: the x^T SpMM tile {name} needs R % 128 == 0 and V >= 128 (or 2:4), got R = "
+                         f"{sw.shape[1]} and {sw.spec}")
+    if x_rows and not (name == "auto" or name.startswith("ws")):
+        raise ValueError(f"spmm: the TMA row kernel reads x [T, K] with tile auto, ws128x256 or ws64x256, got {name} "
+                         f"({SPMM_XT_TILE_ENV}; or {SPMM_ROW_KERNEL_ENV}=mma)")
     return _call(
         "jaxsparse_spmm_xt", (tokens, sw.shape[1]), xt.dtype, xt, sw.values,
         _columns_operand(sw), sw.metadata, b, v=np.int32(sw.spec.v), m=np.int32(sw.spec.m),
-        activation=np.int32(0 if activation is None else 1), tile=np.int32(spmm_xt_tile(tile)),
+        activation=np.int32(0 if activation is None else 1), tile=np.int32(tile_id),
         x_rows=np.int32(x_rows),
     )
 
