@@ -296,12 +296,13 @@ def section(payload: dict) -> str:
     v = env["versions"]
     done = "complete" if payload.get("finished") else "incomplete (cut short; resume with --resume)"
     layers = "" if hp.get("layers") is None else f", first {hp['layers']} layer(s) only"
-    fade = "" if not hp.get("fade") else f", each stage faded in over {hp['fade']:g} of all steps"
     oneshot = hp.get("prune") == "oneshot"
+    fades = bool(hp.get("fade")) and not oneshot  # one-shot masks are set at step 0: --fade does not apply
+    fade = f", each stage faded in over {hp['fade']:g} of all steps" if fades else ""
     recipe = ", ".join([f"{hp['epochs']} epochs, " + ("one-shot" if oneshot else f"GMP to {hp['prune_end']:g}")]
                        + (["least-squares refit"] if hp.get("refit") else [])
                        + ([f"distillation {hp['distill']:g}"] if hp.get("distill") else [])
-                       + ([f"fade {hp['fade']:g}"] if hp.get("fade") else [])
+                       + ([f"fade {hp['fade']:g}"] if fades else [])
                        + ([f"{hp['score']} score"] if hp.get("score", "magnitude") != "magnitude" else [])
                        + (["from the fine-tuned teacher"] if hp.get("init") == "teacher" else []))
     return "\n".join([

@@ -198,3 +198,17 @@ def test_refit_is_passed_through(acc):
     assert "least-squares refit" in acc.section(payload)
     with pytest.raises(SystemExit, match="2"):
         acc.parse_args(["--quick", "--refit"])  # GMP runs cannot be refit
+
+
+def test_section_describes_fade_only_where_it_applies(acc):
+    """--fade shapes GMP stages; one-shot masks are set at step 0, so a one-shot study's text omits it."""
+    accs = {"dense": [0.9, 0.92], "64:2:8": [0.8, 0.82]}
+
+    def text(**hp):
+        payload = _payload(acc, "trec", ["dense", "64:2:8"], accs, **hp)
+        payload["summary"] = acc.summarize(payload["runs"], ["trec"], ["dense", "64:2:8"], 2)
+        return acc.section(payload)
+
+    gmp, oneshot = text(prune="gmp", fade=0.15), text(prune="oneshot", fade=0.15, refit=True)
+    assert "faded in over 0.15" in gmp and "fade 0.15" in gmp
+    assert "faded in" not in oneshot and "fade 0.15" not in oneshot and "least-squares refit" in oneshot
