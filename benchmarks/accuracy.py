@@ -78,17 +78,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (warm-up, then cosine to 0)")
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--warmup", type=float, default=0.1, help="warm-up, fraction of all steps")
-    train.add_recipe_arguments(p)  # --fade, --score, --distill (one teacher per task, seed 0), --temperature
+    train.add_recipe_arguments(p)  # --fade, --score, --distill (one teacher per task, seed 0), --temperature, --init, --refit
     p.add_argument("--teacher-dir", type=Path, default=None,
                    help="share distillation teachers between processes: the first trains and saves "
                         "teacher-<task>.npz here (under a file lock), the others load it")
     p.add_argument("--prune-end", type=float, default=0.5, help="GMP ramp from step 0 to this fraction of all steps")
     p.add_argument("--prune", default="gmp", choices=("gmp", "oneshot"),
                    help="how sparse runs reach their pattern: GMP through the default ladder, or one-shot at step 0")
-    p.add_argument("--refit", action="store_true",
-                   help="as jaxsparse-train --refit (needs --prune oneshot): least-squares refit of the one-shot "
-                        "masks' kept weights before training")
-    p.add_argument("--refit-batches", type=int, default=8, help="as jaxsparse-train --refit-batches")
     p.add_argument("--max-train", type=int, default=0, help="training examples per task (0 = all)")
     p.add_argument("--max-eval", type=int, default=0, help="dev/test examples per task (0 = all)")
     p.add_argument("--layers", type=int, default=None, help="keep only the first N MiniLM layers (smoke runs)")
@@ -133,10 +129,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.seed_values = ([int(x) for x in args.seed_list.split(",") if x.strip()] if args.seed_list
                         else list(range(args.seeds)))
     train.check_recipe_arguments(p, args)
-    if args.refit and args.prune != "oneshot":
-        p.error(train.REFIT_RULE)
-    if args.refit_batches < 1:
-        p.error("--refit-batches must be >= 1")
     if not args.tasks or not args.sparsities or args.seeds < 1 or not args.seed_values:
         p.error("need at least one task, one sparsity and --seeds >= 1")
     if args.dtype == "auto":

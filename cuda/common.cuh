@@ -48,10 +48,6 @@ inline std::string ShapeString(const B& b) {
   return s + "]";
 }
 
-// The compressed weight's operands against the MMA kernels' V:2:M rules (docs/format.md): M in
-// {4, 8, 16, 32}; V = 1 for M = 4, else 64 or 128; R % V == 0; G % 8 == 0; metadata [R, G/8]; columns
-// [R/V, G, 4] when M > 4. Returns InvalidArgument naming the target, or Success.
-// The kernels' pattern rules alone: M in {4, 8, 16, 32}; V = 1 for M = 4, else 64 or 128.
 // The forward epilogue's operands: a bias (empty, or [rows] in the input dtype `dt` or float32) and the
 // activation attribute (0 none, 1 gelu).
 inline ffi::Error CheckEpilogue(const char* target, const ffi::AnyBuffer& bias, int64_t rows, ffi::DataType dt,
@@ -65,6 +61,7 @@ inline ffi::Error CheckEpilogue(const char* target, const ffi::AnyBuffer& bias, 
   return ffi::Error::Success();
 }
 
+// The kernels' pattern rules alone: M in {4, 8, 16, 32}; V = 1 for M = 4, else 64 or 128.
 inline ffi::Error CheckSpec(const char* target, int v, int m) {
   const std::string name(target);
   if (m != 4 && m != 8 && m != 16 && m != 32)
@@ -74,6 +71,9 @@ inline ffi::Error CheckSpec(const char* target, int v, int m) {
   return ffi::Error::Success();
 }
 
+// The compressed weight's operands against the MMA kernels' V:2:M rules (docs/format.md): M in
+// {4, 8, 16, 32}; V = 1 for M = 4, else 64 or 128; R % V == 0; G % 8 == 0; metadata [R, G/8]; columns
+// [R/V, G, 4] when M > 4. Returns InvalidArgument naming the target, or Success.
 inline ffi::Error CheckSparseWeight(const char* target, int64_t rows, int64_t groups,
                                     const ffi::Buffer<ffi::U8>& columns, const ffi::Buffer<ffi::U32>& metadata,
                                     int v, int m) {

@@ -763,10 +763,10 @@ ffi::Error LaunchSplit(cudaStream_t stream, SddmmParams p, int split, int tiles,
 template <typename T, bool XROW>
 ffi::Error LaunchXt(cudaStream_t stream, const SddmmParams& p, int split, ffi::ScratchAllocator& scratch) {
   constexpr auto kernel = SddmmWgmmaXtKernel<T, XROW>;
-  if (!Sm90aImageLoaded<kernel>())
-    return ffi::Error::InvalidArgument("jaxsparse_sddmm: x^T (x_layout 1) needs an sm_90a build on a Hopper GPU");
+  const std::string what = XROW ? "jaxsparse_sddmm: the tma engine" : "jaxsparse_sddmm: x^T (x_layout 1)";
+  if (!Sm90aImageLoaded<kernel>()) return ffi::Error::InvalidArgument(what + " needs an sm_90a build on a Hopper GPU");
   if (p.rows % kXtBR || (!XROW && p.tokens % 8))
-    return ffi::Error::InvalidArgument("jaxsparse_sddmm: x^T (x_layout 1) needs R % 128 == 0 and T % 8 == 0");
+    return ffi::Error::InvalidArgument(what + (XROW ? " needs R % 128 == 0" : " needs R % 128 == 0 and T % 8 == 0"));
   constexpr int kSmem = XtLayout::kSmemBytes;
   if (ffi::Error e = RaiseSmemLimit<kernel>(kSmem, "cudaFuncSetAttribute(SddmmWgmmaXtKernel)"); e.failure()) return e;
   CUtensorMap tma_dy{}, tma_xt{};

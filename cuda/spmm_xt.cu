@@ -11,10 +11,11 @@
 // 4G: the tensor cores skip A's zeros, and A arrives compressed (the stored values, 2 per group).
 //
 // Per 64-k stage: A's values [BR][32] land K-major 64B-swizzled (trans-a = 0), Xc [64 k][BT tokens]
-// MN-major 128B-swizzled (trans-b = 1); each consumer thread reads its metadata words from global memory one
-// stage ahead.  Two warpgroups: BR = 128 puts them on the
-// two 64-row halves (each over all BT tokens), BR = 64 on two token halves.  Pipeline as in
-// SddmmWgmmaXtKernel: loads for stage kt+STAGES-2 issued right after stage kt's barrier, wgmma.wait_group 1.
+// MN-major 128B-swizzled (trans-b = 1); each thread reads its metadata words from global memory once the
+// previous stage's products drained (kSparseMetaRule).  Two warpgroups: BR = 128 puts them on the
+// two 64-row halves (each over all BT tokens), BR = 64 on two token halves.  Pipeline: loads for stage
+// kt+STAGES-2 issued right after stage kt's barrier; each warpgroup waits for its products of stage kt
+// (wgmma.wait_group 0) before stage kt+1.
 // Epilogue: + bias, optional GELU (tanh), convert, stage as [BT tokens][BR features], 16-byte row stores.
 // Needs T % 8 == 0 (16-byte rows of x^T) and R % BR == 0, BR <= V; the Python side takes this path only then.
 #include <cuda_bf16.h>
@@ -258,8 +259,8 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
 
 // ---------------------------------------------------------------- warp-specialized, persistent version
 //
-// 384 threads: warpgroup 0 is the producer, warpgroups 1 and 2 consume (wait full, wgmma, release the
-// previous stage to the producer once its wgmmas completed: one group in flight).  The producer fills a
+// 384 threads: warpgroup 0 is the producer, warpgroups 1 and 2 consume (wait full, wgmma, wait for the
+// products, release the stage to the producer: no group in flight across stages, kSparseMetaRule).  The producer fills a
 // STAGES-deep ring: thread 0 loads A's values by TMA (one box per stage, 64-byte swizzled, arrival with expect_tx);
 // Xc comes by TMA too at M = 4 (dense rows of x^T: BT/64 boxes of 64 tokens x 64 k), and otherwise by cp.async
 // from all 128 producer threads, each marking its part with cp.async.mbarrier.arrive.  The grid is persistent

@@ -214,6 +214,10 @@ JAXSPARSE_DEFINE_WGMMA(128, 64, __half, "f16", "64", "65", "66", "67", "68")
 JAXSPARSE_DEFINE_WGMMA(64, 32, __nv_bfloat16, "bf16", "32", "33", "34", "35", "36")
 JAXSPARSE_DEFINE_WGMMA(64, 32, __half, "f16", "32", "33", "34", "35", "36")
 #undef JAXSPARSE_DEFINE_WGMMA
+#undef JAXSPARSE_ACC_REGS_32
+#undef JAXSPARSE_ACC_OPS_32
+#undef JAXSPARSE_ACC_REGS_64
+#undef JAXSPARSE_ACC_OPS_64
 #endif  // JAXSPARSE_WGMMA
 
 }  // namespace jaxsparse

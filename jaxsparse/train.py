@@ -45,7 +45,7 @@ MODELS = ("minilm",) + tuple(n for n in bert.PRESETS if n != "minilm")
 
 def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     """The sparse fine-tuning recipe options shared by ``jaxsparse-train`` and ``benchmarks/accuracy.py``:
-    ``--fade``, ``--score``, ``--distill``, ``--temperature``."""
+    ``--fade``, ``--score``, ``--distill``, ``--temperature``, ``--init``, ``--refit``, ``--refit-batches``."""
     p.add_argument("--fade", type=float, default=0.0,
                    help="GMP: before each stage, fade the weights it will prune to zero over this fraction of all "
                         "steps (0 = masks change at once; see jaxsparse.pruning.gmp_prune fade_steps)")
@@ -58,6 +58,12 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init", default="pretrained", choices=INITS,
                    help="where sparse runs start: the pretrained weights, or the dense teacher fine-tuned with the "
                         "same settings (prune a fine-tuned model, as oBERT's downstream pruning does)")
+    p.add_argument("--refit", action="store_true",
+                   help="with --prune oneshot only: before training, choose each sparse kernel's mask (same --score) "
+                        "and refit its kept weights by least squares to its input Hessian over calibration batches, "
+                        "layer by layer in forward order (jaxsparse.obs.oneshot_refit)")
+    p.add_argument("--refit-batches", type=int, default=8,
+                   help="--refit calibration: the first N training batches (of --batch-size, --max-len)")
 
 
 def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -68,6 +74,10 @@ def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
         p.error("need 0 <= --distill < 1 and --temperature > 0")
     if args.init == "teacher" and getattr(args, "sparsity", None) == "dense":
         p.error("--init teacher starts a sparse run from a dense teacher: give a --sparsity pattern")
+    if args.refit and args.prune != "oneshot":
+        p.error(REFIT_RULE)
+    if args.refit_batches < 1:
+        p.error("--refit-batches must be >= 1")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -101,12 +111,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--devices", default="1",
                    help="data parallel over N local devices or 'all' (gradients averaged; the batch is split)")
     p.add_argument("--out", default="runs/latest", help="output folder (metrics.json, checkpoint/)")
-    p.add_argument("--refit", action="store_true",
-                   help="with --prune oneshot only: before training, choose each sparse kernel's mask (same --score) "
-                        "and refit its kept weights by least squares to its input Hessian over calibration batches, "
-                        "layer by layer in forward order (jaxsparse.obs.oneshot_refit)")
-    p.add_argument("--refit-batches", type=int, default=8,
-                   help="--refit calibration: the first N training batches (of --batch-size, --max-len)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.sparsity != "dense":
@@ -129,10 +133,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error("--devices must be >= 1")
     if not 0.0 <= args.prune_begin <= args.prune_end <= 1.0:
         p.error("need 0 <= --prune-begin <= --prune-end <= 1")
-    if args.refit and args.prune != "oneshot":
-        p.error(REFIT_RULE)
-    if args.refit_batches < 1:
-        p.error("--refit-batches must be >= 1")
     check_recipe_arguments(p, args)
     if args.distill > 0 and args.sparsity == "dense":
         p.error("--distill trains a sparse student from a dense teacher: give a --sparsity pattern")

@@ -100,33 +100,6 @@ def test_spmm_epilogue(spec, activation, bias_dtype):
     _check(x, sw, bias, activation, TOL[dtype])
 
 
-def _skip_unless_tma_rows():
-    if not calls.hopper_gpu():
-        pytest.skip("the TMA row kernel runs on Hopper")
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("t", [1, 17, 200, 1000])
-@pytest.mark.parametrize("k, r", [(512, 192), (768, 2176)], ids=["ws64", "ws128"])
-def test_spmm_rows_tma(dtype, t, k, r):
-    """2:4 from x [T, K] as it is (TMA boxes of x, wgmma.sp): token tails, a 64-row tile (R = 192) and
-    enough 128-row tiles that the persistent grid runs several per CTA."""
-    _skip_unless_tma_rows()
-    x, sw, bias = _make(key("rows-tma", str(dtype), t, k), t, k, r, "2:4", dtype, with_bias=True)
-    _check(x, sw, bias, None, TOL[dtype], row_kernel="tma")
-
-
-@pytest.mark.parametrize("activation, bias_dtype", [(None, "same"), ("gelu", None), ("gelu", "f32")])
-def test_spmm_rows_tma_epilogue(activation, bias_dtype):
-    _skip_unless_tma_rows()
-    dtype = jnp.bfloat16
-    x, sw, bias = _make(key("rows-tma-epi", activation, bias_dtype), 333, 1024, 384, "2:4", dtype,
-                        with_bias=bias_dtype is not None)
-    if bias_dtype == "f32":
-        bias = bias.astype(jnp.float32)
-    _check(x, sw, bias, activation, TOL[dtype], row_kernel="tma")
-
-
 def test_spmm_row_kernel_choice():
     """auto takes the TMA kernel for 2:4 on Hopper and mma.sp for V:2:M; an explicit tma it cannot run raises."""
     x, sw24, _ = _make(key("choice"), 8, 512, 192, "2:4", jnp.bfloat16, with_bias=False)
@@ -183,6 +156,28 @@ def _xt_tiles(spec):
     """The tiles the x^T kernel can take for ``spec``: 128-feature tiles need V >= 128 (or 2:4)."""
     v = F.VNM.parse(spec).v
     return [t for t in XT_TILES if v != 64 or t.removeprefix("ws").startswith("64x")]
+
+
+@xt_marks
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("t", [1, 17, 200, 1000])
+@pytest.mark.parametrize("k, r", [(512, 192), (768, 2176)], ids=["ws64", "ws128"])
+def test_spmm_rows_tma(dtype, t, k, r):
+    """2:4 from x [T, K] as it is (TMA boxes of x, wgmma.sp): token tails, a 64-row tile (R = 192) and
+    enough 128-row tiles that the persistent grid runs several per CTA."""
+    x, sw, bias = _make(key("rows-tma", str(dtype), t, k), t, k, r, "2:4", dtype, with_bias=True)
+    _check(x, sw, bias, None, TOL[dtype], row_kernel="tma")
+
+
+@xt_marks
+@pytest.mark.parametrize("activation, bias_dtype", [(None, "same"), ("gelu", None), ("gelu", "f32")])
+def test_spmm_rows_tma_epilogue(activation, bias_dtype):
+    dtype = jnp.bfloat16
+    x, sw, bias = _make(key("rows-tma-epi", activation, bias_dtype), 333, 1024, 384, "2:4", dtype,
+                        with_bias=bias_dtype is not None)
+    if bias_dtype == "f32":
+        bias = bias.astype(jnp.float32)
+    _check(x, sw, bias, activation, TOL[dtype], row_kernel="tma")
 
 
 @xt_marks

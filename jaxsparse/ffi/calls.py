@@ -255,8 +255,8 @@ def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str |
     """The ``jaxsparse_spmm_xt`` call, operands checked: ``xt`` is x^T [K, T], or x [T, K] with ``x_rows``."""
     b = bias if bias is not None else jnp.zeros((0,), xt.dtype)
     tokens = xt.shape[0] if x_rows else xt.shape[1]
-    tile_id = spmm_xt_tile(tile)
-    name = next(k for k, v in SPMM_XT_TILES.items() if v == tile_id)
+    name = _setting(tile, SPMM_XT_TILE_ENV)
+    tile_id = spmm_xt_tile(name)
     if name.removeprefix("ws").startswith("128x") and (sw.shape[1] % 128 or sw.spec.v == 64):
         raise ValueError(f"spmm: the x^T SpMM tile {name} needs R % 128 == 0 and V >= 128 (or 2:4), got R = "
                          f"{sw.shape[1]} and {sw.spec}")
