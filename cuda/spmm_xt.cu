@@ -11,11 +11,11 @@
 // 4G: the tensor cores skip A's zeros, and A arrives compressed (the stored values, 2 per group).
 //
 // Per 64-k stage: A's values [BR][32] land K-major 64B-swizzled (trans-a = 0), Xc [64 k][BT tokens]
-// MN-major 128B-swizzled (trans-b = 1); each thread reads its metadata words from global memory once the
-// previous stage's products drained (kSparseMetaRule).  Two warpgroups: BR = 128 puts them on the
-// two 64-row halves (each over all BT tokens), BR = 64 on two token halves.  Pipeline: loads for stage
-// kt+STAGES-2 issued right after stage kt's barrier; each warpgroup waits for its products of stage kt
-// (wgmma.wait_group 0) before stage kt+1.
+// MN-major 128B-swizzled (trans-b = 1); each thread reads its metadata words for stage kt+1 from global memory
+// into the other of two register arrays while stage kt's products run (kSparseMetaRule).  Two warpgroups: BR =
+// 128 puts them on the two 64-row halves (each over all BT tokens), BR = 64 on two token halves.  Pipeline: loads
+// for stage kt+STAGES-2 issued right after stage kt's barrier; after issuing stage kt a warpgroup waits for its
+// products of stage kt-1 (wgmma.wait_group 1), so one stage's products are in flight while the next is issued.
 // Epilogue: + bias, optional GELU (tanh), convert, stage as [BT tokens][BR features], 16-byte row stores.
 // Needs T % 8 == 0 (16-byte rows of x^T) and R % BR == 0, BR <= V; the Python side takes this path only then.
 #include <cuda_bf16.h>
@@ -109,12 +109,14 @@ __device__ __forceinline__ void LoadXtStage(uint32_t base, int q0, int thread, c
   }
 }
 
-// kSparseMetaRule: a wgmma.sp reads its metadata register while it runs, not when it is issued, so the register
-// may change only once no wgmma.sp is in flight (wgmma.wait_group 0).  Measured the hard way (session 7, device
-// call 2): reloading it after wait_group 1, with the stage's own products still in flight, gave wrong results on
-// every 128-feature tile and on some 64-feature ones, and ptxas did not warn; CUTLASS's SM90 sparse mainloop
-// keeps no wgmma in flight across stages (K_PIPE_MMAS = 0) for the same reason.  The two consumer warpgroups
-// keep the tensor cores busy while one of them waits.
+// kSparseMetaRule: a wgmma.sp reads its metadata register while it runs, not when it is issued, so that register
+// must hold its value until the product completed.  Measured the hard way (session 7, device call 2): reloading
+// the one metadata array after wait_group 1, with the stage's own products still in flight, gave wrong results
+// on every 128-feature tile and on some 64-feature ones, and ptxas did not warn.  So the consumers keep two
+// metadata arrays, one per stage parity (the k loop is unrolled by two so each array is a fixed set of
+// registers): stage kt runs on its array while stage kt+1's array is loaded, and an array is refilled only after
+// the wait_group 1 that retired the stage which read it; KeepMetaLive pins its registers until that point, so
+// the compiler cannot hand them to anything else while the product runs.
 //
 // This thread's wgmma.sp metadata for stage kt (condensed k [64 kt, 64 kt + 64), stored words 2 kt and 2 kt + 1
 // of its rows r and r + 8; `rows` points at row r's words, `words` = G/8 per row); past the end of the
@@ -127,6 +129,10 @@ __device__ __forceinline__ void LoadStageMeta(uint32_t (&e)[2], const uint32_t* 
     e[j] = w < words ? MetaWord(__ldg(rows + w), __ldg(rows + 8 * words + w), tig, 0) : 0x44444444u;
   }
 }
+
+// The metadata registers `e` stay live (and unchanged) up to this point: placed after the wait_group that retired
+// the last wgmma.sp reading them (kSparseMetaRule).
+__device__ __forceinline__ void KeepMetaLive(uint32_t (&e)[2]) { asm volatile("" : "+r"(e[0]), "+r"(e[1])::"memory"); }
 
 // Row r of the stored metadata for warp wq (of the warpgroup on feature half wr), lane `lane`.
 __device__ __forceinline__ const uint32_t* MetaRows(const SpmmXtParams& p, int row0, int wr, int wq, int lane) {
@@ -215,15 +221,17 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
 #pragma unroll
     for (int i = 0; i < NW / 2; ++i) acc[c][i] = 0.f;
   const uint32_t* meta_rows = MetaRows(p, row0, wr, warp & 3, lane);
-  uint32_t e[2];
-  LoadStageMeta(e, meta_rows, p.groups / 8, 0, lane & 3);
+  uint32_t e_even[2], e_odd[2];  // metadata of the even and the odd stages (kSparseMetaRule)
+  LoadStageMeta(e_even, meta_rows, p.groups / 8, 0, lane & 3);
 
 #pragma unroll
   for (int s = 0; s < STAGES - 2; ++s) {
     if (s < num_kt) LoadXtStage<T, BR, BT, kThreads>(smem_base + s * L::kStageBytes, s * kKc, tid, p, row0, tok0, scol);
     CpAsyncCommit();
   }
-  for (int kt = 0; kt < num_kt; ++kt) {
+  // Stage kt on metadata `e`; `e_next` (the other parity's registers, read by stage kt-1) is refilled for stage
+  // kt+1 once stage kt-1's products completed.
+  auto run_stage = [&](int kt, uint32_t(&e)[2], uint32_t(&e_next)[2]) {
     CpAsyncWait<STAGES - 3>();  // this thread's copies of stage kt landed
     FenceProxyAsyncShared();
     __syncthreads();  // stage kt visible to all; every warpgroup's wgmmas up to stage kt-2 completed
@@ -239,11 +247,19 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
     WgmmaFence();
     XtStageMma<T, BR, NW, NCH>(acc, smem_base + (kt % STAGES) * L::kStageBytes, wr, wt * WN / 64, e);
     WgmmaCommit();
-    WgmmaWait<0>();  // see kSparseMetaRule
+    WgmmaWait<1>();  // stage kt-1's products completed
 #pragma unroll
     for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
-    LoadStageMeta(e, meta_rows, p.groups / 8, kt + 1, lane & 3);
+    KeepMetaLive(e_next);
+    LoadStageMeta(e_next, meta_rows, p.groups / 8, kt + 1, lane & 3);
+  };
+  for (int kt = 0; kt < num_kt; kt += 2) {
+    run_stage(kt, e_even, e_odd);
+    if (kt + 1 < num_kt) run_stage(kt + 1, e_odd, e_even);
   }
+  WgmmaWait<0>();
+#pragma unroll
+  for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
 
   // ---------------------------------------------------------------- epilogue
   CpAsyncWait<0>();
@@ -259,8 +275,9 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
 
 // ---------------------------------------------------------------- warp-specialized, persistent version
 //
-// 384 threads: warpgroup 0 is the producer, warpgroups 1 and 2 consume (wait full, wgmma, wait for the
-// products, release the stage to the producer: no group in flight across stages, kSparseMetaRule).  The producer fills a
+// 384 threads: warpgroup 0 is the producer, warpgroups 1 and 2 consume (wait full, issue the stage's wgmmas,
+// wait for the previous stage's products, release that stage to the producer; metadata double-buffered as in
+// the kernel above, kSparseMetaRule).  The producer fills a
 // STAGES-deep ring: thread 0 loads A's values by TMA (one box per stage, 64-byte swizzled, arrival with expect_tx);
 // Xc comes by TMA too at M = 4 (dense rows of x^T: BT/64 boxes of 64 tokens x 64 k), and otherwise by cp.async
 // from all 128 producer threads, each marking its part with cp.async.mbarrier.arrive.  The grid is persistent
@@ -350,9 +367,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #pragma unroll
         for (int i = 0; i < NW / 2; ++i) acc[c][i] = 0.f;
       const uint32_t* meta_rows = MetaRows(p, row0, wr, wq, lane);
-      uint32_t e[2];
-      LoadStageMeta(e, meta_rows, p.groups / 8, 0, lane & 3);
-      for (int kt = 0; kt < num_kt; ++kt, ++it) {
+      uint32_t e_even[2], e_odd[2];  // metadata of the tile's even and odd stages (kSparseMetaRule)
+      LoadStageMeta(e_even, meta_rows, p.groups / 8, 0, lane & 3);
+      // Stage kt (ring slot it % STAGES) on metadata `e`; once stage kt-1's products completed, its ring slot goes
+      // back to the producer and `e_next` (its metadata registers) is refilled for stage kt+1.
+      auto run_stage = [&](int kt, int it, uint32_t(&e)[2], uint32_t(&e_next)[2]) {
         const int s = it % STAGES;
         MbarWait(full0 + 8 * s, (it / STAGES) & 1);
         FenceProxyAsyncShared();  // the producers' cp.async writes, seen through the barrier, before wgmma reads
@@ -361,12 +380,22 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         WgmmaFence();
         XtStageMma<T, BR, NW, NCH, XROW>(acc, smem_base + s * L::kStageBytes, wr, wt * WN / 64, e);
         WgmmaCommit();
-        WgmmaWait<0>();  // see kSparseMetaRule; the stage's buffer goes back to the producer
+        WgmmaWait<1>();  // stage kt-1's products completed
 #pragma unroll
         for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
-        if (lane == 0) MbarArrive(empty0 + 8 * s);
-        LoadStageMeta(e, meta_rows, p.groups / 8, kt + 1, lane & 3);
+        KeepMetaLive(e_next);
+        if (kt > 0 && lane == 0) MbarArrive(empty0 + 8 * ((it - 1) % STAGES));
+        LoadStageMeta(e_next, meta_rows, p.groups / 8, kt + 1, lane & 3);
+      };
+      for (int kt = 0; kt < num_kt; kt += 2) {
+        run_stage(kt, it + kt, e_even, e_odd);
+        if (kt + 1 < num_kt) run_stage(kt + 1, it + kt + 1, e_odd, e_even);
       }
+      it += num_kt;
+      WgmmaWait<0>();
+#pragma unroll
+      for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
+      if (lane == 0) MbarArrive(empty0 + 8 * ((it - 1) % STAGES));  // the tile's last stage
       NamedBarSync(1, 256);  // the previous tile's stores have read the staged Y tile
       StageXtAccumulators<T, NW, NCH>(acc, ytile, L::kYRowBytes, p, row0, 64 * wr, wt * WN, wq, lane);
       NamedBarSync(1, 256);
