@@ -306,6 +306,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   using L = XtWsLayout<BR, BT, STAGES>;
   using W = XtWarps<BR, BT>;  // over the two consumer warpgroups
   constexpr int WR = W::WR, WN = W::WN, NW = W::NW, NCH = W::NCH;
+  // XROW: CTA pairs (clusters of 2) on neighbouring feature blocks of one token block; each loads half of the
+  // shared x tile and multicasts it to both (kXtPairs).
+  constexpr int kPair = XROW ? 2 : 1;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const AlignedSmem aligned = AlignSmem1024(smem_raw);
   unsigned char* smem = aligned.ptr;
@@ -314,34 +317,56 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
   const bool x_by_tma = XROW || p.cols == nullptr;  // M = 4: Xc is x^T (or x) itself
+  const int rank = XROW ? static_cast<int>(ClusterCtaRank()) : 0;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       // Thread 0's expect_tx arrival, plus every producer thread's cp.async arrival when Xc is gathered.
       MbarInit(full0 + 8 * s, x_by_tma ? 1 : 129);
-      MbarInit(empty0 + 8 * s, 8);  // every consumer warp, once its wgmmas on the stage completed
+      MbarInit(empty0 + 8 * s, 8 * kPair);  // every consumer warp (of both CTAs of a pair) done with the stage
     }
+    if (XROW) FenceMbarInitCluster();
   }
-  __syncthreads();
+  if (XROW)
+    ClusterSync();  // the pair's barriers are initialised before either CTA loads into or arrives on them
+  else
+    __syncthreads();
 
   const int kc_total = 4 * p.groups;
   const int num_kt = (kc_total + kKc - 1) / kKc;
   const int nfb = p.rows / BR;
-  const int ntiles = nfb * ((p.tokens + BT - 1) / BT);
+  const int nfp = (nfb + kPair - 1) / kPair;  // feature blocks (pairs of them with XROW)
+  const int ntiles = nfp * ((p.tokens + BT - 1) / BT);
+  const int first = blockIdx.x / kPair, stride = gridDim.x / kPair;
+  // Tile -> (feature block, first token); with pairs, an odd block count leaves the last pair's second CTA
+  // without a block of its own: it computes the last block again (its x half is still needed) and stores nothing.
+  auto tile_origin = [&](int tile, int& row0, int& tok0) {
+    const int fb = (tile % nfp) * kPair + rank;
+    row0 = (fb < nfb ? fb : nfb - 1) * BR;
+    tok0 = (tile / nfp) * BT;
+    return fb < nfb;
+  };
 
   if (wg == 0) {  // ------------------------------------------------ producer
     int it = 0;
-    for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
-      const int row0 = (tile % nfb) * BR, tok0 = (tile / nfb) * BT;
+    for (int tile = first; tile < ntiles; tile += stride) {
+      int row0, tok0;
+      tile_origin(tile, row0, tok0);
       const uint8_t* tcols = p.cols != nullptr ? p.cols + static_cast<int64_t>(row0 / p.v) * kc_total : nullptr;
       for (int kt = 0; kt < num_kt; ++kt, ++it) {
         const int s = it % STAGES;
         const uint32_t stage = smem_base + s * L::kStageBytes, full = full0 + 8 * s;
-        if (it >= STAGES) MbarWait(empty0 + 8 * s, ((it / STAGES) & 1) ^ 1);
+        if (it >= STAGES) {
+          if (XROW)
+            MbarWaitCluster(empty0 + 8 * s, ((it / STAGES) & 1) ^ 1);
+          else
+            MbarWait(empty0 + 8 * s, ((it / STAGES) & 1) ^ 1);
+        }
         if (tid == 0) {
           MbarArriveExpectTx(full, L::kABytes + (x_by_tma ? L::kBBytes : 0));
           TmaLoad2d(stage, &tma_a, kt * (kKc / 2), row0, full);
-          if (XROW)
-            TmaLoad2d(stage + L::kABytes, &tma_x, kt * kKc, tok0, full);  // x [T, K]: BT rows of the stage's 64 k
+          if (XROW)  // x [T, K]: this CTA's BT/2 rows of the stage's 64 k, into both CTAs of the pair
+            TmaLoad2dMulticast(stage + L::kABytes + rank * (BT / 2) * 128, &tma_x, kt * kKc, tok0 + rank * (BT / 2),
+                               full, 0x3);
           else if (x_by_tma)
 #pragma unroll
             for (int c = 0; c < BT / 64; ++c) TmaLoad2d(stage + L::kABytes + c * kColBytes, &tma_x, tok0 + 64 * c, kt * kKc, full);
@@ -358,9 +383,21 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     const int wr = WR == 2 ? cw : 0;  // feature half of this warpgroup
     const int wt = WR == 2 ? 0 : cw;  // token half
     unsigned char* ytile = smem + L::kEpiOff;
+    // Stage ring slot s is free again (in this CTA and, with pairs, in the other CTA, whose producer writes
+    // half of it).
+    auto release = [&](int s) {
+      if (lane != 0) return;
+      if (XROW) {
+        MbarArriveCluster(empty0 + 8 * s, 0);
+        MbarArriveCluster(empty0 + 8 * s, 1);
+      } else {
+        MbarArrive(empty0 + 8 * s);
+      }
+    };
     int it = 0;
-    for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
-      const int row0 = (tile % nfb) * BR, tok0 = (tile / nfb) * BT;
+    for (int tile = first; tile < ntiles; tile += stride) {
+      int row0, tok0;
+      const bool store = tile_origin(tile, row0, tok0);
       float acc[NCH][NW / 2];
 #pragma unroll
       for (int c = 0; c < NCH; ++c)
@@ -384,7 +421,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #pragma unroll
         for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
         KeepMetaLive(e_next);
-        if (kt > 0 && lane == 0) MbarArrive(empty0 + 8 * ((it - 1) % STAGES));
+        if (kt > 0) release((it - 1) % STAGES);
         LoadStageMeta(e_next, meta_rows, p.groups / 8, kt + 1, lane & 3);
       };
       for (int kt = 0; kt < num_kt; kt += 2) {
@@ -395,13 +432,17 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       WgmmaWait<0>();
 #pragma unroll
       for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
-      if (lane == 0) MbarArrive(empty0 + 8 * ((it - 1) % STAGES));  // the tile's last stage
+      release((it - 1) % STAGES);  // the tile's last stage
       NamedBarSync(1, 256);  // the previous tile's stores have read the staged Y tile
       StageXtAccumulators<T, NW, NCH>(acc, ytile, L::kYRowBytes, p, row0, 64 * wr, wt * WN, wq, lane);
       NamedBarSync(1, 256);
-      StoreStagedTile<T, BT, BR, 256>(ytile, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows, tok0, row0, ctid);
+      if (store)
+        StoreStagedTile<T, BT, BR, 256>(ytile, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows, tok0, row0, ctid);
     }
   }
+  // With pairs, neither CTA may exit while the other can still arrive on its barriers or write into its
+  // shared memory.
+  if (XROW) ClusterSync();
 #else
   __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
 #endif
@@ -449,12 +490,33 @@ ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& p) {
   if (ffi::Error e = RaiseSmemLimit<kernel>(smem, "cudaFuncSetAttribute(SpmmWgmmaXtWsKernel)"); e.failure()) return e;
   CUtensorMap tma_a{}, tma_x{};
   if (!MakeTensorMap2d(&tma_a, p.values, p.rows, 2 * static_cast<uint64_t>(p.groups), BR, kKc / 2) ||
-      (XROW && !MakeTensorMap2d(&tma_x, p.xt, p.tokens, p.k, BT)) ||
+      (XROW && !MakeTensorMap2d(&tma_x, p.xt, p.tokens, p.k, BT / 2)) ||
       (!XROW && p.cols == nullptr && !MakeTensorMap2d(&tma_x, p.xt, p.k, p.tokens, 64)))
     return ffi::Error::Internal("jaxsparse_spmm_xt: cuTensorMapEncodeTiled failed for the warp-specialized tile");
-  const int tiles = p.rows / BR * ((p.tokens + BT - 1) / BT);
-  kernel<<<std::min(tiles, SmCount()), kWsThreads, smem, stream>>>(p, tma_a, tma_x);
-  return LastLaunchError("SpmmWgmmaXtWsKernel");
+  const int token_blocks = (p.tokens + BT - 1) / BT, feature_blocks = p.rows / BR;
+  if (!XROW) {
+    kernel<<<std::min(feature_blocks * token_blocks, SmCount()), kWsThreads, smem, stream>>>(p, tma_a, tma_x);
+    return LastLaunchError("SpmmWgmmaXtWsKernel");
+  }
+  // CTA pairs (kXtPairs): one cluster of 2 per pair of feature blocks and token block, persistent.
+  const int pair_tiles = (feature_blocks + 1) / 2 * token_blocks;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(2 * std::min(pair_tiles, SmCount() / 2));
+  config.blockDim = dim3(kWsThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 2;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  if (cudaError_t st = cudaLaunchKernelEx(&config, kernel, p, tma_a, tma_x); st != cudaSuccess) {
+    cudaGetLastError();
+    return CudaError(st, "SpmmWgmmaXtWsKernel (CTA pairs)");
+  }
+  return ffi::Error::Success();
 }
 
 // Auto tile, from the H100 measurements in docs/kernel-notes.md (sessions 5 and 6).  2:4 (no gathered rows):

@@ -156,6 +156,43 @@ __device__ __forceinline__ void TmaLoad2d(uint32_t dst, const void* tensor_map, 
       "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
 }
+// Thread-block clusters: the warp-specialized forward pairs CTAs on neighbouring feature blocks, which
+// multicast the activation tile they share.
+__device__ __forceinline__ uint32_t ClusterCtaRank() {
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+  return rank;
+}
+// Every thread of every CTA of the cluster (release/acquire at cluster scope).
+__device__ __forceinline__ void ClusterSync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// Makes this thread's mbarrier.init visible to the other CTAs of the cluster (before a ClusterSync).
+__device__ __forceinline__ void FenceMbarInitCluster() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+// Arrives (release, cluster scope) on the barrier at shared address `bar` of CTA `cta` of this cluster.
+__device__ __forceinline__ void MbarArriveCluster(uint32_t bar, uint32_t cta) {
+  asm volatile(
+      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar), "r"(cta)
+      : "memory");
+}
+// MbarWait with acquire at cluster scope: for barriers that other CTAs of the cluster arrive on.
+__device__ __forceinline__ void MbarWaitCluster(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+// TmaLoad2d into the same shared address `dst` of every CTA in `cta_mask` (bit i: cluster rank i), each
+// completing `bytes` on its own barrier at shared address `bar`.
+__device__ __forceinline__ void TmaLoad2dMulticast(uint32_t dst, const void* tensor_map, int c0, int c1, uint32_t bar,
+                                                   uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, %3}], "
+      "[%4], %5;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(c0), "r"(c1), "r"(bar), "h"(cta_mask)
+      : "memory");
+}
 __device__ __forceinline__ void NamedBarSync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }

@@ -170,6 +170,16 @@ def test_spmm_rows_tma(dtype, t, k, r):
 
 
 @xt_marks
+@pytest.mark.parametrize("r", [640, 320], ids=["ws128", "ws64"])
+def test_spmm_rows_tma_persistent(r):
+    """2:4 from x [T, K] with more CTA-pair tiles than the persistent grid has pairs, so each pair runs several
+    (barrier phases carry over across tiles and across the pair), an odd feature-block count (5: the last
+    pair's second CTA has no block of its own and must store nothing), a token tail, bias and GELU."""
+    x, sw, bias = _make(key("rows-tma-persist", r), 256 * 40 + 72, 512, r, "2:4", jnp.bfloat16, with_bias=True)
+    _check(x, sw, bias, "gelu", TOL[jnp.bfloat16], row_kernel="tma")
+
+
+@xt_marks
 @pytest.mark.parametrize("activation, bias_dtype", [(None, "same"), ("gelu", None), ("gelu", "f32")])
 def test_spmm_rows_tma_epilogue(activation, bias_dtype):
     dtype = jnp.bfloat16
