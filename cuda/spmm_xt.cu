@@ -284,6 +284,14 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
 // (one CTA per SM, tiles strided over the grid, features fastest so CTAs running together share x^T rows);
 // the Y tile is staged in its own shared-memory region, so the producer loads the next tile's first stages
 // while the consumers run this tile's epilogue.  Barrier phases run on across tiles.
+//
+// kXtPairs (XROW, 2:4 on x [T, K]): the bytes moved from L2 per multiply-add are 1/BT (A, compressed) + 2/BR
+// (x), so x dominates; two CTAs on neighbouring feature blocks of the same token block form a cluster, each
+// TMA-loads half of the stage's x box (BT/2 tokens) with .multicast::cluster into both CTAs' shared memory,
+// which halves x's share.  Each CTA's full barrier counts its own A box and both x halves; a stage slot is free
+// only when the consumers of both CTAs released it (the empty barriers count 8 warps x 2 CTAs, arrived on
+// through mapa), since the other CTA's producer writes half of it; both CTAs walk the same pair tiles, and a
+// cluster barrier at the end keeps either from exiting while the other can still reach its shared memory.
 constexpr int kWsThreads = 384;
 
 template <int BR, int BT, int STAGES>
