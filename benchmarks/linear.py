@@ -13,7 +13,9 @@ One process; the shapes of ``benchmarks/spmm.py`` (tokens 4096 and 16384; K x N 
   to time others);
 * ``dW mma.sync engine``, ``dW split=none`` and ``dX dense route``: the alternatives, timed beside the
   defaults (the SDDMM's portable engine and its one-pass grid; XLA's dense product over the decompressed
-  weight).
+  weight);
+* ``... 2:4 view`` (V:2:M on Hopper): the forward, the SDDMM and the whole layer on the kernels that read
+  ``x [T, K]`` as it is, with the weight as its 2:4 view (``jaxsparse.format.as_2_4``): no transpose.
 
 Roofline floor per product (``floor_ms``; constants in ``benchmarks/common.py``): the larger of the
 useful MMA work and the HBM traffic. Useful work is ``2*T*K*N`` at the dense rate for dense, and
@@ -143,6 +145,20 @@ def main() -> None:
     # A variant may take x in another form: prep(x) is what its first argument gets.
     same = lambda x: x
     xt_of = lambda x: jnp.asarray(x.T)
+
+    def with_env(fn, **env):
+        """``fn`` traced with these environment settings (the layer reads its routes from them at trace time)."""
+        def traced(*a):
+            old = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                return fn(*a)
+            finally:
+                for k, v in old.items():
+                    os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        return traced
+
+    rows_24 = dict(JAXSPARSE_SPMM_X="row", JAXSPARSE_SPMM_ROW_KERNEL="tma", JAXSPARSE_SDDMM_ENGINE="tma")
     variants = [
         ("fwd x row-major", "fwd", jax.jit(lambda x, dy, sw, b: calls.spmm(x, sw, b, None, x_layout="row")), same),
         # The Hopper x^T SpMM with jaxsparse_transpose in front, then alone (x^T given) at each tile.
@@ -158,9 +174,17 @@ def main() -> None:
         ("dW x col-major", "dW", jax.jit(lambda x, dy, sw, b: calls.sddmm(x, dy, sw, x_layout="col")), same),
         ("dW x^T given", "dW", jax.jit(lambda xt, dy, sw, b: calls.sddmm_from_xt(xt, dy, sw)), xt_of),
         ("dX dense route", "dX", jax.jit(lambda x, dy, sw, b: ops._dense_dx(dy, sw)), same),
+        # V:2:M through its 2:4 view (format.as_2_4) on the kernels that read x [T, K] as it is: the forward, the
+        # SDDMM and the whole layer on that route (no transpose anywhere).
+        ("fwd x rows, 2:4 view", "fwd", jax.jit(lambda x, dy, sw, b: calls.spmm(x, sw, b, None, x_layout="row",
+                                                                                row_kernel="tma")), same),
+        ("dW tma engine, 2:4 view", "dW", jax.jit(lambda x, dy, sw, b: calls.sddmm(x, dy, sw, engine="tma",
+                                                                                   x_layout="row")), same),
+        ("fwd+bwd x rows, 2:4 view", "fwd+bwd",
+         jax.jit(with_env(lambda x, dy, sw, b: sparse_vjp(x, dy, sw.values, b, sw), **rows_24)), same),
     ]
     if not calls.hopper_gpu():
-        variants = [v for v in variants if "col-major" not in v[0] and "x^T" not in v[0]]  # no x^T engine here
+        variants = [v for v in variants if "col-major" not in v[0] and "x^T" not in v[0] and "2:4 view" not in v[0]]
     select = jax.jit(F.select_mask, static_argnums=1)
     rows: list[dict] = []
     key = jax.random.PRNGKey(7)
@@ -216,7 +240,8 @@ def main() -> None:
                 runs = [(prod, prod, sparse_fns[prod], same, errs[prod]) for prod in PRODUCTS]
                 runs += [(label, prod, fn, prep, _err(prod, fn, (prep(x0), dy0, sw, b), refs))
                          for label, prod, fn, prep in variants
-                         if not (spec.v == 64 and label.startswith(("fwd x^T given 128x", "fwd x^T given ws128x")))]  # 128-row tiles need V >= 128
+                         if not (spec.v == 64 and label.startswith(("fwd x^T given 128x", "fwd x^T given ws128x")))  # 128-row tiles need V >= 128
+                         and not (spec.m == 4 and "2:4 view" in label)]  # 2:4 is its own view: the defaults
                 for label, prod, fn, prep, err in runs:
                     ms = common.time_jax(fn, [(prep(x), dy, sw, b) for x, dy in zip(xs, dys)], **reps)
                     fl = floors(prod, tokens, k, n, spec.m, spec.v)

@@ -27,6 +27,7 @@ __all__ = [
     "decompress",
     "compress_like",
     "kept_columns",
+    "as_2_4",
     "validate_shape",
 ]
 
@@ -298,6 +299,63 @@ def kept_columns(sw: SparseWeight) -> jax.Array:
         return pos
     cols = jnp.repeat(sw.columns.astype(jnp.int32), sw.spec.v, axis=0)  # [R, G, 4]
     return jnp.take_along_axis(cols, pos, axis=-1)
+
+
+@jax.jit
+def as_2_4(sw: SparseWeight) -> tuple[SparseWeight, jax.Array]:
+    """The same matrix as a 2:4 ``SparseWeight`` over the full ``K``, and where each of ``sw``'s values went.
+
+    A V:2:M row keeps 2 values per group of ``M`` columns. Split the group into ``M/4`` quads of 4
+    consecutive columns: each quad holds at most 2 of them, so the matrix is also 2:4 sparse over ``K``,
+    with zeros stored for the quads' missing values. The 2:4 kernels that read ``x [T, K]`` as XLA holds it
+    (TMA, nothing gathered) then run a V:2:M weight on dense-rate work over ``K`` (``M/4`` times the work of
+    its condensed reduction), with no transpose of ``x`` (docs/format.md, "The 2:4 view").
+
+    Args:
+      sw: a compressed weight (any ``M``; at ``M = 4`` it is returned as it is).
+
+    Returns:
+      ``(sw24, slots)``: ``sw24`` a 2:4 weight with ``decompress(sw24) == decompress(sw)``, values
+      ``[R, K/2]`` and metadata ``[R, K/32]``; ``slots`` ``[R, 2G]`` int32, the index in ``sw24.values``'s
+      row of each entry of ``sw.values``, so ``take_along_axis(sw24.values, slots, 1) == sw.values`` and a
+      gradient with respect to ``sw24.values`` maps back the same way.
+    """
+    k, r = sw.shape
+    m = sw.spec.m
+    g = k // m
+    if m == 4:
+        return sw, jnp.broadcast_to(jnp.arange(2 * g, dtype=jnp.int32), (r, 2 * g))
+    nq = m // 4  # quads per group
+    cols = kept_columns(sw)  # [R, G, 2], ascending
+    quad, at = cols // 4, cols % 4  # the quad of each stored value and its column in the quad
+    same = quad[..., 0] == quad[..., 1]  # [R, G]: both values in one quad
+    # A quad holding both values stores them at (at0, at1); one value alone sits at (0, at) in slot 1, or at
+    # (0, 1) in slot 0 when it is column 0; an empty quad stores two zeros at (0, 1).
+    slot = jnp.where(same[..., None], jnp.arange(2), (at > 0).astype(jnp.int32))  # [R, G, 2]
+    slots = (jnp.arange(g)[None, :, None] * nq + quad) * 2 + slot
+    qs = jnp.arange(nq)[None, None, :]  # [1, 1, nq]
+    in0 = quad[..., :1] == qs  # [R, G, nq]: quad holds value 0
+    in1 = quad[..., 1:] == qs
+    both = in0 & same[..., None]
+    p0 = jnp.where(both, at[..., :1], 0)
+    p1 = jnp.where(both, at[..., 1:],
+                   jnp.where(in0 & (at[..., :1] > 0), at[..., :1], jnp.where(in1 & (at[..., 1:] > 0), at[..., 1:], 1)))
+    vals = sw.values.reshape(r, g, 1, 2)
+    zero = jnp.zeros((), sw.values.dtype)
+    slot0 = slot[..., :1]  # [R, G, 1]
+    slot1 = slot[..., 1:]
+    v24 = jnp.stack([
+        jnp.where(in0 & (slot0 == 0), vals[..., 0], jnp.where(in1 & (slot1 == 0), vals[..., 1], zero)),
+        jnp.where(in0 & (slot0 == 1), vals[..., 0], jnp.where(in1 & (slot1 == 1), vals[..., 1], zero)),
+    ], axis=-1)  # [R, G, nq, 2]
+    sw24 = SparseWeight(
+        values=v24.reshape(r, k // 2),
+        columns=None,
+        metadata=_pack_metadata(p0.reshape(r, k // 4), p1.reshape(r, k // 4)),
+        shape=(k, r),
+        spec=VNM(1, 2, 4),
+    )
+    return sw24, slots.reshape(r, 2 * g).astype(jnp.int32)
 
 
 def compress(w: jax.Array, mask: jax.Array, spec: Union[str, VNM]) -> SparseWeight:

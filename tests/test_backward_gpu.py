@@ -71,13 +71,14 @@ def _hopper() -> bool:
 
 def _engines(spec: str) -> list:
     """The SDDMM engines to test for a spec: mma.sync everywhere, wgmma on Hopper for M <= 16, and there the TMA
-    engine on a row-major x for 2:4."""
+    engine on a row-major x (V:2:M through its 2:4 view, ``format.as_2_4``)."""
     m = F.VNM.parse(spec).m
     hopper = cuda_ready("jaxsparse_sddmm") and _hopper()
-    return ["mma"] + (["wgmma"] if hopper and m <= 16 else []) + (["tma"] if hopper and m == 4 else [])
+    return ["mma"] + (["wgmma"] if hopper and m <= 16 else []) + (["tma"] if hopper else [])
 
 
-ENGINE_CASES = [(s, e) for s in SPECS for e in ("mma", "wgmma")] + [("2:4", "tma")]
+# The tma engine on V:2:M is the 2:4 engine behind format.as_2_4's index maps: one spec per extreme M.
+ENGINE_CASES = [(s, e) for s in SPECS for e in ("mma", "wgmma")] + [(s, "tma") for s in ("2:4", "64:2:8", "128:2:32")]
 
 
 def _engine_rows(spec: str, engine: str) -> int:

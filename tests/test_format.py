@@ -220,3 +220,27 @@ def test_greedy_close_to_exact_minilm(matrix):
     name = next(k for k in tensors if k.endswith(f"layer.0.{matrix}.weight"))
     w = tensors[name].T.copy()
     assert F.exact_column_fraction(w, "64:2:16") >= 0.999
+
+
+@pytest.mark.parametrize("spec", ["2:4", "8:2:8", "64:2:8", "4:2:16", "8:2:32"])
+def test_as_2_4_is_the_same_matrix(spec):
+    """The 2:4 view holds the same dense matrix (rows with fewer than two values included), its metadata names
+    two distinct ascending positions per quad, ``slots`` map every value to its place in the view, and a
+    gradient with respect to the view's values maps back through the same slots."""
+    vnm = F.VNM.parse(spec)
+    k, r = 8 * vnm.m * 2, 4 * vnm.v * 2
+    w = jax.random.normal(jax.random.PRNGKey(vnm.m), (k, r), jnp.float32)
+    mask = F.select_mask(w, vnm)
+    mask = mask.at[: vnm.m, 0].set(False)  # row 0's first group keeps nothing: both values stored as padding
+    sw = F.compress(w, mask, vnm)
+    sw24, slots = F.as_2_4(sw)
+    assert sw24.spec == F.VNM(1, 2, 4) and sw24.columns is None
+    assert sw24.values.shape == (r, k // 2) and sw24.metadata.shape == (r, k // 32)
+    np.testing.assert_array_equal(np.asarray(F.decompress(sw24)), np.asarray(F.decompress(sw)))
+    np.testing.assert_array_equal(np.asarray(jnp.take_along_axis(sw24.values, slots, axis=1)), np.asarray(sw.values))
+    p0, p1 = F._unpack_metadata(sw24.metadata)
+    assert bool(jnp.all(p0 < p1))
+    assert (np.diff(np.sort(np.asarray(slots), axis=1), axis=1) > 0).all()  # no two values share a slot
+    cot = jax.random.normal(jax.random.PRNGKey(1), sw24.values.shape)
+    grad = jax.grad(lambda v: jnp.sum(F.as_2_4(sw.replace(values=v))[0].values * cot))(sw.values)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(jnp.take_along_axis(cot, slots, axis=1)))

@@ -312,8 +312,8 @@ def test_x_transposed_layer_route_gives_the_same_gradients(monkeypatch, spec):
 
 
 def test_xt_kernel_tiles_and_row_kernel_refuse_what_they_cannot_take(monkeypatch):
-    """Tiles the x^T SpMM or the TMA row kernel cannot take, and the tma SDDMM engine off 2:4, raise ValueError
-    before anything is launched (no GPU needed)."""
+    """Tiles the x^T SpMM or the TMA row kernel cannot take, and the tma SDDMM engine on R % 128 != 0, raise
+    ValueError before anything is launched (no GPU needed)."""
     from jaxsparse.ffi import calls
 
     monkeypatch.delenv(calls.SPMM_XT_TILE_ENV, raising=False)
@@ -321,10 +321,9 @@ def test_xt_kernel_tiles_and_row_kernel_refuse_what_they_cannot_take(monkeypatch
     x8 = x8.reshape(-1, 512)
     with pytest.raises(ValueError, match="R % 128 == 0 and V >= 128"):
         calls.spmm_from_xt(x8.T, sw8, tile="ws128x256")
-    with pytest.raises(ValueError, match="2:4"):
-        calls.spmm(x8, sw8, x_layout="row", row_kernel="tma")
-    with pytest.raises(ValueError, match="the tma engine needs 2:4"):
-        calls.sddmm(x8, jnp.ones((16, 128), jnp.bfloat16), sw8, engine="tma")
+    x3, sw3, _, _ = make(7, "64:2:8", k=512, r=192, tokens=(2, 8), dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="the tma engine needs R % 128 == 0"):
+        calls.sddmm(x3.reshape(-1, 512), jnp.ones((16, 192), jnp.bfloat16), sw3, engine="tma")
     x24, sw24, _, _ = make(6, "2:4", k=512, r=128, tokens=(2, 8), dtype=jnp.bfloat16)
     monkeypatch.setenv(calls.SPMM_XT_TILE_ENV, "128x128")
     with pytest.raises(ValueError, match="tile auto, ws128x256 or ws64x256"):

@@ -101,13 +101,16 @@ def test_spmm_epilogue(spec, activation, bias_dtype):
 
 
 def test_spmm_row_kernel_choice():
-    """auto takes the TMA kernel for 2:4 on Hopper and mma.sp for V:2:M; an explicit tma it cannot run raises."""
+    """auto takes the TMA kernel on Hopper for the M in TMA_ROW_AUTO_M and mma.sp for the others; an explicit
+    tma it cannot run (R % 64 != 0) raises."""
     x, sw24, _ = _make(key("choice"), 8, 512, 192, "2:4", jnp.bfloat16, with_bias=False)
     _, sw8, _ = _make(key("choice8"), 8, 512, 128, "64:2:8", jnp.bfloat16, with_bias=False)
-    assert calls.spmm_row_kernel(sw24, "auto") == ("tma" if calls.hopper_gpu() else "mma")
-    assert calls.spmm_row_kernel(sw8, "auto") == "mma"
-    with pytest.raises(ValueError, match="2:4"):
-        calls.spmm_row_kernel(sw8, "tma")
+    for sw in (sw24, sw8):
+        want = "tma" if calls.hopper_gpu() and sw.spec.m in calls.TMA_ROW_AUTO_M else "mma"
+        assert calls.spmm_row_kernel(sw, "auto") == want
+    assert calls.spmm_row_kernel(sw8, "tma") == "tma"
+    with pytest.raises(ValueError, match="R % 64 == 0"):
+        calls.spmm_row_kernel(sw24.replace(shape=(512, 96)), "tma")
     with pytest.raises(ValueError, match="one of"):
         calls.spmm_row_kernel(sw24, "fast")
 
@@ -167,6 +170,18 @@ def test_spmm_rows_tma(dtype, t, k, r):
     enough 128-row tiles that the persistent grid runs several per CTA."""
     x, sw, bias = _make(key("rows-tma", str(dtype), t, k), t, k, r, "2:4", dtype, with_bias=True)
     _check(x, sw, bias, None, TOL[dtype], row_kernel="tma")
+
+
+@xt_marks
+@pytest.mark.parametrize("spec", [s for s in SPECS if F.VNM.parse(s).m > 4])
+@pytest.mark.parametrize("t", [17, 1000])
+def test_spmm_rows_tma_v2m(spec, t):
+    """V:2:M from x [T, K] on the TMA row kernel through the weight's 2:4 view (format.as_2_4): 128-feature
+    tiles (R = 384, three feature blocks: an odd count for the CTA pairs) and token tails."""
+    m = F.VNM.parse(spec).m
+    x, sw, bias = _make(key("rows-tma-v2m", spec, t), t, 768 if m in (4, 32) else 512, 384, spec, jnp.bfloat16,
+                        with_bias=True)
+    _check(x, sw, bias, None, TOL[jnp.bfloat16], row_kernel="tma")
 
 
 @xt_marks

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsparse.ffi import register
-from jaxsparse.format import SparseWeight
+from jaxsparse.format import SparseWeight, as_2_4
 
 # vmap of any call runs the kernel once per batch element: a correct, if slow, batching rule.
 _VMAP = "sequential"
@@ -149,8 +149,8 @@ def spmm(x: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activati
     _spmm_checks("spmm", sw, x.dtype, bias, activation)
     if spmm_x_layout(x.shape[0], sw, x_layout) == "col":
         return _spmm_xt_call(transpose(x), sw, bias, activation)
-    if spmm_row_kernel(sw, row_kernel) == "tma":
-        return _spmm_xt_call(x, sw, bias, activation, x_rows=True)
+    if spmm_row_kernel(sw, row_kernel) == "tma":  # V:2:M through its 2:4 view (format.as_2_4)
+        return _spmm_xt_call(x, as_2_4(sw)[0], bias, activation, x_rows=True)
     b = bias if bias is not None else jnp.zeros((0,), x.dtype)
     return _call(
         "jaxsparse_spmm",
@@ -171,6 +171,7 @@ SPMM_X_LAYOUT_ENV = "JAXSPARSE_SPMM_X"
 SPMM_X_LAYOUTS = ("auto", "row", "col")
 SPMM_ROW_KERNEL_ENV = "JAXSPARSE_SPMM_ROW_KERNEL"
 SPMM_ROW_KERNELS = ("auto", "mma", "tma")
+TMA_ROW_AUTO_M = (4,)  # the M whose weights the auto row kernel runs on the TMA kernel (V:2:M as the 2:4 view)
 SPMM_XT_TILE_ENV = "JAXSPARSE_SPMM_XT_TILE"
 SPMM_XT_TILES = {"auto": 0, "128x256": 1, "64x256": 2, "128x128": 3, "64x128": 4, "ws128x256": 5, "ws64x256": 6}
 
@@ -204,23 +205,21 @@ def spmm_x_layout(tokens: int, sw: SparseWeight, layout: str | None = None, shar
 
 def spmm_row_kernel(sw: SparseWeight, kernel: str | None = None) -> str:
     """The kernel of :func:`spmm`'s ``"row"`` route (``x [T, K]`` read as it is): ``"tma"``, the Hopper kernel
-    ``jaxsparse_spmm_xt`` in its x-rows mode (TMA loads of x, ``wgmma.sp``; 2:4 only, ``R % 64 == 0``, an
-    sm_90a build on a Hopper GPU), or ``"mma"``, ``jaxsparse_spmm`` (``mma.sp``, sm_80 and sm_90a, every spec).
-    ``kernel`` ``None`` reads ``JAXSPARSE_SPMM_ROW_KERNEL`` (``auto``, ``mma`` or ``tma``; default ``auto``:
-    ``tma`` where it runs). An explicit ``tma`` that ``sw`` cannot take raises ``ValueError``.
+    ``jaxsparse_spmm_xt`` in its x-rows mode (TMA loads of x by CTA pairs, ``wgmma.sp``; ``R % 64 == 0``, an
+    sm_90a build on a Hopper GPU; a V:2:M weight runs as its 2:4 view, :func:`jaxsparse.format.as_2_4`:
+    dense-rate work over ``K``, nothing gathered), or ``"mma"``, ``jaxsparse_spmm`` (``mma.sp``, sm_80 and
+    sm_90a, every spec). ``kernel`` ``None`` reads ``JAXSPARSE_SPMM_ROW_KERNEL`` (``auto``, ``mma`` or ``tma``;
+    default ``auto``: ``tma`` for the specs in ``TMA_ROW_AUTO_M`` where it runs). An explicit ``tma`` that
+    ``sw`` cannot take raises ``ValueError``.
     """
     kernel = _setting(kernel, SPMM_ROW_KERNEL_ENV)
     if kernel not in SPMM_ROW_KERNELS:
         raise ValueError(f"the SpMM row kernel ({SPMM_ROW_KERNEL_ENV}) must be one of {SPMM_ROW_KERNELS}, got {kernel!r}")
-    problem = None
-    if sw.spec.m != 4:
-        problem = f"2:4 (V:2:M with M > 4 gathers columns: the x^T route), got {sw.spec}"
-    elif sw.shape[1] % 64:
-        problem = f"R % 64 == 0, got R = {sw.shape[1]}"
+    problem = None if sw.shape[1] % 64 == 0 else f"R % 64 == 0, got R = {sw.shape[1]}"
     if kernel == "tma" and problem:
         raise ValueError(f"spmm: the TMA row kernel needs {problem}")
     if kernel == "auto":
-        kernel = "tma" if problem is None and hopper_gpu() else "mma"
+        kernel = "tma" if problem is None and sw.spec.m in TMA_ROW_AUTO_M and hopper_gpu() else "mma"
     return kernel
 
 
@@ -303,8 +302,9 @@ def sddmm_engine(engine: str | None = None) -> int:
     """The SDDMM's engine attribute: ``auto`` (0; at 2:4 from a row-major x the TMA engine where it runs, else
     wgmma where it runs), ``mma`` (1; mma.sync, any GPU from sm_80), ``wgmma`` (2; Hopper warpgroup MMAs
     gathering from a row-major x: an sm_90a build on a Hopper GPU, M in {4, 8, 16} and R a multiple of 128,
-    else the call fails), ``tma`` (3; the x^T engine's TMA pipeline reading x [T, K] as it is: 2:4 only, R a
-    multiple of 128, a Hopper GPU, else the call fails). ``None`` reads ``JAXSPARSE_SDDMM_ENGINE`` (default
+    else the call fails), ``tma`` (3; the x^T engine's TMA pipeline reading x [T, K] as it is: R a multiple of 128,
+    a Hopper GPU, else the call fails; a V:2:M weight runs as its 2:4 view, :func:`jaxsparse.format.as_2_4`,
+    and its gradient is gathered back to the weight's values). ``None`` reads ``JAXSPARSE_SDDMM_ENGINE`` (default
     ``auto``).
     """
     engine = _setting(engine, SDDMM_ENGINE_ENV)
@@ -356,9 +356,8 @@ def sddmm_x_layout(tokens: int, sw: SparseWeight, layout: str | None = None, eng
     if layout not in SDDMM_X_LAYOUTS:
         raise ValueError(f"the SDDMM x layout ({SDDMM_X_LAYOUT_ENV}) must be one of {SDDMM_X_LAYOUTS}, got {layout!r}")
     if sddmm_engine(engine) == SDDMM_ENGINES["tma"]:
-        if sw.spec.m != 4 or sw.shape[1] % COL_MAJOR_ROW_TILE:
-            raise ValueError(f"sddmm: the tma engine needs 2:4 and R % {COL_MAJOR_ROW_TILE} == 0, got {sw.spec} and "
-                             f"R = {sw.shape[1]}")
+        if sw.shape[1] % COL_MAJOR_ROW_TILE:
+            raise ValueError(f"sddmm: the tma engine needs R % {COL_MAJOR_ROW_TILE} == 0, got R = {sw.shape[1]}")
         if layout == "col":
             raise ValueError("sddmm: the tma engine reads x [T, K]: x_layout must be 'row' or 'auto'")
         return "row"
@@ -391,6 +390,10 @@ def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None, split: 
     out = _sddmm_out_dtype("sddmm", "x", x, dy, sw, out_dtype)
     if sddmm_x_layout(x.shape[0], sw, x_layout, engine) == "col":
         return _sddmm_call(transpose(x), dy, sw, out, split, SDDMM_ENGINES["wgmma"], x_layout=1)
+    if sddmm_engine(engine) == SDDMM_ENGINES["tma"] and sw.spec.m > 4:
+        # V:2:M through its 2:4 view: the gradient at every 2:4 slot, then back to sw's values.
+        sw24, slots = as_2_4(sw)
+        return jnp.take_along_axis(_sddmm_call(x, dy, sw24, out, split, SDDMM_ENGINES["tma"], x_layout=0), slots, axis=1)
     return _sddmm_call(x, dy, sw, out, split, sddmm_engine(engine), x_layout=0)
 
 
