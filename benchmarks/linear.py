@@ -178,6 +178,10 @@ def main() -> None:
         # SDDMM and the whole layer on that route (no transpose anywhere).
         ("fwd x rows, 2:4 view", "fwd", jax.jit(lambda x, dy, sw, b: calls.spmm(x, sw, b, None, x_layout="row",
                                                                                 row_kernel="tma")), same),
+        # The TMA row kernel with one CTA per tile instead of CTA pairs (2:4, and V:2:M through the view).
+        ("fwd x rows, ws128x256 (no pairs)", "fwd",
+         jax.jit(with_env(lambda x, dy, sw, b: calls.spmm(x, sw, b, None, x_layout="row", row_kernel="tma"),
+                          JAXSPARSE_SPMM_XT_TILE="ws128x256")), same),
         ("dW tma engine, 2:4 view", "dW", jax.jit(lambda x, dy, sw, b: calls.sddmm(x, dy, sw, engine="tma",
                                                                                    x_layout="row")), same),
         ("fwd+bwd x rows, 2:4 view", "fwd+bwd",

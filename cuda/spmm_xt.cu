@@ -42,6 +42,7 @@ struct SpmmXtParams {
   int tokens, k, rows, groups, v, m;
   int bias_f32;          // bias is float32 (else the input dtype)
   int activation;        // 0 none, 1 gelu (tanh)
+  int pairs;             // x [T, K] read by CTA pairs that multicast it (kXtPairs; the warp-specialized XROW kernel)
 };
 
 constexpr int kKc = 64;           // condensed k per stage: one 128-byte swizzle row of 16-bit values per k
@@ -314,9 +315,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   using L = XtWsLayout<BR, BT, STAGES>;
   using W = XtWarps<BR, BT>;  // over the two consumer warpgroups
   constexpr int WR = W::WR, WN = W::WN, NW = W::NW, NCH = W::NCH;
-  // XROW: CTA pairs (clusters of 2) on neighbouring feature blocks of one token block; each loads half of the
-  // shared x tile and multicasts it to both (kXtPairs).
-  constexpr int kPair = XROW ? 2 : 1;
+  // XROW with p.pairs: CTA pairs (clusters of 2) on neighbouring feature blocks of one token block; each loads
+  // half of the shared x tile and multicasts it to both (kXtPairs).
+  const bool pairs = XROW && p.pairs;
+  const int npair = pairs ? 2 : 1;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const AlignedSmem aligned = AlignSmem1024(smem_raw);
   unsigned char* smem = aligned.ptr;
@@ -325,16 +327,16 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
   const bool x_by_tma = XROW || p.cols == nullptr;  // M = 4: Xc is x^T (or x) itself
-  const int rank = XROW ? static_cast<int>(ClusterCtaRank()) : 0;
+  const int rank = pairs ? static_cast<int>(ClusterCtaRank()) : 0;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       // Thread 0's expect_tx arrival, plus every producer thread's cp.async arrival when Xc is gathered.
       MbarInit(full0 + 8 * s, x_by_tma ? 1 : 129);
-      MbarInit(empty0 + 8 * s, 8 * kPair);  // every consumer warp (of both CTAs of a pair) done with the stage
+      MbarInit(empty0 + 8 * s, 8 * npair);  // every consumer warp (of both CTAs of a pair) done with the stage
     }
-    if (XROW) FenceMbarInitCluster();
+    if (pairs) FenceMbarInitCluster();
   }
-  if (XROW)
+  if (pairs)
     ClusterSync();  // the pair's barriers are initialised before either CTA loads into or arrives on them
   else
     __syncthreads();
@@ -342,13 +344,13 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const int kc_total = 4 * p.groups;
   const int num_kt = (kc_total + kKc - 1) / kKc;
   const int nfb = p.rows / BR;
-  const int nfp = (nfb + kPair - 1) / kPair;  // feature blocks (pairs of them with XROW)
+  const int nfp = (nfb + npair - 1) / npair;  // feature blocks (pairs of them with pairs)
   const int ntiles = nfp * ((p.tokens + BT - 1) / BT);
-  const int first = blockIdx.x / kPair, stride = gridDim.x / kPair;
+  const int first = blockIdx.x / npair, stride = gridDim.x / npair;
   // Tile -> (feature block, first token); with pairs, an odd block count leaves the last pair's second CTA
   // without a block of its own: it computes the last block again (its x half is still needed) and stores nothing.
   auto tile_origin = [&](int tile, int& row0, int& tok0) {
-    const int fb = (tile % nfp) * kPair + rank;
+    const int fb = (tile % nfp) * npair + rank;
     row0 = (fb < nfb ? fb : nfb - 1) * BR;
     tok0 = (tile / nfp) * BT;
     return fb < nfb;
@@ -364,7 +366,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         const int s = it % STAGES;
         const uint32_t stage = smem_base + s * L::kStageBytes, full = full0 + 8 * s;
         if (it >= STAGES) {
-          if (XROW)
+          if (pairs)
             MbarWaitCluster(empty0 + 8 * s, ((it / STAGES) & 1) ^ 1);
           else
             MbarWait(empty0 + 8 * s, ((it / STAGES) & 1) ^ 1);
@@ -372,9 +374,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         if (tid == 0) {
           MbarArriveExpectTx(full, L::kABytes + (x_by_tma ? L::kBBytes : 0));
           TmaLoad2d(stage, &tma_a, kt * (kKc / 2), row0, full);
-          if (XROW)  // x [T, K]: this CTA's BT/2 rows of the stage's 64 k, into both CTAs of the pair
+          if (pairs)  // x [T, K]: this CTA's BT/2 rows of the stage's 64 k, into both CTAs of the pair
             TmaLoad2dMulticast(stage + L::kABytes + rank * (BT / 2) * 128, &tma_x, kt * kKc, tok0 + rank * (BT / 2),
                                full, 0x3);
+          else if (XROW)  // x [T, K]: BT rows of the stage's 64 k
+            TmaLoad2d(stage + L::kABytes, &tma_x, kt * kKc, tok0, full);
           else if (x_by_tma)
 #pragma unroll
             for (int c = 0; c < BT / 64; ++c) TmaLoad2d(stage + L::kABytes + c * kColBytes, &tma_x, tok0 + 64 * c, kt * kKc, full);
@@ -395,7 +399,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     // half of it).
     auto release = [&](int s) {
       if (lane != 0) return;
-      if (XROW) {
+      if (pairs) {
         MbarArriveCluster(empty0 + 8 * s, 0);
         MbarArriveCluster(empty0 + 8 * s, 1);
       } else {
@@ -450,7 +454,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   }
   // With pairs, neither CTA may exit while the other can still arrive on its barriers or write into its
   // shared memory.
-  if (XROW) ClusterSync();
+  if (pairs) ClusterSync();
 #else
   __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
 #endif
@@ -460,7 +464,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 
 // Tile configurations <BR features, BT tokens, stages, CTAs per SM>; the attribute `tile` picks one
 // (0 = auto).  BR = 64 is the only choice for V = 64 (one column set per CTA).
-// 5 and 6 are the warp-specialized persistent kernel (SpmmWgmmaXtWsKernel) at 128x256 and 64x256.
+// 5 and 6 are the warp-specialized persistent kernel (SpmmWgmmaXtWsKernel) at 128x256 and 64x256; 7 and 8
+// the same kernel by CTA pairs that multicast x (kXtPairs; x [T, K] only).
 enum XtTile {
   kTileAuto = 0,
   kTile128x256 = 1,
@@ -468,7 +473,9 @@ enum XtTile {
   kTile128x128 = 3,
   kTile64x128 = 4,
   kTileWs128x256 = 5,
-  kTileWs64x256 = 6
+  kTileWs64x256 = 6,
+  kTilePair128x256 = 7,
+  kTilePair64x256 = 8
 };
 
 template <typename T, int BR, int BT, int STAGES, int MIN_BLOCKS>
@@ -498,18 +505,20 @@ ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& p) {
   if (ffi::Error e = RaiseSmemLimit<kernel>(smem, "cudaFuncSetAttribute(SpmmWgmmaXtWsKernel)"); e.failure()) return e;
   CUtensorMap tma_a{}, tma_x{};
   if (!MakeTensorMap2d(&tma_a, p.values, p.rows, 2 * static_cast<uint64_t>(p.groups), BR, kKc / 2) ||
-      (XROW && !MakeTensorMap2d(&tma_x, p.xt, p.tokens, p.k, BT / 2)) ||
+      (XROW && !MakeTensorMap2d(&tma_x, p.xt, p.tokens, p.k, p.pairs ? BT / 2 : BT)) ||
       (!XROW && p.cols == nullptr && !MakeTensorMap2d(&tma_x, p.xt, p.k, p.tokens, 64)))
     return ffi::Error::Internal("jaxsparse_spmm_xt: cuTensorMapEncodeTiled failed for the warp-specialized tile");
   const int token_blocks = (p.tokens + BT - 1) / BT, feature_blocks = p.rows / BR;
-  if (!XROW) {
+  if (!p.pairs) {
     kernel<<<std::min(feature_blocks * token_blocks, SmCount()), kWsThreads, smem, stream>>>(p, tma_a, tma_x);
     return LastLaunchError("SpmmWgmmaXtWsKernel");
   }
-  // CTA pairs (kXtPairs): one cluster of 2 per pair of feature blocks and token block, persistent.
+  // CTA pairs (kXtPairs): one cluster of 2 per pair of feature blocks and token block, persistent.  The grid
+  // holds only as many pairs as can be resident at once: a 2-CTA cluster needs two free SMs of one GPC, so
+  // fewer than SmCount() / 2 pairs may fit, and a pair launched beyond that would wait for a whole earlier
+  // pair to finish all its tiles (measured: 2x the time with 66 pairs on the H100).
   const int pair_tiles = (feature_blocks + 1) / 2 * token_blocks;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(2 * std::min(pair_tiles, SmCount() / 2));
   config.blockDim = dim3(kWsThreads);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
@@ -520,6 +529,18 @@ ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& p) {
   cluster.val.clusterDim.z = 1;
   config.attrs = &cluster;
   config.numAttrs = 1;
+  static int resident_pairs = 0;  // per instantiation; benign race: every thread computes the same value
+  if (resident_pairs == 0) {
+    config.gridDim = dim3(2 * (SmCount() / 2));
+    int n = 0;
+    if (cudaError_t st = cudaOccupancyMaxActiveClusters(&n, kernel, &config); st != cudaSuccess || n < 1) {
+      cudaGetLastError();
+      return st != cudaSuccess ? CudaError(st, "cudaOccupancyMaxActiveClusters(SpmmWgmmaXtWsKernel)")
+                               : ffi::Error::Internal("jaxsparse_spmm_xt: no CTA pair of the TMA row kernel fits an SM pair");
+    }
+    resident_pairs = n;
+  }
+  config.gridDim = dim3(2 * std::min(pair_tiles, resident_pairs));
   if (cudaError_t st = cudaLaunchKernelEx(&config, kernel, p, tma_a, tma_x); st != cudaSuccess) {
     cudaGetLastError();
     return CudaError(st, "SpmmWgmmaXtWsKernel (CTA pairs)");
@@ -533,22 +554,25 @@ ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& p) {
 // overlap the other's main loop) unless the condensed reduction is long (more than 8 stages of 64), where the
 // 256-token tile's reuse of A pays (4096x1024 at 128:2:16: 0.119 ms against 0.129; 1024x4096: 0.167 against
 // 0.162).
-int AutoTile(const SpmmXtParams& p, bool can128) {
+int AutoTile(const SpmmXtParams& p, bool can128, bool x_rows) {
+  if (x_rows) return can128 ? kTilePair128x256 : kTilePair64x256;
   if (p.cols == nullptr) return can128 ? kTileWs128x256 : kTileWs64x256;
   if (!can128) return kTile64x128;  // 64:2:8 at 1024x4096: 0.328 ms against 0.375 with 64x256
   return 4 * p.groups > 8 * kKc ? kTile128x256 : kTile128x128;
 }
 
 template <typename T>
-ffi::Error Dispatch(cudaStream_t stream, const SpmmXtParams& p, int tile, bool x_rows) {
+ffi::Error Dispatch(cudaStream_t stream, SpmmXtParams p, int tile, bool x_rows) {
   const bool can128 = p.rows % 128 == 0 && (p.cols == nullptr || p.v % 128 == 0);
-  if (tile == kTileAuto) tile = AutoTile(p, can128);
-  if ((tile == kTile128x256 || tile == kTile128x128 || tile == kTileWs128x256) && !can128)
+  if (tile == kTileAuto) tile = AutoTile(p, can128, x_rows);
+  if ((tile == kTile128x256 || tile == kTile128x128 || tile == kTileWs128x256 || tile == kTilePair128x256) && !can128)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: 128-feature tiles need R % 128 == 0 and V >= 128");
   if (x_rows) {  // x [T, K] as it is (M = 4): only the TMA kernel reads it
-    if (tile == kTileWs128x256) return LaunchWs<T, 128, 256, 3, true>(stream, p);
-    if (tile == kTileWs64x256) return LaunchWs<T, 64, 256, 4, true>(stream, p);
-    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x [T, K] (x_rows 1) takes tile auto, ws128x256 or ws64x256");
+    p.pairs = tile == kTilePair128x256 || tile == kTilePair64x256;
+    if (tile == kTileWs128x256 || tile == kTilePair128x256) return LaunchWs<T, 128, 256, 3, true>(stream, p);
+    if (tile == kTileWs64x256 || tile == kTilePair64x256) return LaunchWs<T, 64, 256, 4, true>(stream, p);
+    return ffi::Error::InvalidArgument(
+        "jaxsparse_spmm_xt: x [T, K] (x_rows 1) takes tile auto, ws128x256, ws64x256, pair128x256 or pair64x256");
   }
   switch (tile) {
     case kTile128x256:
@@ -564,7 +588,7 @@ ffi::Error Dispatch(cudaStream_t stream, const SpmmXtParams& p, int tile, bool x
     case kTileWs64x256:
       return LaunchWs<T, 64, 256, 4, false>(stream, p);
     default:
-      return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: tile must be 0 (auto) to 6, got " + std::to_string(tile));
+      return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T takes tile 0 (auto) to 6, got " + std::to_string(tile));
   }
 }
 
@@ -613,6 +637,7 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer val
   p.m = m;
   p.bias_f32 = has_bias && bias.element_type() == ffi::F32;
   p.activation = activation;
+  p.pairs = 0;
   if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, tile, x_rows == 1);
   if (dt == ffi::F16) return Dispatch<__half>(stream, p, tile, x_rows == 1);
   return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T must be bfloat16 or float16");

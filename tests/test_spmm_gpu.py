@@ -185,12 +185,14 @@ def test_spmm_rows_tma_v2m(spec, t):
 
 
 @xt_marks
-@pytest.mark.parametrize("r", [640, 320], ids=["ws128", "ws64"])
-def test_spmm_rows_tma_persistent(r):
-    """2:4 from x [T, K] with more CTA-pair tiles than the persistent grid has pairs, so each pair runs several
-    (barrier phases carry over across tiles and across the pair), an odd feature-block count (5: the last
-    pair's second CTA has no block of its own and must store nothing), a token tail, bias and GELU."""
-    x, sw, bias = _make(key("rows-tma-persist", r), 256 * 40 + 72, 512, r, "2:4", jnp.bfloat16, with_bias=True)
+@pytest.mark.parametrize("r", [640, 320], ids=["128x256", "64x256"])
+@pytest.mark.parametrize("kind", ["pair", "ws"])
+def test_spmm_rows_tma_persistent(r, kind, monkeypatch):
+    """2:4 from x [T, K] with more tiles than the persistent grid has CTAs (or CTA pairs), so each runs several
+    (barrier phases carry over across tiles and, for pairs, across the two CTAs), an odd feature-block count (5:
+    the last pair's second CTA has no block of its own and must store nothing), a token tail, bias and GELU."""
+    monkeypatch.setenv(calls.SPMM_XT_TILE_ENV, kind + ("128x256" if r % 128 == 0 else "64x256"))
+    x, sw, bias = _make(key("rows-tma-persist", r, kind), 256 * 40 + 72, 512, r, "2:4", jnp.bfloat16, with_bias=True)
     _check(x, sw, bias, "gelu", TOL[jnp.bfloat16], row_kernel="tma")
 
 

@@ -173,7 +173,8 @@ SPMM_ROW_KERNEL_ENV = "JAXSPARSE_SPMM_ROW_KERNEL"
 SPMM_ROW_KERNELS = ("auto", "mma", "tma")
 TMA_ROW_AUTO_M = (4,)  # the M whose weights the auto row kernel runs on the TMA kernel (V:2:M as the 2:4 view)
 SPMM_XT_TILE_ENV = "JAXSPARSE_SPMM_XT_TILE"
-SPMM_XT_TILES = {"auto": 0, "128x256": 1, "64x256": 2, "128x128": 3, "64x128": 4, "ws128x256": 5, "ws64x256": 6}
+SPMM_XT_TILES = {"auto": 0, "128x256": 1, "64x256": 2, "128x128": 3, "64x128": 4, "ws128x256": 5, "ws64x256": 6,
+                 "pair128x256": 7, "pair64x256": 8}
 
 
 def spmm_x_layout(tokens: int, sw: SparseWeight, layout: str | None = None, shares_xt: bool = False) -> str:
@@ -228,7 +229,9 @@ def spmm_xt_tile(tile: str | None = None) -> int:
     V = 64, else 128x256 for a condensed reduction 4G > 512 and 128x128 below: measured, cuda/spmm_xt.cu
     ``AutoTile``),
     ``128x256``, ``64x256``, ``128x128``, ``64x128``, or ``ws128x256`` / ``ws64x256``: the warp-specialized
-    persistent kernel (a producer warpgroup and two consumer warpgroups). ``None`` reads
+    persistent kernel (a producer warpgroup and two consumer warpgroups), and for the TMA row kernel (x [T, K])
+    also ``pair128x256`` / ``pair64x256`` (its auto): the same kernel by CTA pairs on neighbouring feature blocks
+    that each load half of the shared x tile and multicast it to both. ``None`` reads
     ``JAXSPARSE_SPMM_XT_TILE``."""
     tile = _setting(tile, SPMM_XT_TILE_ENV)
     if tile not in SPMM_XT_TILES:
@@ -256,12 +259,14 @@ def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str |
     tokens = xt.shape[0] if x_rows else xt.shape[1]
     name = _setting(tile, SPMM_XT_TILE_ENV)
     tile_id = spmm_xt_tile(name)
-    if name.removeprefix("ws").startswith("128x") and (sw.shape[1] % 128 or sw.spec.v == 64):
+    if name.removeprefix("ws").removeprefix("pair").startswith("128x") and (sw.shape[1] % 128 or sw.spec.v == 64):
         raise ValueError(f"spmm: the x^T SpMM tile {name} needs R % 128 == 0 and V >= 128 (or 2:4), got R = "
                          f"{sw.shape[1]} and {sw.spec}")
-    if x_rows and not (name == "auto" or name.startswith("ws")):
-        raise ValueError(f"spmm: the TMA row kernel reads x [T, K] with tile auto, ws128x256 or ws64x256, got {name} "
-                         f"({SPMM_XT_TILE_ENV}; or {SPMM_ROW_KERNEL_ENV}=mma)")
+    if x_rows and not (name == "auto" or name.startswith(("ws", "pair"))):
+        raise ValueError(f"spmm: the TMA row kernel reads x [T, K] with tile auto, ws128x256, ws64x256, pair128x256 or "
+                         f"pair64x256, got {name} ({SPMM_XT_TILE_ENV}; or {SPMM_ROW_KERNEL_ENV}=mma)")
+    if not x_rows and name.startswith("pair"):
+        raise ValueError(f"spmm: the pair tiles read x [T, K] (the TMA row kernel), not x^T: got {name}")
     return _call(
         "jaxsparse_spmm_xt", (tokens, sw.shape[1]), xt.dtype, xt, sw.values,
         _columns_operand(sw), sw.metadata, b, v=np.int32(sw.spec.v), m=np.int32(sw.spec.m),
