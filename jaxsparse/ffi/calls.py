@@ -171,7 +171,9 @@ SPMM_X_LAYOUT_ENV = "JAXSPARSE_SPMM_X"
 SPMM_X_LAYOUTS = ("auto", "row", "col")
 SPMM_ROW_KERNEL_ENV = "JAXSPARSE_SPMM_ROW_KERNEL"
 SPMM_ROW_KERNELS = ("auto", "mma", "tma")
-TMA_ROW_AUTO_M = (4,)  # the M whose weights the auto row kernel runs on the TMA kernel (V:2:M as the 2:4 view)
+# The M whose weights the auto routes run on the Hopper kernels that read x [T, K] as it is (the TMA row forward
+# and the SDDMM's tma engine; V:2:M through its 2:4 view, format.as_2_4) instead of the x^T route.
+TMA_ROW_AUTO_M = (4,)
 SPMM_XT_TILE_ENV = "JAXSPARSE_SPMM_XT_TILE"
 SPMM_XT_TILES = {"auto": 0, "128x256": 1, "64x256": 2, "128x128": 3, "64x128": 4, "ws128x256": 5, "ws64x256": 6,
                  "pair128x256": 7, "pair64x256": 8}
@@ -184,9 +186,10 @@ def spmm_x_layout(tokens: int, sw: SparseWeight, layout: str | None = None, shar
     ``sparse_linear`` follows the same choice for the whole layer: on ``"col"`` it keeps ``x^T`` as the
     residual and its SDDMM reads it (:func:`sddmm_from_xt`), so one transpose serves both products.
     ``layout`` ``None`` reads ``JAXSPARSE_SPMM_X`` (``auto``, ``row`` or ``col``; default ``auto``).
-    ``auto``: ``col`` on a Hopper GPU for ``M > 4`` when ``T % 8 == 0`` and ``R % 128 == 0`` (what both x^T
-    kernels need) and either ``shares_xt`` (the caller keeps x^T for the SDDMM, as ``sparse_linear`` does) or
-    ``M >= 16``; ``row`` otherwise. 2:4 has no columns to gather, so its Hopper kernels read ``x`` as it is
+    ``auto``: ``col`` on a Hopper GPU for ``M > 4`` not in ``TMA_ROW_AUTO_M`` when ``T % 8 == 0`` and
+    ``R % 128 == 0`` (what both x^T kernels need) and either ``shares_xt`` (the caller keeps x^T for the SDDMM,
+    as ``sparse_linear`` does) or ``M >= 16``; ``row`` otherwise (an M in ``TMA_ROW_AUTO_M`` runs on the TMA
+    row kernel through the weight's 2:4 view). 2:4 has no columns to gather, so its Hopper kernels read ``x`` as it is
     (:func:`spmm_row_kernel`, and the SDDMM's TMA engine): no transpose at all. Measured on the H100 at 16384
     tokens (docs/kernel-notes.md, session 5): with its own transpose the x^T route wins the forward alone at
     M >= 16 (128:2:16 at 4096x1024: 0.272 ms against 0.340) and ties or loses below (64:2:8: 0.471 against
@@ -200,7 +203,9 @@ def spmm_x_layout(tokens: int, sw: SparseWeight, layout: str | None = None, shar
     if layout == "col" and problem:
         raise ValueError(f"spmm: a column-major x needs {problem}")
     if layout == "auto":
-        layout = "col" if problem is None and sw.spec.m > 4 and (shares_xt or sw.spec.m >= 16) and hopper_gpu() else "row"
+        m = sw.spec.m
+        layout = "col" if (problem is None and m > 4 and m not in TMA_ROW_AUTO_M and (shares_xt or m >= 16)
+                           and hopper_gpu()) else "row"
     return layout
 
 
@@ -352,7 +357,8 @@ def sddmm_x_layout(tokens: int, sw: SparseWeight, layout: str | None = None, eng
     memory (docs/kernel-notes.md, session 4); the transpose costs one read and one write of ``x``.
     ``layout`` ``None`` reads ``JAXSPARSE_SDDMM_X`` (``auto``, ``row`` or ``col``; default ``auto``).
     ``auto``: ``col`` on a Hopper GPU for ``M > 4`` when ``T % 8 == 0``, ``R % 128 == 0`` and the engine is
-    not ``mma``; ``row`` otherwise (2:4 keeps every column, so it has nothing to gather: on a Hopper GPU its
+    neither ``mma`` nor the tma engine on the 2:4 view (``tma``, or auto for an M in ``TMA_ROW_AUTO_M``); ``row``
+    otherwise (2:4 keeps every column, so it has nothing to gather: on a Hopper GPU its
     ``tma`` engine, :func:`sddmm_engine`, reads ``x`` as it is with the x^T engine's TMA pipeline). An explicit
     ``col`` that these shapes cannot take, and the ``tma`` engine on a spec or shape it cannot take, raise
     ``ValueError``.
@@ -372,8 +378,20 @@ def sddmm_x_layout(tokens: int, sw: SparseWeight, layout: str | None = None, eng
     if layout == "col" and problem:
         raise ValueError(f"sddmm: a column-major x needs {problem}")
     if layout == "auto":
-        layout = "col" if problem is None and sw.spec.m > 4 and hopper_gpu() else "row"
+        layout = "col" if problem is None and sw.spec.m > 4 and not _sddmm_on_view(sw, engine) and hopper_gpu() else "row"
     return layout
+
+
+def _sddmm_on_view(sw: SparseWeight, engine: str | None) -> bool:
+    """Whether :func:`sddmm` on a row-major x runs a V:2:M weight as its 2:4 view on the tma engine: asked for
+    (``engine`` tma), or the auto engine for an M in ``TMA_ROW_AUTO_M`` on a Hopper GPU with R % 128 == 0."""
+    e = sddmm_engine(engine)
+    if sw.spec.m == 4:
+        return False
+    if e == SDDMM_ENGINES["tma"]:
+        return True
+    return (e == SDDMM_ENGINES["auto"] and sw.spec.m in TMA_ROW_AUTO_M and sw.shape[1] % COL_MAJOR_ROW_TILE == 0
+            and hopper_gpu())
 
 
 def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None, split: int | str | None = None,
@@ -395,7 +413,7 @@ def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None, split: 
     out = _sddmm_out_dtype("sddmm", "x", x, dy, sw, out_dtype)
     if sddmm_x_layout(x.shape[0], sw, x_layout, engine) == "col":
         return _sddmm_call(transpose(x), dy, sw, out, split, SDDMM_ENGINES["wgmma"], x_layout=1)
-    if sddmm_engine(engine) == SDDMM_ENGINES["tma"] and sw.spec.m > 4:
+    if _sddmm_on_view(sw, engine):
         # V:2:M through its 2:4 view: the gradient at every 2:4 slot, then back to sw's values.
         sw24, slots = as_2_4(sw)
         return jnp.take_along_axis(_sddmm_call(x, dy, sw24, out, split, SDDMM_ENGINES["tma"], x_layout=0), slots, axis=1)
