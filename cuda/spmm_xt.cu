@@ -167,16 +167,18 @@ __device__ __forceinline__ void XtStageMma(float (&acc)[NCH][NW / 2], uint32_t s
 #endif
 }
 
-// Epilogue of one warpgroup (warp wq of it): + bias, optional GELU, convert, into the staged [BT][BR] tile.
+// Epilogue of one warpgroup (warp wq of it): + bias, optional GELU, convert, into the staged [BT][BR] tile; with
+// `only` >= 0 just the accumulators of product `only` (a chunk of NW tokens).
 template <typename T, int NW, int NCH>
 __device__ __forceinline__ void StageXtAccumulators(float (&acc)[NCH][NW / 2], unsigned char* tile, int row_bytes,
                                                     const SpmmXtParams& p, int row0, int r_base, int t_base, int wq,
-                                                    int lane) {
+                                                    int lane, int only = -1) {
   const int r_lo = r_base + 16 * wq + (lane >> 2);  // tile-local features r_lo, r_lo + 8
   const float bias_lo = BiasAt<T>(p.bias, p.bias_f32, row0 + r_lo);
   const float bias_hi = BiasAt<T>(p.bias, p.bias_f32, row0 + r_lo + 8);
 #pragma unroll
   for (int c = 0; c < NCH; ++c) {
+    if (only >= 0 && c != only) continue;
 #pragma unroll
     for (int i = 0; i < NW / 2; ++i) {
       const int hi = (i >> 1) & 1;
@@ -295,14 +297,18 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
 // cluster barrier at the end keeps either from exiting while the other can still reach its shared memory.
 constexpr int kWsThreads = 384;
 
+// The Y tile is staged kEpiChunks token chunks at a time (BR = 128: the two warpgroups share every token, so each
+// of their NCH products is one chunk of NW tokens), which leaves shared memory for a deeper ring.
 template <int BR, int BT, int STAGES>
 struct XtWsLayout {
   static constexpr int kABytes = (BR / 64) * kAColBytes;
   static constexpr int kBBytes = (BT / 64) * kColBytes;
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kYRowBytes = BR * 2 + 16;
+  static constexpr int kEpiChunks = XtWarps<BR, BT>::WR == 2 ? XtWarps<BR, BT>::NCH : 1;
+  static constexpr int kEpiTokens = BT / kEpiChunks;
   static constexpr int kEpiOff = STAGES * kStageBytes;
-  static constexpr int kBarOff = kEpiOff + BT * kYRowBytes;  // full[STAGES] then empty[STAGES], 8 bytes each
+  static constexpr int kBarOff = kEpiOff + kEpiTokens * kYRowBytes;  // full[STAGES] then empty[STAGES], 8 bytes each
   static constexpr int kBytes = kBarOff + 2 * STAGES * 8;
   static_assert(kStageBytes % 1024 == 0 && kBarOff % 8 == 0, "alignment");
 };
@@ -445,11 +451,16 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #pragma unroll
       for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
       release((it - 1) % STAGES);  // the tile's last stage
-      NamedBarSync(1, 256);  // the previous tile's stores have read the staged Y tile
-      StageXtAccumulators<T, NW, NCH>(acc, ytile, L::kYRowBytes, p, row0, 64 * wr, wt * WN, wq, lane);
-      NamedBarSync(1, 256);
-      if (store)
-        StoreStagedTile<T, BT, BR, 256>(ytile, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows, tok0, row0, ctid);
+#pragma unroll
+      for (int ch = 0; ch < L::kEpiChunks; ++ch) {
+        NamedBarSync(1, 256);  // the previous chunk's (or tile's) stores have read the staged Y
+        StageXtAccumulators<T, NW, NCH>(acc, ytile, L::kYRowBytes, p, row0, 64 * wr, wt * WN - ch * L::kEpiTokens, wq,
+                                        lane, L::kEpiChunks > 1 ? ch : -1);
+        NamedBarSync(1, 256);
+        if (store)
+          StoreStagedTile<T, L::kEpiTokens, BR, 256>(ytile, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows,
+                                                     tok0 + ch * L::kEpiTokens, row0, ctid);
+      }
     }
   }
   // With pairs, neither CTA may exit while the other can still arrive on its barriers or write into its
@@ -555,7 +566,8 @@ ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& p) {
 // 256-token tile's reuse of A pays (4096x1024 at 128:2:16: 0.119 ms against 0.129; 1024x4096: 0.167 against
 // 0.162).
 int AutoTile(const SpmmXtParams& p, bool can128, bool x_rows) {
-  if (x_rows) return can128 ? kTilePair128x256 : kTilePair64x256;
+  // x rows: one CTA per tile; the CTA pairs ran 2x slower at 16384 tokens (session 8, device calls 2 and 3).
+  if (x_rows) return can128 ? kTileWs128x256 : kTileWs64x256;
   if (p.cols == nullptr) return can128 ? kTileWs128x256 : kTileWs64x256;
   if (!can128) return kTile64x128;  // 64:2:8 at 1024x4096: 0.328 ms against 0.375 with 64x256
   return 4 * p.groups > 8 * kKc ? kTile128x256 : kTile128x128;
@@ -569,8 +581,8 @@ ffi::Error Dispatch(cudaStream_t stream, SpmmXtParams p, int tile, bool x_rows) 
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: 128-feature tiles need R % 128 == 0 and V >= 128");
   if (x_rows) {  // x [T, K] as it is (M = 4): only the TMA kernel reads it
     p.pairs = tile == kTilePair128x256 || tile == kTilePair64x256;
-    if (tile == kTileWs128x256 || tile == kTilePair128x256) return LaunchWs<T, 128, 256, 3, true>(stream, p);
-    if (tile == kTileWs64x256 || tile == kTilePair64x256) return LaunchWs<T, 64, 256, 4, true>(stream, p);
+    if (tile == kTileWs128x256 || tile == kTilePair128x256) return LaunchWs<T, 128, 256, 4, true>(stream, p);
+    if (tile == kTileWs64x256 || tile == kTilePair64x256) return LaunchWs<T, 64, 256, 5, true>(stream, p);
     return ffi::Error::InvalidArgument(
         "jaxsparse_spmm_xt: x [T, K] (x_rows 1) takes tile auto, ws128x256, ws64x256, pair128x256 or pair64x256");
   }
@@ -584,9 +596,9 @@ ffi::Error Dispatch(cudaStream_t stream, SpmmXtParams p, int tile, bool x_rows) 
     case kTile64x128:
       return LaunchTile<T, 64, 128, 4, 2>(stream, p);
     case kTileWs128x256:
-      return LaunchWs<T, 128, 256, 3, false>(stream, p);
+      return LaunchWs<T, 128, 256, 4, false>(stream, p);
     case kTileWs64x256:
-      return LaunchWs<T, 64, 256, 4, false>(stream, p);
+      return LaunchWs<T, 64, 256, 5, false>(stream, p);
     default:
       return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T takes tile 0 (auto) to 6, got " + std::to_string(tile));
   }

@@ -234,9 +234,10 @@ def spmm_xt_tile(tile: str | None = None) -> int:
     V = 64, else 128x256 for a condensed reduction 4G > 512 and 128x128 below: measured, cuda/spmm_xt.cu
     ``AutoTile``),
     ``128x256``, ``64x256``, ``128x128``, ``64x128``, or ``ws128x256`` / ``ws64x256``: the warp-specialized
-    persistent kernel (a producer warpgroup and two consumer warpgroups), and for the TMA row kernel (x [T, K])
-    also ``pair128x256`` / ``pair64x256`` (its auto): the same kernel by CTA pairs on neighbouring feature blocks
-    that each load half of the shared x tile and multicast it to both. ``None`` reads
+    persistent kernel (a producer warpgroup and two consumer warpgroups; the TMA row kernel's auto), and for the
+    TMA row kernel (x [T, K]) also ``pair128x256`` / ``pair64x256``: the same kernel by CTA pairs on neighbouring
+    feature blocks that each load half of the shared x tile and multicast it to both (measured 2x slower on the
+    H100, session 8: opt-in only). ``None`` reads
     ``JAXSPARSE_SPMM_XT_TILE``."""
     tile = _setting(tile, SPMM_XT_TILE_ENV)
     if tile not in SPMM_XT_TILES:
