@@ -279,8 +279,8 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
 // ---------------------------------------------------------------- warp-specialized, persistent version
 //
 // 384 threads: warpgroup 0 is the producer, warpgroups 1 and 2 consume (wait full, issue the stage's wgmmas,
-// wait for the previous stage's products, release that stage to the producer; metadata double-buffered as in
-// the kernel above, kSparseMetaRule).  The producer fills a
+// wait for the previous stage's products (from x rows: this stage's, kInFlight), release that stage to the
+// producer; metadata double-buffered as in the kernel above, kSparseMetaRule).  The producer fills a
 // STAGES-deep ring: thread 0 loads A's values by TMA (one box per stage, 64-byte swizzled, arrival with expect_tx);
 // Xc comes by TMA too at M = 4 (dense rows of x^T: BT/64 boxes of 64 tokens x 64 k), and otherwise by cp.async
 // from all 128 producer threads, each marking its part with cp.async.mbarrier.arrive.  The grid is persistent
@@ -325,6 +325,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   // half of the shared x tile and multicasts it to both (kXtPairs).
   const bool pairs = XROW && p.pairs;
   const int npair = pairs ? 2 : 1;
+  // wgmma.sp groups a consumer keeps in flight while it issues the next stage: one from x^T (MN-major B: 0.237 ms
+  // against 0.257 with none at 2:4 1024x4096), none from x rows (K-major B: 0.249 ms with none against 0.274
+  // with one; session 8, device calls 2 and 4), whose stage then goes back to the producer at once.
+  constexpr int kInFlight = XROW ? 0 : 1;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const AlignedSmem aligned = AlignSmem1024(smem_raw);
   unsigned char* smem = aligned.ptr;
@@ -435,11 +439,14 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         WgmmaFence();
         XtStageMma<T, BR, NW, NCH, XROW>(acc, smem_base + s * L::kStageBytes, wr, wt * WN / 64, e);
         WgmmaCommit();
-        WgmmaWait<1>();  // stage kt-1's products completed
+        WgmmaWait<kInFlight>();  // stage kt-1's products completed (kInFlight = 0: stage kt's too)
 #pragma unroll
         for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
         KeepMetaLive(e_next);
-        if (kt > 0) release((it - 1) % STAGES);
+        if (kInFlight == 0)
+          release(s);
+        else if (kt > 0)
+          release((it - 1) % STAGES);
         LoadStageMeta(e_next, meta_rows, p.groups / 8, kt + 1, lane & 3);
       };
       for (int kt = 0; kt < num_kt; kt += 2) {
@@ -450,7 +457,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       WgmmaWait<0>();
 #pragma unroll
       for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
-      release((it - 1) % STAGES);  // the tile's last stage
+      if (kInFlight == 1) release((it - 1) % STAGES);  // the tile's last stage
 #pragma unroll
       for (int ch = 0; ch < L::kEpiChunks; ++ch) {
         NamedBarSync(1, 256);  // the previous chunk's (or tile's) stores have read the staged Y
