@@ -295,6 +295,8 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
 // only when the consumers of both CTAs released it (the empty barriers count 8 warps x 2 CTAs, arrived on
 // through mapa), since the other CTA's producer writes half of it; both CTAs walk the same pair tiles, and a
 // cluster barrier at the end keeps either from exiting while the other can still reach its shared memory.
+// Measured on the H100 (session 8): correct, but 2.2-2.5x slower than one CTA per tile, so the pair tiles are
+// opt-in (JAXSPARSE_SPMM_XT_TILE=pair128x256 / pair64x256).
 constexpr int kWsThreads = 384;
 
 // The Y tile is staged kEpiChunks token chunks at a time (BR = 128: the two warpgroups share every token, so each
@@ -532,9 +534,10 @@ ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& p) {
     return LastLaunchError("SpmmWgmmaXtWsKernel");
   }
   // CTA pairs (kXtPairs): one cluster of 2 per pair of feature blocks and token block, persistent.  The grid
-  // holds only as many pairs as can be resident at once: a 2-CTA cluster needs two free SMs of one GPC, so
-  // fewer than SmCount() / 2 pairs may fit, and a pair launched beyond that would wait for a whole earlier
-  // pair to finish all its tiles (measured: 2x the time with 66 pairs on the H100).
+  // holds only as many pairs as can be resident at once (a 2-CTA cluster needs two free SMs of one GPC, so
+  // fewer than SmCount() / 2 may fit; a pair beyond that would wait for a whole earlier pair to finish).  On the
+  // H100 all 66 fit (runs/occ.cu), and the pairs still ran 2x slower than one CTA per tile (docs/kernel-notes.md,
+  // session 8): opt-in tiles only.
   const int pair_tiles = (feature_blocks + 1) / 2 * token_blocks;
   cudaLaunchConfig_t config = {};
   config.blockDim = dim3(kWsThreads);
