@@ -211,7 +211,7 @@ def spmm_x_layout(tokens: int, sw: SparseWeight, layout: str | None = None, shar
 
 def spmm_row_kernel(sw: SparseWeight, kernel: str | None = None) -> str:
     """The kernel of :func:`spmm`'s ``"row"`` route (``x [T, K]`` read as it is): ``"tma"``, the Hopper kernel
-    ``jaxsparse_spmm_xt`` in its x-rows mode (TMA loads of x by CTA pairs, ``wgmma.sp``; ``R % 64 == 0``, an
+    ``jaxsparse_spmm_xt`` in its x-rows mode (TMA loads of x, ``wgmma.sp``; ``R % 64 == 0``, an
     sm_90a build on a Hopper GPU; a V:2:M weight runs as its 2:4 view, :func:`jaxsparse.format.as_2_4`:
     dense-rate work over ``K``, nothing gathered), or ``"mma"``, ``jaxsparse_spmm`` (``mma.sp``, sm_80 and
     sm_90a, every spec). ``kernel`` ``None`` reads ``JAXSPARSE_SPMM_ROW_KERNEL`` (``auto``, ``mma`` or ``tma``;
