@@ -116,8 +116,10 @@ __device__ __forceinline__ void LoadXtStage(uint32_t base, int q0, int thread, c
 // on every 128-feature tile and on some 64-feature ones, and ptxas did not warn.  So the consumers keep two
 // metadata arrays, one per stage parity (the k loop is unrolled by two so each array is a fixed set of
 // registers): stage kt runs on its array while stage kt+1's array is loaded, and an array is refilled only after
-// the wait_group 1 that retired the stage which read it; KeepMetaLive pins its registers until that point, so
-// the compiler cannot hand them to anything else while the product runs.
+// the wait_group 1 that retired the stage which read it.  KeepMetaLive keeps the array's values live in the
+// C++ compiler's view up to that point; it is an empty asm and emits no instruction, so below PTX the guarantee
+// rests on ptxas treating a wgmma.sp's metadata operand as in use until its wait_group, which the x^T SpMM
+// tests confirm on the H100 (session 8).
 //
 // This thread's wgmma.sp metadata for stage kt (condensed k [64 kt, 64 kt + 64), stored words 2 kt and 2 kt + 1
 // of its rows r and r + 8; `rows` points at row r's words, `words` = G/8 per row); past the end of the
@@ -131,8 +133,8 @@ __device__ __forceinline__ void LoadStageMeta(uint32_t (&e)[2], const uint32_t* 
   }
 }
 
-// The metadata registers `e` stay live (and unchanged) up to this point: placed after the wait_group that retired
-// the last wgmma.sp reading them (kSparseMetaRule).
+// Keeps the metadata array `e` live and unchanged in the C++ compiler's view up to this point, placed after the
+// wait_group that retired the last wgmma.sp reading it (kSparseMetaRule; emits no instruction).
 __device__ __forceinline__ void KeepMetaLive(uint32_t (&e)[2]) { asm volatile("" : "+r"(e[0]), "+r"(e[1])::"memory"); }
 
 // Row r of the stored metadata for warp wq (of the warpgroup on feature half wr), lane `lane`.
