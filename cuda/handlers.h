@@ -3,6 +3,7 @@
 
 #include "xla/ffi/api/api.h"
 
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxsparseAs24);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxsparseDecompress);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxsparseSpmm);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxsparseSpmmXt);

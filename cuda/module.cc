@@ -18,6 +18,7 @@ NB_MODULE(_jaxsparse_cuda, m) {
   m.doc() = "jaxsparse CUDA kernels as XLA FFI handlers";
   m.def("registrations", []() {
     nb::dict d;
+    d["jaxsparse_as_2_4"] = Capsule(JaxsparseAs24);
     d["jaxsparse_decompress"] = Capsule(JaxsparseDecompress);
     d["jaxsparse_spmm"] = Capsule(JaxsparseSpmm);
     d["jaxsparse_spmm_xt"] = Capsule(JaxsparseSpmmXt);

@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <string>
+#include <type_traits>
 
 #include "common.cuh"
 #include "handlers.h"
@@ -42,7 +43,6 @@ struct SpmmXtParams {
   int tokens, k, rows, groups, v, m;
   int bias_f32;          // bias is float32 (else the input dtype)
   int activation;        // 0 none, 1 gelu (tanh)
-  int pairs;             // x [T, K] read by CTA pairs that multicast it (kXtPairs; the warp-specialized XROW kernel)
 };
 
 constexpr int kKc = 64;           // condensed k per stage: one 128-byte swizzle row of 16-bit values per k
@@ -56,19 +56,22 @@ struct XtLayout {
   static constexpr int kBBytes = (BT / 64) * kColBytes;
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kPipeBytes = STAGES * kStageBytes;
+  static constexpr int kMetaBytes = BR * 8;  // a stage's metadata words: [BR rows][2]
+  static constexpr int kMetaOff = kPipeBytes;
   static constexpr int kYRowBytes = BR * 2 + 16;  // [BT tokens][BR features] + pad
   static constexpr int kEpiBytes = BT * kYRowBytes;
-  static constexpr int kColsOff = kPipeBytes > kEpiBytes ? kPipeBytes : kEpiBytes;  // the block's column bytes
+  static constexpr int kLoopBytes = kMetaOff + STAGES * kMetaBytes;
+  static constexpr int kColsOff = kLoopBytes > kEpiBytes ? kLoopBytes : kEpiBytes;  // the block's column bytes
   static_assert(kStageBytes % 1024 == 0, "swizzle atoms are 1024-byte aligned");
 };
 
 // How a BR x BT tile splits over two (consumer) warpgroups: BR = 128 puts them on the two 64-feature halves,
-// BR = 64 on two token halves; each runs NCH wgmmas of N = NW per k16 step.
-template <int BR, int BT>
+// BR = 64 on two token halves; each runs NCH wgmmas of N = NW (at most NWMAX) per k32 step.
+template <int BR, int BT, int NWMAX = 128>
 struct XtWarps {
   static constexpr int WR = BR / 64;                // warpgroups along the features (1 or 2)
   static constexpr int WN = BT * WR / 2;            // tokens per warpgroup
-  static constexpr int NW = WN >= 128 ? 128 : 64;   // N of one wgmma
+  static constexpr int NW = WN >= NWMAX ? NWMAX : WN >= 128 ? 128 : 64;  // N of one wgmma
   static constexpr int NCH = WN / NW;               // wgmmas per k16 step
   static_assert(WN % NW == 0, "token tile");
 };
@@ -115,42 +118,69 @@ __device__ __forceinline__ void LoadXtStage(uint32_t base, int q0, int thread, c
 // the one metadata array after wait_group 1, with the stage's own products still in flight, gave wrong results
 // on every 128-feature tile and on some 64-feature ones, and ptxas did not warn.  So the consumers keep two
 // metadata arrays, one per stage parity (the k loop is unrolled by two so each array is a fixed set of
-// registers): stage kt runs on its array while stage kt+1's array is loaded, and an array is refilled only after
-// the wait_group 1 that retired the stage which read it.  KeepMetaLive keeps the array's values live in the
-// C++ compiler's view up to that point; it is an empty asm and emits no instruction, so below PTX the guarantee
-// rests on ptxas treating a wgmma.sp's metadata operand as in use until its wait_group, which the x^T SpMM
-// tests confirm on the H100 (session 8).
+// registers): stage kt's array is filled when stage kt starts, while stage kt-1's products (on the other array)
+// may still run, and the array was last read by stage kt-2, whose products have completed by then.  KeepMetaLive
+// keeps the array's values live in the C++ compiler's view up to that point; it is an empty asm and emits no
+// instruction, so below PTX the guarantee rests on ptxas treating a wgmma.sp's metadata operand as in use until
+// its wait_group, which the x^T SpMM tests confirm on the H100 (sessions 8 and 9).
 //
-// This thread's wgmma.sp metadata for stage kt (condensed k [64 kt, 64 kt + 64), stored words 2 kt and 2 kt + 1
-// of its rows r and r + 8; `rows` points at row r's words, `words` = G/8 per row); past the end of the
-// reduction 0x44444444 (positions 0 and 1: a valid pattern; A and Xc are zero there).
-__device__ __forceinline__ void LoadStageMeta(uint32_t (&e)[2], const uint32_t* __restrict__ rows, int words, int kt,
-                                              int tig) {
+// Where the words come from (session 9): each stage's words, [BR rows][2] (words 2 kt and 2 kt + 1 of every row
+// of the tile: condensed k [64 kt, 64 kt + 64)), are copied into shared memory with the stage by the threads
+// that load it (cp.async, counted by the stage's barrier), and a consumer builds its operands from there once
+// the stage is ready.  Loading them from global memory in the consumers kept the tensor pipe idle most of the
+// time, even when fetched two stages ahead (Nsight Compute, device calls 1-2: long-scoreboard stalls, the
+// tensor pipe active 31 % then 38 % of the time).
+template <int BR, int THREADS>
+__device__ __forceinline__ void LoadStageMetaWords(uint32_t dst, const SpmmXtParams& p, int row0, int kt, int thread) {
+  const int words = p.groups / 8;
 #pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int w = 2 * kt + j;
-    e[j] = w < words ? MetaWord(__ldg(rows + w), __ldg(rows + 8 * words + w), tig, 0) : 0x44444444u;
+  for (int q = 0; q < (2 * BR + THREADS - 1) / THREADS; ++q) {
+    const int i = thread + q * THREADS;
+    if (i >= 2 * BR) break;
+    const int w = 2 * kt + (i & 1);
+    const bool ok = w < words;
+    CpAsync4Zfill(dst + 4 * i, ok ? p.meta + static_cast<int64_t>(row0 + (i >> 1)) * words + w : p.meta, ok ? 4 : 0);
   }
 }
 
-// Keeps the metadata array `e` live and unchanged in the C++ compiler's view up to this point, placed after the
-// wait_group that retired the last wgmma.sp reading it (kSparseMetaRule; emits no instruction).
+// Keeps the metadata array `e` live and unchanged in the C++ compiler's view up to this point, placed where the
+// last wgmma.sp that read it has completed (kSparseMetaRule; emits no instruction).
 __device__ __forceinline__ void KeepMetaLive(uint32_t (&e)[2]) { asm volatile("" : "+r"(e[0]), "+r"(e[1])::"memory"); }
 
-// Row r of the stored metadata for warp wq (of the warpgroup on feature half wr), lane `lane`.
-__device__ __forceinline__ const uint32_t* MetaRows(const SpmmXtParams& p, int row0, int wr, int wq, int lane) {
-  return p.meta + static_cast<int64_t>(row0 + 64 * wr + 16 * wq + (lane >> 2)) * (p.groups / 8);
-}
+// A consumer's wgmma.sp metadata operands: one array per stage parity (the k loop is
+// unrolled by two, kSparseMetaRule).  `r` is the tile-local row of this thread's first word (rows r and r + 8),
+// `words` = G/8 per row; past the end of the reduction the operand is 0x44444444 (positions 0 and 1: a valid
+// pattern; A and Xc are zero there).
+struct XtMeta {
+  uint32_t e_even[2], e_odd[2];
+  int r, words, tig;
+  template <bool ODD>
+  __device__ __forceinline__ uint32_t (&Operands())[2] {
+    if constexpr (ODD) return e_odd;
+    else return e_even;
+  }
+  // Stage kt's operands (parity ODD) from its words in shared memory (`stage_words`: [BR][2]); the array was last
+  // read by stage kt-2, whose products have completed.
+  template <bool ODD>
+  __device__ __forceinline__ void Load(const uint32_t* stage_words, int kt) {
+    uint32_t(&e)[2] = Operands<ODD>();
+    KeepMetaLive(e);
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      e[j] = 2 * kt + j < words ? MetaWord(stage_words[2 * r + j], stage_words[2 * (r + 8) + j], tig, 0) : 0x44444444u;
+  }
+};
 
-// The wgmma.sp products of one stage for one warpgroup: its A rows (feature half wr) times its Xc tokens (from
-// b_col, a 64-token column index), NCH products of N = NW per k32 step, with the metadata `e` of the two steps.
+// The wgmma.sp products of one stage for one warpgroup: its A rows (64-feature block `blk` of the tile) times its
+// Xc tokens (from b_col, a 64-token column index), NCH products of N = NW per k32 step, with the metadata `e` of
+// the two steps.
 // Xc is MN-major (x^T rows: 64-token columns of kColBytes) or, with XROW, K-major (x's own rows: one 128-byte
 // row of the stage's 64 k per token, as TMA lands a box of x [T, K]; trans-b = 0).
 template <typename T, int BR, int NW, int NCH, bool XROW = false>
-__device__ __forceinline__ void XtStageMma(float (&acc)[NCH][NW / 2], uint32_t stage, int wr, int b_col,
+__device__ __forceinline__ void XtStageMma(float (&acc)[NCH][NW / 2], uint32_t stage, int blk, int b_col,
                                            const uint32_t (&e)[2]) {
 #ifdef JAXSPARSE_WGMMA
-  const uint32_t a_base = stage + wr * kAColBytes;
+  const uint32_t a_base = stage + blk * kAColBytes;
   const uint32_t b_base = stage + (BR / 64) * kAColBytes + b_col * kColBytes;  // (64 tokens x 128 B either way)
 #pragma unroll
   for (int ks = 0; ks < kKc / 32; ++ks) {
@@ -170,21 +200,23 @@ __device__ __forceinline__ void XtStageMma(float (&acc)[NCH][NW / 2], uint32_t s
 }
 
 // Epilogue of one warpgroup (warp wq of it): + bias, optional GELU, convert, into the staged [BT][BR] tile; with
-// `only` >= 0 just the accumulators of product `only` (a chunk of NW tokens).
-template <typename T, int NW, int NCH>
+// CHUNK > 0 only the tokens of chunk `ch` (warpgroup-local tokens [CHUNK ch, CHUNK ch + CHUNK), staged from row
+// t_base).
+template <typename T, int NW, int NCH, int CHUNK = 0>
 __device__ __forceinline__ void StageXtAccumulators(float (&acc)[NCH][NW / 2], unsigned char* tile, int row_bytes,
                                                     const SpmmXtParams& p, int row0, int r_base, int t_base, int wq,
-                                                    int lane, int only = -1) {
+                                                    int lane, int ch = 0) {
   const int r_lo = r_base + 16 * wq + (lane >> 2);  // tile-local features r_lo, r_lo + 8
   const float bias_lo = BiasAt<T>(p.bias, p.bias_f32, row0 + r_lo);
   const float bias_hi = BiasAt<T>(p.bias, p.bias_f32, row0 + r_lo + 8);
 #pragma unroll
   for (int c = 0; c < NCH; ++c) {
-    if (only >= 0 && c != only) continue;
 #pragma unroll
     for (int i = 0; i < NW / 2; ++i) {
+      const int t8 = c * NW + 8 * (i >> 2);  // the 8-token column of this accumulator
+      if (CHUNK > 0 && t8 / CHUNK != ch) continue;
       const int hi = (i >> 1) & 1;
-      const int t = t_base + c * NW + 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+      const int t = t_base + t8 - (CHUNK > 0 ? CHUNK * ch : 0) + 2 * (lane & 3) + (i & 1);
       float v = acc[c][i] + (hi ? bias_hi : bias_lo);
       if (p.activation == 1) v = GeluTanh(v);
       reinterpret_cast<T*>(tile + t * row_bytes)[r_lo + 8 * hi] = FromFloat<T>(v);
@@ -225,42 +257,46 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
   for (int c = 0; c < NCH; ++c)
 #pragma unroll
     for (int i = 0; i < NW / 2; ++i) acc[c][i] = 0.f;
-  const uint32_t* meta_rows = MetaRows(p, row0, wr, warp & 3, lane);
-  uint32_t e_even[2], e_odd[2];  // metadata of the even and the odd stages (kSparseMetaRule)
-  LoadStageMeta(e_even, meta_rows, p.groups / 8, 0, lane & 3);
+  XtMeta meta;
+  meta.r = 64 * wr + 16 * (warp & 3) + (lane >> 2);
+  meta.words = p.groups / 8;
+  meta.tig = lane & 3;
+  // Stage s (operands and metadata words) into ring slot s % STAGES.
+  auto load = [&](int s) {
+    LoadXtStage<T, BR, BT, kThreads>(smem_base + (s % STAGES) * L::kStageBytes, s * kKc, tid, p, row0, tok0, scol);
+    LoadStageMetaWords<BR, kThreads>(smem_base + L::kMetaOff + (s % STAGES) * L::kMetaBytes, p, row0, s, tid);
+  };
 
 #pragma unroll
   for (int s = 0; s < STAGES - 2; ++s) {
-    if (s < num_kt) LoadXtStage<T, BR, BT, kThreads>(smem_base + s * L::kStageBytes, s * kKc, tid, p, row0, tok0, scol);
+    if (s < num_kt) load(s);
     CpAsyncCommit();
   }
-  // Stage kt on metadata `e`; `e_next` (the other parity's registers, read by stage kt-1) is refilled for stage
-  // kt+1 once stage kt-1's products completed.
-  auto run_stage = [&](int kt, uint32_t(&e)[2], uint32_t(&e_next)[2]) {
+  // Stage kt (parity `odd`).
+  auto run_stage = [&](int kt, auto odd) {
     CpAsyncWait<STAGES - 3>();  // this thread's copies of stage kt landed
     FenceProxyAsyncShared();
     __syncthreads();  // stage kt visible to all; every warpgroup's wgmmas up to stage kt-2 completed
+    meta.Load<decltype(odd)::value>(reinterpret_cast<const uint32_t*>(smem + L::kMetaOff + (kt % STAGES) * L::kMetaBytes),
+                                    kt);
     {
       const int next = kt + STAGES - 2;  // into the buffer of stage kt-2
-      if (next < num_kt)
-        LoadXtStage<T, BR, BT, kThreads>(smem_base + (next % STAGES) * L::kStageBytes, next * kKc, tid, p, row0, tok0,
-                                         scol);
+      if (next < num_kt) load(next);
       CpAsyncCommit();
     }
 #pragma unroll
     for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
     WgmmaFence();
-    XtStageMma<T, BR, NW, NCH>(acc, smem_base + (kt % STAGES) * L::kStageBytes, wr, wt * WN / 64, e);
+    XtStageMma<T, BR, NW, NCH>(acc, smem_base + (kt % STAGES) * L::kStageBytes, wr, wt * WN / 64,
+                               meta.Operands<decltype(odd)::value>());
     WgmmaCommit();
     WgmmaWait<1>();  // stage kt-1's products completed
 #pragma unroll
     for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
-    KeepMetaLive(e_next);
-    LoadStageMeta(e_next, meta_rows, p.groups / 8, kt + 1, lane & 3);
   };
   for (int kt = 0; kt < num_kt; kt += 2) {
-    run_stage(kt, e_even, e_odd);
-    if (kt + 1 < num_kt) run_stage(kt + 1, e_odd, e_even);
+    run_stage(kt, std::false_type{});
+    if (kt + 1 < num_kt) run_stage(kt + 1, std::true_type{});
   }
   WgmmaWait<0>();
 #pragma unroll
@@ -282,53 +318,59 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
 //
 // 384 threads: warpgroup 0 is the producer, warpgroups 1 and 2 consume (wait full, issue the stage's wgmmas,
 // wait for the previous stage's products (from x rows: this stage's, kInFlight), release that stage to the
-// producer; metadata double-buffered as in the kernel above, kSparseMetaRule).  The producer fills a
-// STAGES-deep ring: thread 0 loads A's values by TMA (one box per stage, 64-byte swizzled, arrival with expect_tx);
-// Xc comes by TMA too at M = 4 (dense rows of x^T: BT/64 boxes of 64 tokens x 64 k), and otherwise by cp.async
-// from all 128 producer threads, each marking its part with cp.async.mbarrier.arrive.  The grid is persistent
-// (one CTA per SM, tiles strided over the grid, features fastest so CTAs running together share x^T rows);
-// the Y tile is staged in its own shared-memory region, so the producer loads the next tile's first stages
-// while the consumers run this tile's epilogue.  Barrier phases run on across tiles.
+// producer; metadata fetched ahead and double-buffered as in the kernel above, kSparseMetaRule).  The producer
+// fills a STAGES-deep ring: thread 0 loads A's values by TMA (one box per stage, 64-byte swizzled, arrival with
+// expect_tx); Xc comes by TMA too at M = 4 (dense rows of x^T: BT/64 boxes of 64 tokens x 64 k; or x's own rows,
+// XROW: one box of BT tokens x 64 k), and otherwise by cp.async from all 128 producer threads, each marking its
+// part with cp.async.mbarrier.arrive.  The grid is persistent (one CTA per SM, tiles strided over the grid,
+// features fastest so CTAs running together share x rows); the Y tile is staged in its own shared-memory
+// region, so the producer loads the next tile's first stages while the consumers run this tile's epilogue.
+// Barrier phases run on across tiles.
 //
-// kXtPairs (XROW, 2:4 on x [T, K]): the bytes moved from L2 per multiply-add are 1/BT (A, compressed) + 2/BR
-// (x), so x dominates; two CTAs on neighbouring feature blocks of the same token block form a cluster, each
-// TMA-loads half of the stage's x box (BT/2 tokens) with .multicast::cluster into both CTAs' shared memory,
-// which halves x's share.  Each CTA's full barrier counts its own A box and both x halves; a stage slot is free
-// only when the consumers of both CTAs released it (the empty barriers count 8 warps x 2 CTAs, arrived on
-// through mapa), since the other CTA's producer writes half of it; both CTAs walk the same pair tiles, and a
-// cluster barrier at the end keeps either from exiting while the other can still reach its shared memory.
-// Measured on the H100 (session 8): correct, but 2.2-2.5x slower than one CTA per tile, so the pair tiles are
-// opt-in (JAXSPARSE_SPMM_XT_TILE=pair128x256 / pair64x256).
+// From x rows the consumers run m64n256 products (NWMAX = 256: 0.200 / 0.170 ms against 0.207 / 0.176 with two
+// m64n128 at 2:4, 1024x4096 / 4096x1024; session 9, device call 4).  What bounds the kernel is not identified:
+// Nsight Compute shows neither L2 (CTA pairs that multicast x halved its reads and ran exactly as fast; removed),
+// nor shared memory (fewer wgmma wavefronts than cuBLAS in the same time), nor the metadata loads (now staged in
+// shared memory) saturated, with the tensor pipe active 40 % of the time (cuBLAS: 84 %); a 256x128 tile ran 20 %
+// slower (docs/kernel-notes.md, session 9).
 constexpr int kWsThreads = 384;
+// Registers per thread once the roles are known (setmaxnreg, 128 x producer + 256 x consumer <= 64 K): the
+// producer gives back what the consumers' 128 accumulators and metadata pipeline need.  Launched at 168 (384
+// threads, one CTA per SM), the 128x256 consumers spilled 28 bytes once the metadata was fetched two stages
+// ahead.  A producer that gathers x^T rows by cp.async (x^T, M > 4) needs more than one that only issues TMA.
+template <bool XROW>
+struct WsRegs {
+  static constexpr int kProducer = XROW ? 40 : 56;
+  static constexpr int kConsumer = XROW ? 232 : 224;
+  static_assert(128 * kProducer + 256 * kConsumer <= 65536, "register file");
+};
 
-// The Y tile is staged kEpiChunks token chunks at a time (BR = 128: the two warpgroups share every token, so each
-// of their NCH products is one chunk of NW tokens), which leaves shared memory for a deeper ring.
+// The Y tile is staged kEpiChunks chunks of 128 tokens at a time where the two warpgroups share every token (BR >=
+// 128), which leaves shared memory for a deeper ring.
 template <int BR, int BT, int STAGES>
 struct XtWsLayout {
   static constexpr int kABytes = (BR / 64) * kAColBytes;
   static constexpr int kBBytes = (BT / 64) * kColBytes;
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kYRowBytes = BR * 2 + 16;
-  static constexpr int kEpiChunks = XtWarps<BR, BT>::WR == 2 ? XtWarps<BR, BT>::NCH : 1;
+  static constexpr int kEpiChunks = XtWarps<BR, BT>::WR == 2 ? BT / 128 : 1;
   static constexpr int kEpiTokens = BT / kEpiChunks;
   static constexpr int kEpiOff = STAGES * kStageBytes;
-  static constexpr int kBarOff = kEpiOff + kEpiTokens * kYRowBytes;  // full[STAGES] then empty[STAGES], 8 bytes each
+  static constexpr int kMetaBytes = BR * 8;  // a stage's metadata words: [BR rows][2]
+  static constexpr int kMetaOff = kEpiOff + kEpiTokens * kYRowBytes;
+  static constexpr int kBarOff = kMetaOff + STAGES * kMetaBytes;  // full[STAGES] then empty[STAGES], 8 bytes each
   static constexpr int kBytes = kBarOff + 2 * STAGES * 8;
   static_assert(kStageBytes % 1024 == 0 && kBarOff % 8 == 0, "alignment");
 };
 
-template <typename T, int BR, int BT, int STAGES, bool XROW>
+template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128>
 __global__ void __launch_bounds__(kWsThreads, 1)
     SpmmWgmmaXtWsKernel(const SpmmXtParams p, const __grid_constant__ CUtensorMap tma_a,
                         const __grid_constant__ CUtensorMap tma_x) {
 #ifdef JAXSPARSE_WGMMA
   using L = XtWsLayout<BR, BT, STAGES>;
-  using W = XtWarps<BR, BT>;  // over the two consumer warpgroups
+  using W = XtWarps<BR, BT, NWMAX>;  // over the two consumer warpgroups
   constexpr int WR = W::WR, WN = W::WN, NW = W::NW, NCH = W::NCH;
-  // XROW with p.pairs: CTA pairs (clusters of 2) on neighbouring feature blocks of one token block; each loads
-  // half of the shared x tile and multicasts it to both (kXtPairs).
-  const bool pairs = XROW && p.pairs;
-  const int npair = pairs ? 2 : 1;
   // wgmma.sp groups a consumer keeps in flight while it issues the next stage: one from x^T (MN-major B: 0.237 ms
   // against 0.257 with none at 2:4 1024x4096), none from x rows (K-major B: 0.249 ms with none against 0.274
   // with one; session 8, device calls 2 and 4), whose stage then goes back to the producer at once.
@@ -341,142 +383,103 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
   const bool x_by_tma = XROW || p.cols == nullptr;  // M = 4: Xc is x^T (or x) itself
-  const int rank = pairs ? static_cast<int>(ClusterCtaRank()) : 0;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      // Thread 0's expect_tx arrival, plus every producer thread's cp.async arrival when Xc is gathered.
-      MbarInit(full0 + 8 * s, x_by_tma ? 1 : 129);
-      MbarInit(empty0 + 8 * s, 8 * npair);  // every consumer warp (of both CTAs of a pair) done with the stage
+      // Thread 0's expect_tx arrival, plus every producer thread's cp.async arrival (metadata words, and Xc when
+      // it is gathered).
+      MbarInit(full0 + 8 * s, 129);
+      MbarInit(empty0 + 8 * s, 8);  // every consumer warp done with the stage
     }
-    if (pairs) FenceMbarInitCluster();
   }
-  if (pairs)
-    ClusterSync();  // the pair's barriers are initialised before either CTA loads into or arrives on them
-  else
-    __syncthreads();
+  __syncthreads();
 
   const int kc_total = 4 * p.groups;
   const int num_kt = (kc_total + kKc - 1) / kKc;
   const int nfb = p.rows / BR;
-  const int nfp = (nfb + npair - 1) / npair;  // feature blocks (pairs of them with pairs)
-  const int ntiles = nfp * ((p.tokens + BT - 1) / BT);
-  const int first = blockIdx.x / npair, stride = gridDim.x / npair;
-  // Tile -> (feature block, first token); with pairs, an odd block count leaves the last pair's second CTA
-  // without a block of its own: it computes the last block again (its x half is still needed) and stores nothing.
-  auto tile_origin = [&](int tile, int& row0, int& tok0) {
-    const int fb = (tile % nfp) * npair + rank;
-    row0 = (fb < nfb ? fb : nfb - 1) * BR;
-    tok0 = (tile / nfp) * BT;
-    return fb < nfb;
-  };
+  const int ntiles = nfb * ((p.tokens + BT - 1) / BT);
 
   if (wg == 0) {  // ------------------------------------------------ producer
+    SetMaxRegisters<WsRegs<XROW>::kProducer, false>();
     int it = 0;
-    for (int tile = first; tile < ntiles; tile += stride) {
-      int row0, tok0;
-      tile_origin(tile, row0, tok0);
+    for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+      const int row0 = (tile % nfb) * BR, tok0 = (tile / nfb) * BT;
       const uint8_t* tcols = p.cols != nullptr ? p.cols + static_cast<int64_t>(row0 / p.v) * kc_total : nullptr;
       for (int kt = 0; kt < num_kt; ++kt, ++it) {
         const int s = it % STAGES;
         const uint32_t stage = smem_base + s * L::kStageBytes, full = full0 + 8 * s;
-        if (it >= STAGES) {
-          if (pairs)
-            MbarWaitCluster(empty0 + 8 * s, ((it / STAGES) & 1) ^ 1);
-          else
-            MbarWait(empty0 + 8 * s, ((it / STAGES) & 1) ^ 1);
-        }
+        if (it >= STAGES) MbarWait(empty0 + 8 * s, ((it / STAGES) & 1) ^ 1);
         if (tid == 0) {
           MbarArriveExpectTx(full, L::kABytes + (x_by_tma ? L::kBBytes : 0));
           TmaLoad2d(stage, &tma_a, kt * (kKc / 2), row0, full);
-          if (pairs)  // x [T, K]: this CTA's BT/2 rows of the stage's 64 k, into both CTAs of the pair
-            TmaLoad2dMulticast(stage + L::kABytes + rank * (BT / 2) * 128, &tma_x, kt * kKc, tok0 + rank * (BT / 2),
-                               full, 0x3);
-          else if (XROW)  // x [T, K]: BT rows of the stage's 64 k
+          if (XROW)  // x [T, K]: BT rows of the stage's 64 k
             TmaLoad2d(stage + L::kABytes, &tma_x, kt * kKc, tok0, full);
           else if (x_by_tma)
 #pragma unroll
             for (int c = 0; c < BT / 64; ++c) TmaLoad2d(stage + L::kABytes + c * kColBytes, &tma_x, tok0 + 64 * c, kt * kKc, full);
         }
-        if (!x_by_tma) {
-          LoadXtStage<T, BR, BT, 128, false>(stage, kt * kKc, tid, p, row0, tok0, tcols);
-          CpAsyncMbarArrive(full);
-        }
+        LoadStageMetaWords<BR, 128>(smem_base + L::kMetaOff + s * L::kMetaBytes, p, row0, kt, tid);
+        if (!x_by_tma) LoadXtStage<T, BR, BT, 128, false>(stage, kt * kKc, tid, p, row0, tok0, tcols);
+        CpAsyncMbarArrive(full);
       }
     }
     CpAsyncWait<0>();
   } else {  // ------------------------------------------------------ consumers
+    SetMaxRegisters<WsRegs<XROW>::kConsumer, true>();
     const int cw = wg - 1, wq = warp & 3, ctid = tid - 128;
     const int wr = WR == 2 ? cw : 0;  // feature half of this warpgroup
     const int wt = WR == 2 ? 0 : cw;  // token half
     unsigned char* ytile = smem + L::kEpiOff;
-    // Stage ring slot s is free again (in this CTA and, with pairs, in the other CTA, whose producer writes
-    // half of it).
-    auto release = [&](int s) {
-      if (lane != 0) return;
-      if (pairs) {
-        MbarArriveCluster(empty0 + 8 * s, 0);
-        MbarArriveCluster(empty0 + 8 * s, 1);
-      } else {
-        MbarArrive(empty0 + 8 * s);
-      }
-    };
     int it = 0;
-    for (int tile = first; tile < ntiles; tile += stride) {
-      int row0, tok0;
-      const bool store = tile_origin(tile, row0, tok0);
+    for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+      const int row0 = (tile % nfb) * BR, tok0 = (tile / nfb) * BT;
       float acc[NCH][NW / 2];
 #pragma unroll
       for (int c = 0; c < NCH; ++c)
 #pragma unroll
         for (int i = 0; i < NW / 2; ++i) acc[c][i] = 0.f;
-      const uint32_t* meta_rows = MetaRows(p, row0, wr, wq, lane);
-      uint32_t e_even[2], e_odd[2];  // metadata of the tile's even and odd stages (kSparseMetaRule)
-      LoadStageMeta(e_even, meta_rows, p.groups / 8, 0, lane & 3);
-      // Stage kt (ring slot it % STAGES) on metadata `e`; once stage kt-1's products completed, its ring slot goes
-      // back to the producer and `e_next` (its metadata registers) is refilled for stage kt+1.
-      auto run_stage = [&](int kt, int it, uint32_t(&e)[2], uint32_t(&e_next)[2]) {
+      XtMeta meta;
+      meta.r = 64 * wr + 16 * wq + (lane >> 2);
+      meta.words = p.groups / 8;
+      meta.tig = lane & 3;
+      auto fence_acc = [&] {
+#pragma unroll
+        for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
+      };
+      // Stage kt (parity `odd`, ring slot it % STAGES); once stage kt-1's products completed, its ring slot goes
+      // back to the producer (kInFlight = 0: this stage's slot).
+      auto run_stage = [&](int kt, int it, auto odd) {
+        constexpr bool kOdd = decltype(odd)::value;
         const int s = it % STAGES;
         MbarWait(full0 + 8 * s, (it / STAGES) & 1);
         FenceProxyAsyncShared();  // the producers' cp.async writes, seen through the barrier, before wgmma reads
-#pragma unroll
-        for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
+        meta.Load<kOdd>(reinterpret_cast<const uint32_t*>(smem + L::kMetaOff + s * L::kMetaBytes), kt);
+        fence_acc();
         WgmmaFence();
-        XtStageMma<T, BR, NW, NCH, XROW>(acc, smem_base + s * L::kStageBytes, wr, wt * WN / 64, e);
+        XtStageMma<T, BR, NW, NCH, XROW>(acc, smem_base + s * L::kStageBytes, wr, wt * WN / 64, meta.Operands<kOdd>());
         WgmmaCommit();
         WgmmaWait<kInFlight>();  // stage kt-1's products completed (kInFlight = 0: stage kt's too)
-#pragma unroll
-        for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
-        KeepMetaLive(e_next);
-        if (kInFlight == 0)
-          release(s);
-        else if (kt > 0)
-          release((it - 1) % STAGES);
-        LoadStageMeta(e_next, meta_rows, p.groups / 8, kt + 1, lane & 3);
+        fence_acc();
+        if (lane == 0 && (kInFlight == 0 || kt > 0)) MbarArrive(empty0 + 8 * ((kInFlight == 0 ? it : it - 1) % STAGES));
       };
       for (int kt = 0; kt < num_kt; kt += 2) {
-        run_stage(kt, it + kt, e_even, e_odd);
-        if (kt + 1 < num_kt) run_stage(kt + 1, it + kt + 1, e_odd, e_even);
+        run_stage(kt, it + kt, std::false_type{});
+        if (kt + 1 < num_kt) run_stage(kt + 1, it + kt + 1, std::true_type{});
       }
       it += num_kt;
       WgmmaWait<0>();
-#pragma unroll
-      for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
-      if (kInFlight == 1) release((it - 1) % STAGES);  // the tile's last stage
+      fence_acc();
+      if (kInFlight == 1 && lane == 0) MbarArrive(empty0 + 8 * ((it - 1) % STAGES));  // the tile's last stage
 #pragma unroll
       for (int ch = 0; ch < L::kEpiChunks; ++ch) {
         NamedBarSync(1, 256);  // the previous chunk's (or tile's) stores have read the staged Y
-        StageXtAccumulators<T, NW, NCH>(acc, ytile, L::kYRowBytes, p, row0, 64 * wr, wt * WN - ch * L::kEpiTokens, wq,
-                                        lane, L::kEpiChunks > 1 ? ch : -1);
+        StageXtAccumulators<T, NW, NCH, (L::kEpiChunks > 1 ? L::kEpiTokens : 0)>(acc, ytile, L::kYRowBytes, p, row0,
+                                                                                 64 * wr, wt * WN, wq, lane, ch);
         NamedBarSync(1, 256);
-        if (store)
-          StoreStagedTile<T, L::kEpiTokens, BR, 256>(ytile, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows,
-                                                     tok0 + ch * L::kEpiTokens, row0, ctid);
+        StoreStagedTile<T, L::kEpiTokens, BR, 256>(ytile, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows,
+                                                   tok0 + ch * L::kEpiTokens, row0, ctid);
       }
     }
   }
-  // With pairs, neither CTA may exit while the other can still arrive on its barriers or write into its
-  // shared memory.
-  if (pairs) ClusterSync();
 #else
   __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
 #endif
@@ -486,8 +489,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 
 // Tile configurations <BR features, BT tokens, stages, CTAs per SM>; the attribute `tile` picks one
 // (0 = auto).  BR = 64 is the only choice for V = 64 (one column set per CTA).
-// 5 and 6 are the warp-specialized persistent kernel (SpmmWgmmaXtWsKernel) at 128x256 and 64x256; 7 and 8
-// the same kernel by CTA pairs that multicast x (kXtPairs; x [T, K] only).
+// 5 and 6 are the warp-specialized persistent kernel (SpmmWgmmaXtWsKernel) at 128x256 and 64x256 (the only
+// tiles that read x [T, K], x_rows 1; at 128x256 on m64n256 products there).
 enum XtTile {
   kTileAuto = 0,
   kTile128x256 = 1,
@@ -496,8 +499,6 @@ enum XtTile {
   kTile64x128 = 4,
   kTileWs128x256 = 5,
   kTileWs64x256 = 6,
-  kTilePair128x256 = 7,
-  kTilePair64x256 = 8
 };
 
 template <typename T, int BR, int BT, int STAGES, int MIN_BLOCKS>
@@ -517,9 +518,9 @@ ffi::Error LaunchTile(cudaStream_t stream, const SpmmXtParams& p) {
   return LastLaunchError("SpmmWgmmaXtKernel");
 }
 
-template <typename T, int BR, int BT, int STAGES, bool XROW>
+template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128>
 ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& p) {
-  constexpr auto kernel = SpmmWgmmaXtWsKernel<T, BR, BT, STAGES, XROW>;
+  constexpr auto kernel = SpmmWgmmaXtWsKernel<T, BR, BT, STAGES, XROW, NWMAX>;
   if (!Sm90aImageLoaded<kernel>())
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: needs an sm_90a build on a Hopper GPU");
   constexpr int smem = XtWsLayout<BR, BT, STAGES>::kBytes + 1024;
@@ -527,58 +528,20 @@ ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& p) {
   if (ffi::Error e = RaiseSmemLimit<kernel>(smem, "cudaFuncSetAttribute(SpmmWgmmaXtWsKernel)"); e.failure()) return e;
   CUtensorMap tma_a{}, tma_x{};
   if (!MakeTensorMap2d(&tma_a, p.values, p.rows, 2 * static_cast<uint64_t>(p.groups), BR, kKc / 2) ||
-      (XROW && !MakeTensorMap2d(&tma_x, p.xt, p.tokens, p.k, p.pairs ? BT / 2 : BT)) ||
+      (XROW && !MakeTensorMap2d(&tma_x, p.xt, p.tokens, p.k, BT)) ||
       (!XROW && p.cols == nullptr && !MakeTensorMap2d(&tma_x, p.xt, p.k, p.tokens, 64)))
     return ffi::Error::Internal("jaxsparse_spmm_xt: cuTensorMapEncodeTiled failed for the warp-specialized tile");
-  const int token_blocks = (p.tokens + BT - 1) / BT, feature_blocks = p.rows / BR;
-  if (!p.pairs) {
-    kernel<<<std::min(feature_blocks * token_blocks, SmCount()), kWsThreads, smem, stream>>>(p, tma_a, tma_x);
-    return LastLaunchError("SpmmWgmmaXtWsKernel");
-  }
-  // CTA pairs (kXtPairs): one cluster of 2 per pair of feature blocks and token block, persistent.  The grid
-  // holds only as many pairs as can be resident at once (a 2-CTA cluster needs two free SMs of one GPC, so
-  // fewer than SmCount() / 2 may fit; a pair beyond that would wait for a whole earlier pair to finish).  On the
-  // H100 all 66 fit (runs/occ.cu), and the pairs still ran 2x slower than one CTA per tile (docs/kernel-notes.md,
-  // session 8): opt-in tiles only.
-  const int pair_tiles = (feature_blocks + 1) / 2 * token_blocks;
-  cudaLaunchConfig_t config = {};
-  config.blockDim = dim3(kWsThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute cluster;
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = 2;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
-  static int resident_pairs = 0;  // per instantiation; benign race: every thread computes the same value
-  if (resident_pairs == 0) {
-    config.gridDim = dim3(2 * (SmCount() / 2));
-    int n = 0;
-    if (cudaError_t st = cudaOccupancyMaxActiveClusters(&n, kernel, &config); st != cudaSuccess || n < 1) {
-      cudaGetLastError();
-      return st != cudaSuccess ? CudaError(st, "cudaOccupancyMaxActiveClusters(SpmmWgmmaXtWsKernel)")
-                               : ffi::Error::Internal("jaxsparse_spmm_xt: no CTA pair of the TMA row kernel fits an SM pair");
-    }
-    resident_pairs = n;
-  }
-  config.gridDim = dim3(2 * std::min(pair_tiles, resident_pairs));
-  if (cudaError_t st = cudaLaunchKernelEx(&config, kernel, p, tma_a, tma_x); st != cudaSuccess) {
-    cudaGetLastError();
-    return CudaError(st, "SpmmWgmmaXtWsKernel (CTA pairs)");
-  }
-  return ffi::Error::Success();
+  const int tiles = (p.tokens + BT - 1) / BT * (p.rows / BR);
+  kernel<<<std::min(tiles, SmCount()), kWsThreads, smem, stream>>>(p, tma_a, tma_x);
+  return LastLaunchError("SpmmWgmmaXtWsKernel");
 }
 
-// Auto tile, from the H100 measurements in docs/kernel-notes.md (sessions 5 and 6).  2:4 (no gathered rows):
-// the warp-specialized TMA kernel (1024x4096 at 16384 tokens: 0.264 ms against 0.355 for 128x256).  V:2:M:
-// 128 features where V allows, else 64; 128 tokens (two CTAs per SM, so one CTA's prologue and epilogue
-// overlap the other's main loop) unless the condensed reduction is long (more than 8 stages of 64), where the
-// 256-token tile's reuse of A pays (4096x1024 at 128:2:16: 0.119 ms against 0.129; 1024x4096: 0.167 against
-// 0.162).
+// Auto tile, from the H100 measurements in docs/kernel-notes.md (sessions 5, 6 and 9).  x [T, K] and 2:4 (no
+// gathered rows): the warp-specialized TMA kernel.  V:2:M: 128 features where V allows, else 64; 128 tokens (two CTAs per SM, so one CTA's prologue and
+// epilogue overlap the other's main loop) unless the condensed reduction is long (more than 8 stages of 64),
+// where the 256-token tile's reuse of A pays (4096x1024 at 128:2:16: 0.119 ms against 0.129; 1024x4096: 0.167
+// against 0.162).
 int AutoTile(const SpmmXtParams& p, bool can128, bool x_rows) {
-  // x rows: one CTA per tile; the CTA pairs ran 2x slower at 16384 tokens (session 8, device calls 2 and 3).
   if (x_rows) return can128 ? kTileWs128x256 : kTileWs64x256;
   if (p.cols == nullptr) return can128 ? kTileWs128x256 : kTileWs64x256;
   if (!can128) return kTile64x128;  // 64:2:8 at 1024x4096: 0.328 ms against 0.375 with 64x256
@@ -589,14 +552,12 @@ template <typename T>
 ffi::Error Dispatch(cudaStream_t stream, SpmmXtParams p, int tile, bool x_rows) {
   const bool can128 = p.rows % 128 == 0 && (p.cols == nullptr || p.v % 128 == 0);
   if (tile == kTileAuto) tile = AutoTile(p, can128, x_rows);
-  if ((tile == kTile128x256 || tile == kTile128x128 || tile == kTileWs128x256 || tile == kTilePair128x256) && !can128)
+  if ((tile == kTile128x256 || tile == kTile128x128 || tile == kTileWs128x256) && !can128)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: 128-feature tiles need R % 128 == 0 and V >= 128");
   if (x_rows) {  // x [T, K] as it is (M = 4): only the TMA kernel reads it
-    p.pairs = tile == kTilePair128x256 || tile == kTilePair64x256;
-    if (tile == kTileWs128x256 || tile == kTilePair128x256) return LaunchWs<T, 128, 256, 4, true>(stream, p);
-    if (tile == kTileWs64x256 || tile == kTilePair64x256) return LaunchWs<T, 64, 256, 5, true>(stream, p);
-    return ffi::Error::InvalidArgument(
-        "jaxsparse_spmm_xt: x [T, K] (x_rows 1) takes tile auto, ws128x256, ws64x256, pair128x256 or pair64x256");
+    if (tile == kTileWs128x256) return LaunchWs<T, 128, 256, 4, true, 256>(stream, p);
+    if (tile == kTileWs64x256) return LaunchWs<T, 64, 256, 5, true>(stream, p);
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x [T, K] (x_rows 1) takes tile auto, ws128x256 or ws64x256");
   }
   switch (tile) {
     case kTile128x256:
@@ -661,7 +622,6 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer val
   p.m = m;
   p.bias_f32 = has_bias && bias.element_type() == ffi::F32;
   p.activation = activation;
-  p.pairs = 0;
   if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, tile, x_rows == 1);
   if (dt == ffi::F16) return Dispatch<__half>(stream, p, tile, x_rows == 1);
   return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T must be bfloat16 or float16");

@@ -439,24 +439,26 @@ def test_sparse_linear_grad_hlo_x_transposed_route_transposes_once(monkeypatch, 
     assert not layout_moves(text), layout_moves(text)
 
 
+@pytest.mark.parametrize("spec", ["2:4", "64:2:8"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("t", [17, 1000])
-def test_sparse_linear_2_4_reads_x_as_it_is(monkeypatch, dtype, t):
-    """2:4 on Hopper, default routes: the TMA forward and the TMA SDDMM read x [T, K] as it is, so the jitted
-    gradient runs no transpose of ours or XLA's, and matches the reference."""
+def test_sparse_linear_2_4_reads_x_as_it_is(monkeypatch, spec, dtype, t):
+    """2:4 and 64:2:8 (an M in calls.TMA_ROW_AUTO_M, through its 2:4 view) on Hopper, default routes: the TMA
+    forward and the TMA SDDMM read x [T, K] as it is, so the jitted gradient runs no transpose of ours or XLA's,
+    and matches the reference."""
     if not _hopper():
         pytest.skip("the TMA kernels run on Hopper")
     _force_backward_kernels(monkeypatch, "dense")
     for env in ("JAXSPARSE_SPMM_X", "JAXSPARSE_SDDMM_X", "JAXSPARSE_SPMM_ROW_KERNEL", "JAXSPARSE_SDDMM_ENGINE"):
         monkeypatch.delenv(env, raising=False)
     k, r = 1024, 384
-    x, _, sw = _make(key("grad-2-4", str(dtype), t), t, k, r, "2:4", dtype)
-    kb, kt = jax.random.split(key("grad-2-4-bt", str(dtype), t))
+    x, _, sw = _make(key("grad-2-4", spec, str(dtype), t), t, k, r, spec, dtype)
+    kb, kt = jax.random.split(key("grad-2-4-bt", spec, str(dtype), t))
     bias = jax.random.normal(kb, (r,), jnp.float32).astype(dtype)
     target = jax.random.normal(kt, (t, r), jnp.float32).astype(dtype).astype(jnp.float32)
     vg = jax.jit(jax.value_and_grad(lambda x, v, b, tg: _loss(sw)(jnp.tanh(x), v, b, tg), argnums=(0, 1, 2)))
     text = vg.lower(x, sw.values, bias, target).compile().as_text()
-    for name in ("jaxsparse_spmm_xt", "jaxsparse_sddmm"):
+    for name in ("jaxsparse_spmm_xt", "jaxsparse_sddmm") + (("jaxsparse_as_2_4",) if spec != "2:4" else ()):
         assert f'custom_call_target="{name}"' in text, name
     assert 'custom_call_target="jaxsparse_transpose"' not in text
     assert not layout_moves(text), layout_moves(text)

@@ -1,4 +1,5 @@
-"""The FFI plumbing end to end on a GPU: the decompress handler under jit, pmap, shard_map and vmap."""
+"""The FFI plumbing end to end on a GPU: the decompress handler under jit, pmap, shard_map and vmap; the 2:4 view's
+handler against its reference."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from gpu_common import gpu_marks
 from jaxsparse import ffi, ops
+from jaxsparse.ffi import calls
 from jaxsparse import format as F
 
 pytestmark = gpu_marks("jaxsparse_decompress", "jaxsparse_spmm")
@@ -46,6 +48,27 @@ def test_decompress_writes_every_element():
     out = np.asarray(f(poison, sw), np.float32)
     assert np.isfinite(out).all()
     np.testing.assert_array_equal(out, np.asarray(F.decompress(sw), np.float32))
+
+
+@pytest.mark.parametrize("spec, k, r", [("64:2:8", 512, 192), ("128:2:8", 768, 384), ("128:2:16", 512, 256),
+                                        ("64:2:32", 1024, 320), ("128:2:32", 768, 128)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_as_2_4_kernel(spec, k, r, dtype):
+    """The ``jaxsparse_as_2_4`` handler against its reference ``format.as_2_4``, bit for bit: the view's values,
+    metadata and slots, on fresh random weights (rows of several V blocks, a thread grid with a tail). The
+    memory of a freed NaN array of the view's size is offered to the output first, so an element the kernel
+    did not write shows."""
+    sw = weight(hash((spec, k, r, str(dtype))) % 1000, spec, k, r, dtype)
+    jnp.full((r, k // 2), jnp.nan, dtype).block_until_ready()  # freed at once: poison for the allocator
+    f = jax.jit(calls.as_2_4)
+    assert "jaxsparse_as_2_4" in f.lower(sw).compile().as_text()
+    sw24, slots = f(sw)
+    ref24, ref_slots = F.as_2_4(sw)
+    np.testing.assert_array_equal(np.asarray(sw24.values).view(np.uint8), np.asarray(ref24.values).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(sw24.metadata), np.asarray(ref24.metadata))
+    np.testing.assert_array_equal(np.asarray(slots), np.asarray(ref_slots))
+    assert sw24.spec == ref24.spec and sw24.shape == ref24.shape
+    np.testing.assert_array_equal(np.asarray(F.decompress(sw24)), np.asarray(F.decompress(sw)))
 
 
 def test_decompress_vmap():

@@ -326,5 +326,5 @@ def test_xt_kernel_tiles_and_row_kernel_refuse_what_they_cannot_take(monkeypatch
         calls.sddmm(x3.reshape(-1, 512), jnp.ones((16, 192), jnp.bfloat16), sw3, engine="tma")
     x24, sw24, _, _ = make(6, "2:4", k=512, r=128, tokens=(2, 8), dtype=jnp.bfloat16)
     monkeypatch.setenv(calls.SPMM_XT_TILE_ENV, "128x128")
-    with pytest.raises(ValueError, match="tile auto, ws128x256, ws64x256, pair128x256"):
+    with pytest.raises(ValueError, match="tile auto, ws128x256, ws64x256"):
         calls.spmm(x24.reshape(-1, 512), sw24, x_layout="row", row_kernel="tma")

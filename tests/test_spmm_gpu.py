@@ -176,8 +176,8 @@ def test_spmm_rows_tma(dtype, t, k, r):
 @pytest.mark.parametrize("spec", [s for s in SPECS if F.VNM.parse(s).m > 4])
 @pytest.mark.parametrize("t", [17, 1000])
 def test_spmm_rows_tma_v2m(spec, t):
-    """V:2:M from x [T, K] on the TMA row kernel through the weight's 2:4 view (format.as_2_4): 128-feature
-    tiles (R = 384, three feature blocks: an odd count for the CTA pairs) and token tails."""
+    """V:2:M from x [T, K] on the TMA row kernel through the weight's 2:4 view (``calls.as_2_4``): 128-feature
+    tiles (R = 384) and token tails."""
     m = F.VNM.parse(spec).m
     x, sw, bias = _make(key("rows-tma-v2m", spec, t), t, 768 if m in (4, 32) else 512, 384, spec, jnp.bfloat16,
                         with_bias=True)
@@ -185,14 +185,12 @@ def test_spmm_rows_tma_v2m(spec, t):
 
 
 @xt_marks
-@pytest.mark.parametrize("r", [640, 320], ids=["128x256", "64x256"])
-@pytest.mark.parametrize("kind", ["pair", "ws"])
-def test_spmm_rows_tma_persistent(r, kind, monkeypatch):
-    """2:4 from x [T, K] with more tiles than the persistent grid has CTAs (or CTA pairs), so each runs several
-    (barrier phases carry over across tiles and, for pairs, across the two CTAs), an odd feature-block count (5:
-    the last pair's second CTA has no block of its own and must store nothing), a token tail, bias and GELU."""
-    monkeypatch.setenv(calls.SPMM_XT_TILE_ENV, kind + ("128x256" if r % 128 == 0 else "64x256"))
-    x, sw, bias = _make(key("rows-tma-persist", r, kind), 256 * 40 + 72, 512, r, "2:4", jnp.bfloat16, with_bias=True)
+@pytest.mark.parametrize("tile, r", [("ws128x256", 640), ("ws64x256", 320)])
+def test_spmm_rows_tma_persistent(tile, r, monkeypatch):
+    """2:4 from x [T, K] with more tiles than the persistent grid has CTAs, so each runs several (barrier phases
+    and the metadata pipeline carry over across tiles), an odd feature-block count, a token tail, bias and GELU."""
+    monkeypatch.setenv(calls.SPMM_XT_TILE_ENV, tile)
+    x, sw, bias = _make(key("rows-tma-persist", r, tile), 256 * 40 + 72, 512, r, "2:4", jnp.bfloat16, with_bias=True)
     _check(x, sw, bias, "gelu", TOL[jnp.bfloat16], row_kernel="tma")
 
 

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsparse.ffi import register
-from jaxsparse.format import SparseWeight, as_2_4
+from jaxsparse.format import VNM, SparseWeight
+from jaxsparse.format import as_2_4 as format_as_2_4
 
 # vmap of any call runs the kernel once per batch element: a correct, if slow, batching rule.
 _VMAP = "sequential"
@@ -88,22 +89,42 @@ def _varying_axes(a: jax.Array) -> frozenset:
 
 
 def _call(target: str, shape: tuple[int, ...], dtype, *operands: jax.Array, **attrs) -> jax.Array:
-    """One ``ffi_call`` with a single result.
+    """One ``ffi_call`` with a single result ``shape``/``dtype`` (:func:`_call_results`)."""
+    return _call_results(target, [(shape, dtype)], *operands, **attrs)[0]
+
+
+def _call_results(target: str, results: list[tuple[tuple[int, ...], Any]], *operands: jax.Array,
+                  **attrs) -> list[jax.Array]:
+    """One ``ffi_call`` with the given ``(shape, dtype)`` results.
 
     Inside ``shard_map`` the operands may vary over different mesh axes (tokens sharded, weights
     replicated); XLA custom calls need them to agree, so every operand is cast to vary over the union,
-    and the result varies over it too. The call itself runs per shard: nothing is gathered.
+    and the results vary over it too. The call itself runs per shard: nothing is gathered.
     """
     register()
     axes = frozenset().union(*(_varying_axes(a) for a in operands))
-    result = jax.ShapeDtypeStruct(shape, dtype)
+    structs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in results]
     if axes:
         operands = tuple(
             a if _varying_axes(a) == axes else jax.lax.pcast(a, tuple(sorted(axes - _varying_axes(a))), to="varying")
             for a in operands
         )
-        result = jax.typeof(operands[0]).update(shape=shape, dtype=jnp.dtype(dtype))
-    return jax.ffi.ffi_call(target, result, vmap_method=_VMAP)(*operands, **attrs)
+        structs = [jax.typeof(operands[0]).update(shape=shape, dtype=jnp.dtype(dtype)) for shape, dtype in results]
+    return list(jax.ffi.ffi_call(target, structs, vmap_method=_VMAP)(*operands, **attrs))
+
+
+def as_2_4(sw: SparseWeight) -> tuple[SparseWeight, jax.Array]:
+    """:func:`jaxsparse.format.as_2_4` (the 2:4 view of a V:2:M weight and where each value went) by the CUDA
+    handler ``jaxsparse_as_2_4`` in one pass; a 2:4 weight is returned as it is, and an ``M`` outside {8, 16, 32}
+    takes the reference."""
+    m = sw.spec.m
+    if m == 4 or m not in (8, 16, 32):
+        return format_as_2_4(sw)
+    k, r = sw.shape
+    results = [((r, k // 2), sw.values.dtype), ((r, k // 32), jnp.uint32), ((r, sw.values.shape[1]), jnp.int32)]
+    values24, meta24, slots = _call_results("jaxsparse_as_2_4", results, sw.values, _columns_operand(sw), sw.metadata,
+                                            v=np.int32(sw.spec.v), m=np.int32(m))
+    return SparseWeight(values24, None, meta24, (k, r), VNM(1, 2, 4)), slots
 
 
 def decompress(sw: SparseWeight) -> jax.Array:
@@ -172,11 +193,14 @@ SPMM_X_LAYOUTS = ("auto", "row", "col")
 SPMM_ROW_KERNEL_ENV = "JAXSPARSE_SPMM_ROW_KERNEL"
 SPMM_ROW_KERNELS = ("auto", "mma", "tma")
 # The M whose weights the auto routes run on the Hopper kernels that read x [T, K] as it is (the TMA row forward
-# and the SDDMM's tma engine; V:2:M through its 2:4 view, format.as_2_4) instead of the x^T route.
-TMA_ROW_AUTO_M = (4,)
+# and the SDDMM's tma engine; V:2:M through its 2:4 view, as_2_4) instead of the x^T route.  M = 8 since session 9:
+# its layer (forward + backward) on the view took 0.787 / 0.738 / 0.235 ms against 0.789 / 0.860 / 0.271 on the
+# x^T route (1024x4096 / 4096x1024 / 1024x1024 at 16384 tokens, H100; docs/kernel-notes.md, session 9).  At
+# M >= 16 the view does M/4 times the condensed work and the x^T route stays ahead.
+TMA_ROW_AUTO_M = (4, 8)
 SPMM_XT_TILE_ENV = "JAXSPARSE_SPMM_XT_TILE"
-SPMM_XT_TILES = {"auto": 0, "128x256": 1, "64x256": 2, "128x128": 3, "64x128": 4, "ws128x256": 5, "ws64x256": 6,
-                 "pair128x256": 7, "pair64x256": 8}
+SPMM_XT_TILES = {"auto": 0, "128x256": 1, "64x256": 2, "128x128": 3, "64x128": 4, "ws128x256": 5, "ws64x256": 6}
+SPMM_ROW_TILES = ("auto", "ws128x256", "ws64x256")  # the tiles of the TMA row kernel (x [T, K])
 
 
 def spmm_x_layout(tokens: int, sw: SparseWeight, layout: str | None = None, shares_xt: bool = False) -> str:
@@ -234,11 +258,8 @@ def spmm_xt_tile(tile: str | None = None) -> int:
     V = 64, else 128x256 for a condensed reduction 4G > 512 and 128x128 below: measured, cuda/spmm_xt.cu
     ``AutoTile``),
     ``128x256``, ``64x256``, ``128x128``, ``64x128``, or ``ws128x256`` / ``ws64x256``: the warp-specialized
-    persistent kernel (a producer warpgroup and two consumer warpgroups; the TMA row kernel's auto), and for the
-    TMA row kernel (x [T, K]) also ``pair128x256`` / ``pair64x256``: the same kernel by CTA pairs on neighbouring
-    feature blocks that each load half of the shared x tile and multicast it to both (measured 2x slower on the
-    H100, session 8: opt-in only). ``None`` reads
-    ``JAXSPARSE_SPMM_XT_TILE``."""
+    persistent kernel (a producer warpgroup and two consumer warpgroups; the only tiles of the TMA row kernel,
+    which reads x [T, K]). ``None`` reads ``JAXSPARSE_SPMM_XT_TILE``."""
     tile = _setting(tile, SPMM_XT_TILE_ENV)
     if tile not in SPMM_XT_TILES:
         raise ValueError(f"the x^T SpMM tile ({SPMM_XT_TILE_ENV}) must be one of {sorted(SPMM_XT_TILES)}, got {tile!r}")
@@ -265,14 +286,13 @@ def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str |
     tokens = xt.shape[0] if x_rows else xt.shape[1]
     name = _setting(tile, SPMM_XT_TILE_ENV)
     tile_id = spmm_xt_tile(name)
-    if name.removeprefix("ws").removeprefix("pair").startswith("128x") and (sw.shape[1] % 128 or sw.spec.v == 64):
+    if name.removeprefix("ws").startswith("128x") and (sw.shape[1] % 128 or sw.spec.v == 64):
         raise ValueError(f"spmm: the x^T SpMM tile {name} needs R % 128 == 0 and V >= 128 (or 2:4), got R = "
                          f"{sw.shape[1]} and {sw.spec}")
-    if x_rows and not (name == "auto" or name.startswith(("ws", "pair"))):
-        raise ValueError(f"spmm: the TMA row kernel reads x [T, K] with tile auto, ws128x256, ws64x256, pair128x256 or "
-                         f"pair64x256, got {name} ({SPMM_XT_TILE_ENV}; or {SPMM_ROW_KERNEL_ENV}=mma)")
-    if not x_rows and name.startswith("pair"):
-        raise ValueError(f"spmm: the pair tiles read x [T, K] (the TMA row kernel), not x^T: got {name}")
+    if x_rows and name not in SPMM_ROW_TILES:
+        raise ValueError(f"spmm: the TMA row kernel reads x [T, K] with tile {', '.join(SPMM_ROW_TILES)}, got {name} "
+                         f"({SPMM_XT_TILE_ENV}; or {SPMM_ROW_KERNEL_ENV}=mma)")
+
     return _call(
         "jaxsparse_spmm_xt", (tokens, sw.shape[1]), xt.dtype, xt, sw.values,
         _columns_operand(sw), sw.metadata, b, v=np.int32(sw.spec.v), m=np.int32(sw.spec.m),

@@ -1,0 +1,148 @@
+// The 2:4 view of a V:2:M weight in one pass (jaxsparse.format.as_2_4 is the reference and documents the
+// mapping; docs/format.md, "The 2:4 view"): each group of M columns splits into M/4 quads of 4 that hold at most 2
+// of the row's values, so the same matrix is 2:4 over the full K.  The kernels that read x [T, K] as it is (the
+// TMA row forward, the SDDMM's tma engine) take any M through it; building it with XLA ops cost 0.05 ms per call
+// at 1024x4096 (session 8), about 20x this kernel's bytes at HBM speed.
+#include "common.cuh"
+#include "handlers.h"
+
+namespace jaxsparse {
+namespace {
+
+// Copies BYTES (a multiple of 4) from registers to global memory in 16-, 8- or 4-byte stores (dst aligned so).
+template <int BYTES>
+__device__ __forceinline__ void StoreVec(void* dst, const void* src) {
+  if constexpr (BYTES % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < BYTES / 16; ++i) static_cast<uint4*>(dst)[i] = static_cast<const uint4*>(src)[i];
+  } else if constexpr (BYTES % 8 == 0) {
+#pragma unroll
+    for (int i = 0; i < BYTES / 8; ++i) static_cast<uint2*>(dst)[i] = static_cast<const uint2*>(src)[i];
+  } else {
+#pragma unroll
+    for (int i = 0; i < BYTES / 4; ++i) static_cast<uint32_t*>(dst)[i] = static_cast<const uint32_t*>(src)[i];
+  }
+}
+
+// One thread per (row r, 32-bit word w of the view's metadata): the word covers quads 8w .. 8w + 7, which are the
+// 8/NQ whole groups from 8w/NQ on (NQ = M/4 quads per group divides 8: M in {8, 16, 32}).  Per group, with the
+// kept columns c0 < c1 in quads q0 <= q1 at offsets a0, a1 (as format.as_2_4): a quad holding both values stores
+// them at slots 0, 1 with positions (a0, a1); a value alone sits in slot 1 at position (0, a), or in slot 0 at
+// position (0, 1) when a = 0; an empty quad stores two zeros at positions (0, 1).  slots[r, 2g + i] is where value
+// i of group g went in the view's row.  The thread's 16 view values and its slots are assembled in registers
+// (every index a compile-time constant) and stored in 16-byte pieces: the first version stored them one 2-byte
+// value at a time and took 0.06-0.09 ms at 1024x4096 (session 9, device call 6).
+template <typename T, int NQ>
+__global__ void As24Kernel(const T* __restrict__ values, const uint8_t* __restrict__ columns,
+                           const uint32_t* __restrict__ metadata, T* __restrict__ values24, uint32_t* __restrict__ meta24,
+                           int32_t* __restrict__ slots, int rows, int groups, int v) {
+  constexpr int kGroupsPerWord = 8 / NQ;
+  const int words24 = groups * NQ / 8;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= static_cast<int64_t>(rows) * words24) return;
+  const int r = static_cast<int>(idx / words24), w = static_cast<int>(idx % words24);
+  const int g_first = w * kGroupsPerWord;
+  T out[16];
+  int32_t slot_out[2 * kGroupsPerWord];
+  uint32_t word24 = 0;
+#pragma unroll
+  for (int gi = 0; gi < kGroupsPerWord; ++gi) {
+    const int g = g_first + gi;
+    const uint32_t nibble = (metadata[static_cast<int64_t>(r) * (groups / 8) + g / 8] >> (4 * (g % 8))) & 0xF;
+    const uint8_t* cols = columns + (static_cast<int64_t>(r / v) * groups + g) * 4;
+    const int c0 = cols[nibble & 3], c1 = cols[nibble >> 2];
+    const T v0 = values[static_cast<int64_t>(r) * 2 * groups + 2 * g];
+    const T v1 = values[static_cast<int64_t>(r) * 2 * groups + 2 * g + 1];
+    const int q0 = c0 / 4, q1 = c1 / 4, a0 = c0 % 4, a1 = c1 % 4;
+    const bool same = q0 == q1;
+    const int s0 = same ? 0 : (a0 > 0 ? 1 : 0), s1 = same ? 1 : (a1 > 0 ? 1 : 0);
+    slot_out[2 * gi] = (g * NQ + q0) * 2 + s0;
+    slot_out[2 * gi + 1] = (g * NQ + q1) * 2 + s1;
+#pragma unroll
+    for (int qs = 0; qs < NQ; ++qs) {
+      const bool in0 = q0 == qs, in1 = q1 == qs;
+      const int p0 = same && in0 ? a0 : 0;
+      const int p1 = same && in0 ? a1 : in0 && a0 > 0 ? a0 : in1 && a1 > 0 ? a1 : 1;
+      out[(gi * NQ + qs) * 2] = in0 && s0 == 0 ? v0 : in1 && s1 == 0 ? v1 : T{};
+      out[(gi * NQ + qs) * 2 + 1] = in0 && s0 == 1 ? v0 : in1 && s1 == 1 ? v1 : T{};
+      word24 |= static_cast<uint32_t>(p0 | (p1 << 2)) << (4 * (gi * NQ + qs));
+    }
+  }
+  StoreVec<sizeof(out)>(values24 + static_cast<int64_t>(r) * groups * NQ * 2 + 16 * w, out);
+  StoreVec<sizeof(slot_out)>(slots + static_cast<int64_t>(r) * 2 * groups + 2 * g_first, slot_out);
+  meta24[static_cast<int64_t>(r) * words24 + w] = word24;
+}
+
+template <typename T, int NQ>
+ffi::Error Launch(cudaStream_t stream, const void* values, const uint8_t* columns, const uint32_t* metadata,
+                  void* values24, uint32_t* meta24, int32_t* slots, int rows, int groups, int v) {
+  const int64_t threads = static_cast<int64_t>(rows) * (groups * NQ / 8);
+  if (threads == 0) return ffi::Error::Success();
+  const int block = 256;
+  As24Kernel<T, NQ><<<static_cast<unsigned>((threads + block - 1) / block), block, 0, stream>>>(
+      static_cast<const T*>(values), columns, metadata, static_cast<T*>(values24), meta24, slots, rows, groups, v);
+  return LastLaunchError("As24Kernel");
+}
+
+template <typename T>
+ffi::Error LaunchM(cudaStream_t stream, int m, const void* values, const uint8_t* columns, const uint32_t* metadata,
+                   void* values24, uint32_t* meta24, int32_t* slots, int rows, int groups, int v) {
+  switch (m) {
+    case 8:
+      return Launch<T, 2>(stream, values, columns, metadata, values24, meta24, slots, rows, groups, v);
+    case 16:
+      return Launch<T, 4>(stream, values, columns, metadata, values24, meta24, slots, rows, groups, v);
+    case 32:
+      return Launch<T, 8>(stream, values, columns, metadata, values24, meta24, slots, rows, groups, v);
+    default:
+      return ffi::Error::InvalidArgument("jaxsparse_as_2_4: M must be 8, 16 or 32, got " + std::to_string(m));
+  }
+}
+
+ffi::Error As24Impl(cudaStream_t stream, ffi::AnyBuffer values, ffi::Buffer<ffi::U8> columns,
+                    ffi::Buffer<ffi::U32> metadata, ffi::Result<ffi::AnyBuffer> values24,
+                    ffi::Result<ffi::Buffer<ffi::U32>> meta24, ffi::Result<ffi::Buffer<ffi::S32>> slots, int32_t v,
+                    int32_t m) {
+  if (values.dimensions().size() != 2 || values24->dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("jaxsparse_as_2_4: values and the view's values must be 2-D");
+  const int64_t rows = Dim(values, 0), groups = Dim(values, 1) / 2, k = groups * m;
+  if (ffi::Error e = CheckSparseWeight("jaxsparse_as_2_4", rows, groups, columns, metadata, v, m); e.failure())
+    return e;
+  if (m == 4) return ffi::Error::InvalidArgument("jaxsparse_as_2_4: a 2:4 weight is its own view");
+  if (values24->dimensions()[0] != rows || values24->dimensions()[1] != k / 2 || meta24->dimensions().size() != 2 ||
+      meta24->dimensions()[0] != rows || meta24->dimensions()[1] != k / 32 || slots->dimensions().size() != 2 ||
+      slots->dimensions()[0] != rows || slots->dimensions()[1] != 2 * groups)
+    return ffi::Error::InvalidArgument("jaxsparse_as_2_4: inconsistent shapes: values " + ShapeString(values) +
+                                       ", view values " + ShapeString(*values24) + ", view metadata " +
+                                       ShapeString(*meta24) + ", slots " + ShapeString(*slots));
+  if (values.element_type() != values24->element_type())
+    return ffi::Error::InvalidArgument("jaxsparse_as_2_4: the view's values must have the values' dtype");
+  if (rows >= (int64_t(1) << 30) || k >= (int64_t(1) << 30))
+    return ffi::Error::InvalidArgument("jaxsparse_as_2_4: shape too large");
+  const auto r = static_cast<int>(rows), g = static_cast<int>(groups);
+  switch (ffi::ByteWidth(values.element_type())) {
+    case 2:
+      return LaunchM<uint16_t>(stream, m, values.untyped_data(), columns.typed_data(), metadata.typed_data(),
+                               values24->untyped_data(), meta24->typed_data(), slots->typed_data(), r, g, v);
+    case 4:
+      return LaunchM<uint32_t>(stream, m, values.untyped_data(), columns.typed_data(), metadata.typed_data(),
+                               values24->untyped_data(), meta24->typed_data(), slots->typed_data(), r, g, v);
+    default:
+      return ffi::Error::InvalidArgument("jaxsparse_as_2_4: values must be a 2- or 4-byte float type");
+  }
+}
+
+}  // namespace
+}  // namespace jaxsparse
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseAs24, jaxsparse::As24Impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()               // values [R, 2G]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // columns [R/V, G, 4]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // metadata [R, G/8]
+                                  .Ret<xla::ffi::AnyBuffer>()               // the view's values [R, K/2]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()   // the view's metadata [R, K/32]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()   // slots [R, 2G]
+                                  .Attr<int32_t>("v")
+                                  .Attr<int32_t>("m"));
