@@ -170,7 +170,7 @@ def spmm(x: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activati
     _spmm_checks("spmm", sw, x.dtype, bias, activation)
     if spmm_x_layout(x.shape[0], sw, x_layout) == "col":
         return _spmm_xt_call(transpose(x), sw, bias, activation)
-    if spmm_row_kernel(sw, row_kernel) == "tma":  # V:2:M through its 2:4 view (format.as_2_4)
+    if spmm_row_kernel(sw, row_kernel) == "tma":  # V:2:M through its 2:4 view (as_2_4)
         return _spmm_xt_call(x, as_2_4(sw)[0], bias, activation, x_rows=True)
     b = bias if bias is not None else jnp.zeros((0,), x.dtype)
     return _call(
@@ -236,7 +236,7 @@ def spmm_x_layout(tokens: int, sw: SparseWeight, layout: str | None = None, shar
 def spmm_row_kernel(sw: SparseWeight, kernel: str | None = None) -> str:
     """The kernel of :func:`spmm`'s ``"row"`` route (``x [T, K]`` read as it is): ``"tma"``, the Hopper kernel
     ``jaxsparse_spmm_xt`` in its x-rows mode (TMA loads of x, ``wgmma.sp``; ``R % 64 == 0``, an
-    sm_90a build on a Hopper GPU; a V:2:M weight runs as its 2:4 view, :func:`jaxsparse.format.as_2_4`:
+    sm_90a build on a Hopper GPU; a V:2:M weight runs as its 2:4 view, :func:`as_2_4`:
     dense-rate work over ``K``, nothing gathered), or ``"mma"``, ``jaxsparse_spmm`` (``mma.sp``, sm_80 and
     sm_90a, every spec). ``kernel`` ``None`` reads ``JAXSPARSE_SPMM_ROW_KERNEL`` (``auto``, ``mma`` or ``tma``;
     default ``auto``: ``tma`` for the specs in ``TMA_ROW_AUTO_M`` where it runs). An explicit ``tma`` that
@@ -334,7 +334,7 @@ def sddmm_engine(engine: str | None = None) -> int:
     wgmma where it runs), ``mma`` (1; mma.sync, any GPU from sm_80), ``wgmma`` (2; Hopper warpgroup MMAs
     gathering from a row-major x: an sm_90a build on a Hopper GPU, M in {4, 8, 16} and R a multiple of 128,
     else the call fails), ``tma`` (3; the x^T engine's TMA pipeline reading x [T, K] as it is: R a multiple of 128,
-    a Hopper GPU, else the call fails; a V:2:M weight runs as its 2:4 view, :func:`jaxsparse.format.as_2_4`,
+    a Hopper GPU, else the call fails; a V:2:M weight runs as its 2:4 view, :func:`as_2_4`,
     and its gradient is gathered back to the weight's values). ``None`` reads ``JAXSPARSE_SDDMM_ENGINE`` (default
     ``auto``).
     """

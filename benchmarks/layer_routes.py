@@ -1,0 +1,81 @@
+"""The numbers behind the auto layer route of a V:2:M weight (``calls.TMA_ROW_AUTO_M``): one sparse linear layer's
+forward + backward (``jax.vjp`` under one ``jit``) against XLA's dense layer, on the default route and on the x^T
+route (``JAXSPARSE_SPMM_X=col``: one ``jaxsparse_transpose`` feeds the x^T forward and the x^T SDDMM), 16384
+tokens, BERT-large's FFN shapes, median of timed repetitions after warm-up.
+
+  python3 benchmarks/layer_routes.py     # writes benchmarks/results/<gpu>/layer_routes.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import common  # noqa: E402
+from jaxsparse import format as F  # noqa: E402
+from jaxsparse import ops  # noqa: E402
+
+TOKENS = 16384
+SHAPES = [(1024, 4096), (4096, 1024)]
+
+
+def with_env(fn, **env):
+    """``fn`` traced with these environment settings (the layer reads its routes from them at trace time)."""
+    def traced(*a):
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return fn(*a)
+        finally:
+            for k, v in old.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    return traced
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--specs", default="2:4,64:2:8,128:2:16")
+    ap.add_argument("--out", default=None, help="json path (default benchmarks/results/<gpu>/layer_routes.json)")
+    args = ap.parse_args()
+    rows = []
+    for k, n in SHAPES:
+        kx, kd, kw, kb = jax.random.split(jax.random.PRNGKey(k + n), 4)
+        xs = [jax.random.normal(jax.random.fold_in(kx, i), (TOKENS, k), jnp.float32).astype(jnp.bfloat16) for i in range(2)]
+        dys = [jax.random.normal(jax.random.fold_in(kd, i), (TOKENS, n), jnp.float32).astype(jnp.bfloat16) for i in range(2)]
+        w = (jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+        b = jax.random.normal(kb, (n,), jnp.float32).astype(jnp.bfloat16)
+
+        def dense(x, dy, w, b):
+            y, f = jax.vjp(lambda x, w, b: x @ w + b, x, w, b)
+            return y, f(dy)
+
+        dense_ms = common.time_jax(jax.jit(dense), [(x, dy, w, b) for x, dy in zip(xs, dys)])
+        rows.append(dict(K=k, N=n, case="dense XLA", ms=dense_ms, speedup=1.0))
+        for spec in [s for s in args.specs.split(",") if s]:
+            sw = F.compress(w, F.select_mask(w, spec), spec)
+
+            def sparse(x, dy, values, b, sw=sw):
+                y, f = jax.vjp(lambda x, v, b: ops.sparse_linear(x, sw.replace(values=v), b), x, values, b)
+                return y, f(dy)
+
+            cases = [("default route", jax.jit(sparse))]
+            if F.VNM.parse(spec).m > 4:
+                cases.append(("x^T route", jax.jit(with_env(sparse, JAXSPARSE_SPMM_X="col"))))
+            for name, fn in cases:
+                ms = common.time_jax(fn, [(x, dy, sw.values, b) for x, dy in zip(xs, dys)])
+                rows.append(dict(K=k, N=n, spec=spec, case=name, ms=ms, speedup=dense_ms / ms))
+                print(f'{k:>5} {n:>5} {spec:>9} {name:>14} fwd+bwd {ms:.4f} ms {dense_ms / ms:.2f}x', flush=True)
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", common.gpu_slug(),
+                                   "layer_routes.json")
+    common.write_json(out, dict(gpu=common.gpu_name(), tokens=TOKENS, versions=common.versions(), results=rows))
+
+
+if __name__ == "__main__":
+    main()
