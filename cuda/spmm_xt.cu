@@ -10,12 +10,12 @@
 // of X's bytes move, and no gather pass runs.  The product is wgmma.sp.m64nNk32 over the condensed reduction
 // 4G: the tensor cores skip A's zeros, and A arrives compressed (the stored values, 2 per group).
 //
-// Per 64-k stage: A's values [BR][32] land K-major 64B-swizzled (trans-a = 0), Xc [64 k][BT tokens]
-// MN-major 128B-swizzled (trans-b = 1); each thread reads its metadata words for stage kt+1 from global memory
-// into the other of two register arrays while stage kt's products run (kSparseMetaRule).  Two warpgroups: BR =
-// 128 puts them on the two 64-row halves (each over all BT tokens), BR = 64 on two token halves.  Pipeline: loads
-// for stage kt+STAGES-2 issued right after stage kt's barrier; after issuing stage kt a warpgroup waits for its
-// products of stage kt-1 (wgmma.wait_group 1), so one stage's products are in flight while the next is issued.
+// Per 64-k stage: A's values [BR][32] land K-major 64B-swizzled (trans-a = 0), Xc [64 k][BT tokens] MN-major
+// 128B-swizzled (trans-b = 1); the stage's metadata words come into shared memory with it, and each thread builds
+// its wgmma.sp operands from there into one of two register arrays (kSparseMetaRule).  Two warpgroups: BR = 128 puts
+// them on the two 64-row halves (each over all BT tokens), BR = 64 on two token halves.  Pipeline: loads for stage
+// kt+STAGES-2 issued right after stage kt's barrier; after issuing stage kt a warpgroup waits for its products of
+// stage kt-1 (wgmma.wait_group 1), so one stage's products are in flight while the next is issued.
 // Epilogue: + bias, optional GELU (tanh), convert, stage as [BT tokens][BR features], 16-byte row stores.
 // Needs T % 8 == 0 (16-byte rows of x^T) and R % BR == 0, BR <= V; the Python side takes this path only then.
 #include <cuda_bf16.h>
@@ -127,9 +127,10 @@ __device__ __forceinline__ void LoadXtStage(uint32_t base, int q0, int thread, c
 // Where the words come from (session 9): each stage's words, [BR rows][2] (words 2 kt and 2 kt + 1 of every row
 // of the tile: condensed k [64 kt, 64 kt + 64)), are copied into shared memory with the stage by the threads
 // that load it (cp.async, counted by the stage's barrier), and a consumer builds its operands from there once
-// the stage is ready.  Loading them from global memory in the consumers kept the tensor pipe idle most of the
-// time, even when fetched two stages ahead (Nsight Compute, device calls 1-2: long-scoreboard stalls, the
-// tensor pipe active 31 % then 38 % of the time).
+// the stage is ready, so no consumer waits on a global load.  Measured on the 2:4 row kernel (Nsight Compute,
+// docs/kernel-notes.md): loaded by the consumers right before use, the tensor pipe was active 31 % of the time
+// (long-scoreboard stalls); fetched two stages ahead, 38 % (0.244 -> 0.212 ms at 1024x4096); staged here, 40 %
+// (0.200 ms, within noise of the previous step).
 template <int BR, int THREADS>
 __device__ __forceinline__ void LoadStageMetaWords(uint32_t dst, const SpmmXtParams& p, int row0, int kt, int thread) {
   const int words = p.groups / 8;
@@ -277,8 +278,8 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
     CpAsyncWait<STAGES - 3>();  // this thread's copies of stage kt landed
     FenceProxyAsyncShared();
     __syncthreads();  // stage kt visible to all; every warpgroup's wgmmas up to stage kt-2 completed
-    meta.Load<decltype(odd)::value>(reinterpret_cast<const uint32_t*>(smem + L::kMetaOff + (kt % STAGES) * L::kMetaBytes),
-                                    kt);
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(smem + L::kMetaOff + (kt % STAGES) * L::kMetaBytes);
+    meta.Load<decltype(odd)::value>(words, kt);
     {
       const int next = kt + STAGES - 2;  // into the buffer of stage kt-2
       if (next < num_kt) load(next);
@@ -537,10 +538,10 @@ ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& p) {
 }
 
 // Auto tile, from the H100 measurements in docs/kernel-notes.md (sessions 5, 6 and 9).  x [T, K] and 2:4 (no
-// gathered rows): the warp-specialized TMA kernel.  V:2:M: 128 features where V allows, else 64; 128 tokens (two CTAs per SM, so one CTA's prologue and
-// epilogue overlap the other's main loop) unless the condensed reduction is long (more than 8 stages of 64),
-// where the 256-token tile's reuse of A pays (4096x1024 at 128:2:16: 0.119 ms against 0.129; 1024x4096: 0.167
-// against 0.162).
+// gathered rows): the warp-specialized TMA kernel.  V:2:M: 128 features where V allows, else 64; 128 tokens (two
+// CTAs per SM, so one CTA's prologue and epilogue overlap the other's main loop) unless the condensed reduction is
+// long (more than 8 stages of 64), where the 256-token tile's reuse of A pays (4096x1024 at 128:2:16: 0.119 ms
+// against 0.129; 1024x4096: 0.167 against 0.162).
 int AutoTile(const SpmmXtParams& p, bool can128, bool x_rows) {
   if (x_rows) return can128 ? kTileWs128x256 : kTileWs64x256;
   if (p.cols == nullptr) return can128 ? kTileWs128x256 : kTileWs64x256;
