@@ -180,6 +180,7 @@ _COLLECTIVE = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter
 _SDDMM_NAME = re.compile(r"sddmm", re.I)
 _DX_NAME = re.compile(r"spmm_?t(?![a-z])|spmmt|spmm_?dx|sparse_?dx|spmm_?transpose|spmm_?bwd", re.I)
 _SPMM_NAME = re.compile(r"spmm|jaxsparse_decompress|decompresskernel", re.I)
+_VIEW_NAME = re.compile(r"as_2_4|as24kernel", re.I)
 _GEMM_NAME = re.compile(r"gemm|cublas|cutlass|nvjet|xmma|wgmma|hmma|s16816|tensorop|matmul|__dot|triton_dot", re.I)
 _ATTN_NAME = re.compile(r"flash|fmha|mha_|sdpa|attention", re.I)
 _MOVE_NAME = re.compile(r"memcpy|memset|transpose|^(?:loop_|input_|wrapped_)?copy(?:_fusion)?(?:[._]\d+)*$", re.I)
@@ -224,6 +225,8 @@ def classify(name: str, info: OpInfo | None = None) -> str:
     for text in (name, target):
         if text and ("jaxsparse" in text.lower() or "spmm" in text.lower() or "sddmm" in text.lower()
                      or "decompresskernel" in text.lower()):
+            if _VIEW_NAME.search(text):  # the 2:4 view of a V:2:M weight: built for the forward and for the SDDMM
+                return "sddmm" if _sparse_scope(scopes) == "bwd" else "sparse_fwd"
             if _SDDMM_NAME.search(text):
                 return "sddmm"
             if _DX_NAME.search(text):
