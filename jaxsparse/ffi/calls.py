@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -194,9 +195,9 @@ SPMM_ROW_KERNEL_ENV = "JAXSPARSE_SPMM_ROW_KERNEL"
 SPMM_ROW_KERNELS = ("auto", "mma", "tma")
 # The M whose weights the auto routes run on the Hopper kernels that read x [T, K] as it is (the TMA row forward
 # and the SDDMM's tma engine; V:2:M through its 2:4 view, as_2_4) instead of the x^T route.  M = 8 since session 9:
-# its layer (forward + backward) on the view took 0.787 / 0.738 / 0.235 ms against 0.789 / 0.860 / 0.271 on the
-# x^T route (1024x4096 / 4096x1024 / 1024x1024 at 16384 tokens, H100; docs/kernel-notes.md, session 9).  At
-# M >= 16 the view does M/4 times the condensed work and the x^T route stays ahead.
+# its layer (forward + backward) on the view took 0.764 / 0.717 ms against 0.791 / 0.867 on the x^T route
+# (1024x4096 / 4096x1024 at 16384 tokens, H100; benchmarks/layer_routes.py, docs/kernel-notes.md, session 9).
+# At M >= 16 the view does M/4 times the condensed work and the x^T route stays ahead.
 TMA_ROW_AUTO_M = (4, 8)
 SPMM_XT_TILE_ENV = "JAXSPARSE_SPMM_XT_TILE"
 SPMM_XT_TILES = {"auto": 0, "128x256": 1, "64x256": 2, "128x128": 3, "64x128": 4, "ws128x256": 5, "ws64x256": 6}
@@ -292,7 +293,6 @@ def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str |
     if x_rows and name not in SPMM_ROW_TILES:
         raise ValueError(f"spmm: the TMA row kernel reads x [T, K] with tile {', '.join(SPMM_ROW_TILES)}, got {name} "
                          f"({SPMM_XT_TILE_ENV}; or {SPMM_ROW_KERNEL_ENV}=mma)")
-
     return _call(
         "jaxsparse_spmm_xt", (tokens, sw.shape[1]), xt.dtype, xt, sw.values,
         _columns_operand(sw), sw.metadata, b, v=np.int32(sw.spec.v), m=np.int32(sw.spec.m),
