@@ -33,6 +33,38 @@ def import_jaxsparse_from_install_or_checkout() -> bool:
     return True
 
 
+def dense_vjp(x, dy, w, b):
+    """One dense linear layer's forward and backward, ``(y, (dx, dw, db))`` of ``jax.vjp`` at cotangent ``dy``."""
+    import jax
+
+    y, f = jax.vjp(lambda x, w, b: x @ w + b, x, w, b)
+    return y, f(dy)
+
+
+def sparse_vjp(x, dy, values, b, sw):
+    """The same for ``jaxsparse.ops.sparse_linear`` with ``sw``'s values replaced by ``values``:
+    ``(y, (dx, dvalues, db))``."""
+    import jax
+
+    from jaxsparse import ops
+
+    y, f = jax.vjp(lambda x, v, b: ops.sparse_linear(x, sw.replace(values=v), b), x, values, b)
+    return y, f(dy)
+
+
+def with_env(fn: Callable, **env: str) -> Callable:
+    """``fn`` traced with these environment settings (the layer reads its routes from them at trace time)."""
+    def traced(*a):
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return fn(*a)
+        finally:
+            for k, v in old.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    return traced
+
+
 # Measured on the H100 of this workplace (docs/kernel-notes.md): dense bf16 GEMM and device copy.
 DENSE_TFLOPS = 790.0
 SPARSE_TFLOPS = 2 * DENSE_TFLOPS

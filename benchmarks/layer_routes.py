@@ -20,23 +20,9 @@ import numpy as np  # noqa: E402
 
 import common  # noqa: E402
 from jaxsparse import format as F  # noqa: E402
-from jaxsparse import ops  # noqa: E402
 
 TOKENS = 16384
 SHAPES = [(1024, 4096), (4096, 1024)]
-
-
-def with_env(fn, **env):
-    """``fn`` traced with these environment settings (the layer reads its routes from them at trace time)."""
-    def traced(*a):
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            return fn(*a)
-        finally:
-            for k, v in old.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    return traced
 
 
 def main() -> None:
@@ -47,29 +33,22 @@ def main() -> None:
     rows = []
     for k, n in SHAPES:
         kx, kd, kw, kb = jax.random.split(jax.random.PRNGKey(k + n), 4)
-        xs = [jax.random.normal(jax.random.fold_in(kx, i), (TOKENS, k), jnp.float32).astype(jnp.bfloat16) for i in range(2)]
-        dys = [jax.random.normal(jax.random.fold_in(kd, i), (TOKENS, n), jnp.float32).astype(jnp.bfloat16) for i in range(2)]
+        xs = [jax.random.normal(jax.random.fold_in(kx, i), (TOKENS, k), jnp.float32).astype(jnp.bfloat16)
+              for i in range(2)]
+        dys = [jax.random.normal(jax.random.fold_in(kd, i), (TOKENS, n), jnp.float32).astype(jnp.bfloat16)
+               for i in range(2)]
         w = (jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
         b = jax.random.normal(kb, (n,), jnp.float32).astype(jnp.bfloat16)
-
-        def dense(x, dy, w, b):
-            y, f = jax.vjp(lambda x, w, b: x @ w + b, x, w, b)
-            return y, f(dy)
-
-        dense_ms = common.time_jax(jax.jit(dense), [(x, dy, w, b) for x, dy in zip(xs, dys)])
+        dense_ms = common.time_jax(jax.jit(common.dense_vjp), [(x, dy, w, b) for x, dy in zip(xs, dys)])
         rows.append(dict(K=k, N=n, case="dense XLA", ms=dense_ms, speedup=1.0))
         for spec in [s for s in args.specs.split(",") if s]:
             sw = F.compress(w, F.select_mask(w, spec), spec)
-
-            def sparse(x, dy, values, b, sw=sw):
-                y, f = jax.vjp(lambda x, v, b: ops.sparse_linear(x, sw.replace(values=v), b), x, values, b)
-                return y, f(dy)
-
+            sparse = lambda x, dy, sw, b: common.sparse_vjp(x, dy, sw.values, b, sw)
             cases = [("default route", jax.jit(sparse))]
             if F.VNM.parse(spec).m > 4:
-                cases.append(("x^T route", jax.jit(with_env(sparse, JAXSPARSE_SPMM_X="col"))))
+                cases.append(("x^T route", jax.jit(common.with_env(sparse, JAXSPARSE_SPMM_X="col"))))
             for name, fn in cases:
-                ms = common.time_jax(fn, [(x, dy, sw.values, b) for x, dy in zip(xs, dys)])
+                ms = common.time_jax(fn, [(x, dy, sw, b) for x, dy in zip(xs, dys)])
                 rows.append(dict(K=k, N=n, spec=spec, case=name, ms=ms, speedup=dense_ms / ms))
                 print(f'{k:>5} {n:>5} {spec:>9} {name:>14} fwd+bwd {ms:.4f} ms {dense_ms / ms:.2f}x', flush=True)
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", common.gpu_slug(),

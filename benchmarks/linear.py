@@ -43,7 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import common  # noqa: E402
-from common import QUICK_SHAPES, QUICK_TOKENS, SHAPES, SPECS, TOKENS  # noqa: E402
+from common import QUICK_SHAPES, QUICK_TOKENS, SHAPES, SPECS, TOKENS, dense_vjp, sparse_vjp, with_env  # noqa: E402
 from jaxsparse import format as F  # noqa: E402
 
 PRODUCTS = ("fwd", "dW", "dX", "fwd+bwd")
@@ -123,20 +123,12 @@ def main() -> None:
     reps = dict(warmup=5, inner=20, outer=15)
     hi = jax.lax.Precision.HIGHEST
 
-    def dense_vjp(x, dy, w, b):
-        y, f = jax.vjp(lambda x, w, b: x @ w + b, x, w, b)
-        return y, f(dy)
-
     dense_fns = {
         "fwd": jax.jit(lambda x, dy, w, b: x @ w + b),
         "dW": jax.jit(lambda x, dy, w, b: x.T @ dy),
         "dX": jax.jit(lambda x, dy, w, b: dy @ w.T),
         "fwd+bwd": jax.jit(lambda x, dy, w, b: dense_vjp(x, dy, w, b)),
     }
-
-    def sparse_vjp(x, dy, values, b, sw):
-        y, f = jax.vjp(lambda x, v, b: ops.sparse_linear(x, sw.replace(values=v), b), x, values, b)
-        return y, f(dy)
 
     sparse_fns = {
         "fwd": jax.jit(lambda x, dy, sw, b: calls.spmm(x, sw, b, None)),
@@ -148,18 +140,6 @@ def main() -> None:
     # A variant may take x in another form: prep(x) is what its first argument gets.
     same = lambda x: x
     xt_of = lambda x: jnp.asarray(x.T)
-
-    def with_env(fn, **env):
-        """``fn`` traced with these environment settings (the layer reads its routes from them at trace time)."""
-        def traced(*a):
-            old = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            try:
-                return fn(*a)
-            finally:
-                for k, v in old.items():
-                    os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-        return traced
 
     rows_24 = dict(JAXSPARSE_SPMM_X="row", JAXSPARSE_SPMM_ROW_KERNEL="tma", JAXSPARSE_SDDMM_ENGINE="tma")
     variants = [
