@@ -155,6 +155,9 @@ __device__ __forceinline__ void KeepMetaLive(uint32_t (&e)[2]) { asm volatile(""
 struct XtMeta {
   uint32_t e_even[2], e_odd[2];
   int r, words, tig;
+  // Lane `lane` of warp wq of the warpgroup on 64-feature block `blk` of the tile; `words` = G/8.
+  __device__ __forceinline__ XtMeta(int blk, int wq, int lane, int words_)
+      : r(64 * blk + 16 * wq + (lane >> 2)), words(words_), tig(lane & 3) {}
   template <bool ODD>
   __device__ __forceinline__ uint32_t (&Operands())[2] {
     if constexpr (ODD) return e_odd;
@@ -258,10 +261,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
   for (int c = 0; c < NCH; ++c)
 #pragma unroll
     for (int i = 0; i < NW / 2; ++i) acc[c][i] = 0.f;
-  XtMeta meta;
-  meta.r = 64 * wr + 16 * (warp & 3) + (lane >> 2);
-  meta.words = p.groups / 8;
-  meta.tig = lane & 3;
+  XtMeta meta(wr, warp & 3, lane, p.groups / 8);
   // Stage s (operands and metadata words) into ring slot s % STAGES.
   auto load = [&](int s) {
     LoadXtStage<T, BR, BT, kThreads>(smem_base + (s % STAGES) * L::kStageBytes, s * kKc, tid, p, row0, tok0, scol);
@@ -438,10 +438,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       for (int c = 0; c < NCH; ++c)
 #pragma unroll
         for (int i = 0; i < NW / 2; ++i) acc[c][i] = 0.f;
-      XtMeta meta;
-      meta.r = 64 * wr + 16 * wq + (lane >> 2);
-      meta.words = p.groups / 8;
-      meta.tig = lane & 3;
+      XtMeta meta(wr, wq, lane, p.groups / 8);
       auto fence_acc = [&] {
 #pragma unroll
         for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);

@@ -119,7 +119,7 @@ def as_2_4(sw: SparseWeight) -> tuple[SparseWeight, jax.Array]:
     handler ``jaxsparse_as_2_4`` in one pass; a 2:4 weight is returned as it is, and an ``M`` outside {8, 16, 32}
     takes the reference."""
     m = sw.spec.m
-    if m == 4 or m not in (8, 16, 32):
+    if m not in (8, 16, 32):
         return format_as_2_4(sw)
     k, r = sw.shape
     results = [((r, k // 2), sw.values.dtype), ((r, k // 32), jnp.uint32), ((r, sw.values.shape[1]), jnp.int32)]
