@@ -517,10 +517,10 @@ __global__ void __launch_bounds__(kWgThreads, 2) SddmmWgmmaKernel(const SddmmPar
 // With tokens contiguous, a kept column of x is a contiguous row of x^T, so the condensed operand is
 // copied straight from global memory by cp.async (16 bytes = 8 tokens of one kept column): no gather pass
 // in shared memory, the same code for every M, and 4/M of x's bytes moved instead of all of them.
-// CTA = 128 rows (two warpgroups of 64, each inside one V block) x 128 condensed columns (32 groups);
-// 64-token stages, 4 deep.  Per stage: dy [64 t][128 r] lands as two MN-major 128B-swizzled 64-row halves
-// (A, trans-a = 1, as in SddmmWgmmaKernel); each V block's condensed x^T rows [128 q][64 t] land as a
-// K-major 128B-swizzled B tile (trans-b = 0; two tiles when V = 64, one for V >= 128 and for 2:4).
+// CTA = 128 rows (two warpgroups of 64, each inside one V block) x NC condensed columns (XtLayout: 128 from x^T,
+// 256 from x rows); 64-token stages, 4 deep.  Per stage: dy [64 t][128 r] lands as two MN-major 128B-swizzled
+// 64-row halves (A, trans-a = 1, as in SddmmWgmmaKernel); each V block's condensed x^T rows [128 q][64 t] land as
+// a K-major 128B-swizzled B tile (trans-b = 0; two tiles when V = 64, one for V >= 128 and for 2:4).
 // Loads (session 6): thread 0 brings dy by TMA (two boxes per stage) and, at 2:4, where the condensed rows
 // are x^T's own consecutive rows, x^T too (one box of 128 rows); the gathered rows of V:2:M stay on cp.async
 // (a one-row TMA box cannot land 128-byte swizzled at a shared address that is not 1024-byte aligned).
@@ -529,23 +529,29 @@ __global__ void __launch_bounds__(kWgThreads, 2) SddmmWgmmaKernel(const SddmmPar
 // see back-to-back work; a buffer is refilled only after every warpgroup's wgmmas on it completed.
 // Needs T % 8 == 0 (16-byte rows of x^T) and R % 128 == 0; the Python side takes this path only then.
 // XROW (2:4 only, session 7): the same engine reads x [T, K] as XLA holds it, so the layer needs no transpose:
-// the 128 condensed columns are x's columns 4 g0 .. 4 g0 + 127, two TMA boxes of 64 tokens x 64 columns that
-// land as an MN-major 128B-swizzled B (trans-b = 1, LBO = one 64-column block), like dy.
+// the NC = 256 condensed columns are x's columns 4 g0 .. 4 g0 + 255, four TMA boxes of 64 tokens x 64 columns
+// that land as an MN-major 128B-swizzled B (trans-b = 1, LBO = one box), like dy; each warpgroup runs m64n256
+// products, which take in 48 KB per 64-token stage for 2M products against 32 KB for 1M at 128 columns (session
+// 10: the loads, not the tensor pipe, set the forward kernel's main-loop rate; benchmarks/ws_probe.cu).
 // Epilogue: StoreKeptPairs, as both other engines.
 constexpr int kXtBR = 128;
 constexpr int kXtBT = 64;
 constexpr int kXtThreads = 256;
-constexpr int kXtGC = 32;
-constexpr int kXtNC = 4 * kXtGC;
 constexpr int kXtStages = 4;
+constexpr int kXtBox = kXtBT * 128;  // one 64-token x 64-column box of 16-bit values (128-byte swizzled)
 
+// NC condensed columns per CTA: 256 from x rows (XROW: one B tile serves both warpgroups, m64n256 products), 128
+// from x^T (two B tiles where the warpgroups sit in different V blocks).
+template <bool XROW>
 struct XtLayout {
-  static constexpr int kDyHalf = kXtBT * 128;        // one 64-row dy half: 64 token rows of 128 B
-  static constexpr int kXcTile = kXtNC * 128;        // one B tile: 128 condensed rows of 64 tokens
+  static constexpr int kNC = XROW ? 256 : 128;
+  static constexpr int kGC = kNC / 4;                // groups per CTA
+  static constexpr int kDyHalf = kXtBox;             // one 64-row dy half: 64 token rows of 128 B
+  static constexpr int kXcTile = kNC * 128;          // one B tile: NC condensed columns of 64 tokens
   static constexpr int kXcOff = 2 * kDyHalf;
-  static constexpr int kStageBytes = kXcOff + 2 * kXcTile;
+  static constexpr int kStageBytes = kXcOff + (XROW ? 1 : 2) * kXcTile;
   static constexpr int kPipeBytes = kXtStages * kStageBytes;
-  static constexpr int kEpiRowFloats = kXtNC + 4;
+  static constexpr int kEpiRowFloats = kNC + 4;
   static constexpr int kEpiBytes = kXtBR * kEpiRowFloats * 4;
   static constexpr int kBarOff = kPipeBytes > kEpiBytes ? kPipeBytes : kEpiBytes;  // the stages' mbarriers
   static constexpr int kSmemBytes = kBarOff + 8 * kXtStages + 1024;
@@ -557,7 +563,8 @@ __global__ void __launch_bounds__(kXtThreads, 1)
     SddmmWgmmaXtKernel(const SddmmParams p, const __grid_constant__ CUtensorMap tma_dy,
                        const __grid_constant__ CUtensorMap tma_xt) {
 #ifdef JAXSPARSE_WGMMA
-  using L = XtLayout;
+  using L = XtLayout<XROW>;
+  constexpr int NC = L::kNC, GC = L::kGC;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const AlignedSmem aligned = AlignSmem1024(smem_raw);
   unsigned char* smem = aligned.ptr;
@@ -567,7 +574,7 @@ __global__ void __launch_bounds__(kXtThreads, 1)
   const int tid = threadIdx.x, warp = tid >> 5;
   const int wg = warp >> 2;
   const int row0 = blockIdx.x * kXtBR;
-  const int g0 = blockIdx.y * kXtGC;
+  const int g0 = blockIdx.y * GC;
   const int groups = p.groups, m = p.k / p.groups;
   const int all_kt = (p.tokens + kXtBT - 1) / kXtBT;
   const int kt_begin = blockIdx.z * p.kt_per_split;
@@ -605,8 +612,8 @@ __global__ void __launch_bounds__(kXtThreads, 1)
   }
 
   // Thread 0 loads dy by TMA (two boxes of 64 tokens x 64 rows: the MN-major 128B-swizzled halves) and, at
-  // 2:4, x^T too (one box of 64 tokens x 128 rows, K-major 128B-swizzled); tokens past T and rows past K
-  // arrive as zeros.
+  // 2:4, x^T too (one box of 64 tokens x 128 rows, K-major 128B-swizzled) or x's columns (XROW: NC / 64 boxes of
+  // 64 tokens x 64 columns, MN-major); tokens past T and rows past K arrive as zeros.
   auto load_stage = [&](int buf, int kt) {
     const uint32_t base = smem_base + buf * L::kStageBytes, full = full0 + 8 * buf;
     const int t0 = kt * kXtBT;
@@ -614,9 +621,9 @@ __global__ void __launch_bounds__(kXtThreads, 1)
       MbarArriveExpectTx(full, 2 * L::kDyHalf + (x_by_tma ? L::kXcTile : 0));
       TmaLoad2d(base, &tma_dy, row0, t0, full);
       TmaLoad2d(base + L::kDyHalf, &tma_dy, row0 + 64, t0, full);
-      if (XROW) {  // x [T, K]: columns 4 g0 .. 4 g0 + 127 of tokens t0 .. t0 + 63, two 64-column boxes
-        TmaLoad2d(base + L::kXcOff, &tma_xt, 4 * g0, t0, full);
-        TmaLoad2d(base + L::kXcOff + L::kXcTile / 2, &tma_xt, 4 * g0 + 64, t0, full);
+      if (XROW) {  // x [T, K]: columns 4 g0 .. 4 g0 + NC - 1 of tokens t0 .. t0 + 63, NC / 64 boxes
+#pragma unroll
+        for (int c = 0; c < NC / 64; ++c) TmaLoad2d(base + L::kXcOff + c * kXtBox, &tma_xt, 4 * g0 + 64 * c, t0, full);
       } else if (x_by_tma) {
         TmaLoad2d(base + L::kXcOff, &tma_xt, t0, 4 * g0, full);
       }
@@ -636,9 +643,9 @@ __global__ void __launch_bounds__(kXtThreads, 1)
     }
   };
 
-  float acc[kXtNC / 2];
+  float acc[NC / 2];
 #pragma unroll
-  for (int i = 0; i < kXtNC / 2; ++i) acc[i] = 0.f;
+  for (int i = 0; i < NC / 2; ++i) acc[i] = 0.f;
 
 #pragma unroll
   for (int s = 0; s < kXtStages - 2; ++s) {
@@ -664,11 +671,11 @@ __global__ void __launch_bounds__(kXtThreads, 1)
     for (int ks = 0; ks < kXtBT / 16; ++ks) {
       const uint64_t da = WgmmaDescSw128(a_base + ks * 2048, L::kDyHalf, 1024);
       if (XROW) {
-        const uint64_t db = WgmmaDescSw128(b_base + ks * 2048, L::kXcTile / 2, 1024);
-        Wgmma<kXtNC, T, 1>::Run(acc, da, db);
+        const uint64_t db = WgmmaDescSw128(b_base + ks * 2048, kXtBox, 1024);  // 64-column boxes kXtBox apart
+        Wgmma<NC, T, 1>::Run(acc, da, db);
       } else {
         const uint64_t db = WgmmaDescSw128(b_base + ks * 32, 16, 1024);
-        Wgmma<kXtNC, T, 0>::Run(acc, da, db);
+        Wgmma<NC, T, 0>::Run(acc, da, db);
       }
     }
     WgmmaCommit();
@@ -681,9 +688,9 @@ __global__ void __launch_bounds__(kXtThreads, 1)
   CpAsyncWait<0>();
   __syncthreads();  // no wgmma or copy reads or writes the pipeline buffers any more
   float* tile = reinterpret_cast<float*>(smem);
-  StageWgmmaAccumulators<kXtNC>(tile, L::kEpiRowFloats, acc);
+  StageWgmmaAccumulators<NC>(tile, L::kEpiRowFloats, acc);
   __syncthreads();
-  StoreKeptPairs<T, kXtBR, kXtGC, kXtThreads>(p, tile, L::kEpiRowFloats, row0, g0);
+  StoreKeptPairs<T, kXtBR, GC, kXtThreads>(p, tile, L::kEpiRowFloats, row0, g0);
 #else
   __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
 #endif
@@ -767,14 +774,15 @@ ffi::Error LaunchXt(cudaStream_t stream, const SddmmParams& p, int split, ffi::S
   if (!Sm90aImageLoaded<kernel>()) return ffi::Error::InvalidArgument(what + " needs an sm_90a build on a Hopper GPU");
   if (p.rows % kXtBR || (!XROW && p.tokens % 8))
     return ffi::Error::InvalidArgument(what + (XROW ? " needs R % 128 == 0" : " needs R % 128 == 0 and T % 8 == 0"));
-  constexpr int kSmem = XtLayout::kSmemBytes;
+  using L = XtLayout<XROW>;
+  constexpr int kSmem = L::kSmemBytes;
   if (ffi::Error e = RaiseSmemLimit<kernel>(kSmem, "cudaFuncSetAttribute(SddmmWgmmaXtKernel)"); e.failure()) return e;
   CUtensorMap tma_dy{}, tma_xt{};
   if (!MakeTensorMap2d(&tma_dy, p.dy, p.tokens, p.rows, kXtBT) ||
       (XROW && !MakeTensorMap2d(&tma_xt, p.x, p.tokens, p.k, kXtBT)) ||
-      (!XROW && p.cols == nullptr && !MakeTensorMap2d(&tma_xt, p.x, p.k, p.tokens, kXtNC)))
+      (!XROW && p.cols == nullptr && !MakeTensorMap2d(&tma_xt, p.x, p.k, p.tokens, L::kNC)))
     return ffi::Error::Internal("jaxsparse_sddmm: cuTensorMapEncodeTiled failed for the x^T engine");
-  const int gy = (p.groups + kXtGC - 1) / kXtGC;
+  const int gy = (p.groups + L::kGC - 1) / L::kGC;
   return LaunchSplit<T>(
       stream, p, split, (p.rows / kXtBR) * gy, kXtBT, scratch,
       [&](const SddmmParams& q, int z) {

@@ -318,22 +318,24 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
 // ---------------------------------------------------------------- warp-specialized, persistent version
 //
 // 384 threads: warpgroup 0 is the producer, warpgroups 1 and 2 consume (wait full, issue the stage's wgmmas,
-// wait for the previous stage's products (from x rows: this stage's, kInFlight), release that stage to the
-// producer; metadata fetched ahead and double-buffered as in the kernel above, kSparseMetaRule).  The producer
-// fills a STAGES-deep ring: thread 0 loads A's values by TMA (one box per stage, 64-byte swizzled, arrival with
-// expect_tx); Xc comes by TMA too at M = 4 (dense rows of x^T: BT/64 boxes of 64 tokens x 64 k; or x's own rows,
-// XROW: one box of BT tokens x 64 k), and otherwise by cp.async from all 128 producer threads, each marking its
-// part with cp.async.mbarrier.arrive.  The grid is persistent (one CTA per SM, tiles strided over the grid,
-// features fastest so CTAs running together share x rows); the Y tile is staged in its own shared-memory
-// region, so the producer loads the next tile's first stages while the consumers run this tile's epilogue.
-// Barrier phases run on across tiles.
+// wait for the previous stage's products, release that stage to the producer; metadata staged with each stage and
+// double-buffered in registers, kSparseMetaRule).  The producer fills a STAGES-deep ring: thread 0 loads A's
+// values by TMA (one box per stage, 64-byte swizzled, arrival with expect_tx); Xc comes by TMA too at M = 4 (dense
+// rows of x^T: BT/64 boxes of 64 tokens x 64 k; or x's own rows, XROW: one box of BT tokens x 64 k), and
+// otherwise by cp.async from all 128 producer threads, each marking its part with cp.async.mbarrier.arrive.  The
+// grid is persistent (one CTA per SM, tiles strided over the grid, features fastest so CTAs running together share
+// x rows); the Y tile is staged in its own shared-memory region, so the producer loads the next tile's first
+// stages while the consumers run this tile's epilogue.  Barrier phases run on across tiles.
 //
 // From x rows the consumers run m64n256 products (NWMAX = 256: 0.200 / 0.170 ms against 0.207 / 0.176 with two
-// m64n128 at 2:4, 1024x4096 / 4096x1024; session 9, device call 4).  What bounds the kernel is not identified:
-// Nsight Compute shows neither L2 (CTA pairs that multicast x halved its reads and ran exactly as fast; removed),
-// nor shared memory (fewer wgmma wavefronts than cuBLAS in the same time), nor the metadata loads (now staged in
-// shared memory) saturated, with the tensor pipe active 40 % of the time (cuBLAS: 84 %); a 256x128 tile ran 20 %
-// slower (docs/kernel-notes.md, session 9).
+// m64n128 at 2:4, 1024x4096 / 4096x1024; session 9, device call 4).  What sets the time (session 10,
+// benchmarks/ws_probe.cu, 2:4, 16384 tokens, 1024x4096, kernel alone; docs/kernel-notes.md): the full kernel
+// 0.187 ms, without its epilogue 0.117, its loads alone 0.120, its epilogue alone 0.053 (128 MB of Y at HBM write
+// speed): the main loop runs at the rate of its loads and the epilogue adds on top.  One group in flight (wait
+// for the previous stage's products, not this one's) measured 0.175 against 0.187 and is what runs now.  Three
+// ways of overlapping the epilogue with the next tile were built and measured slower, so this one stays: a TMA
+// store of per-warpgroup Y buffers (0.194-0.200 ms), and storer warps in the producer warpgroup copying Y while
+// the consumers go on (0.236: one loading warp left could not keep the ring full).
 constexpr int kWsThreads = 384;
 // Registers per thread once the roles are known (setmaxnreg, 128 x producer + 256 x consumer <= 64 K): the
 // producer gives back what the consumers' 128 accumulators and metadata pipeline need.  Launched at 168 (384
@@ -364,7 +366,13 @@ struct XtWsLayout {
   static_assert(kStageBytes % 1024 == 0 && kBarOff % 8 == 0, "alignment");
 };
 
-template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128>
+// Probe modes of the warp-specialized kernel, for benchmarks/ws_probe.cu only (the extension builds PROBE = 0):
+// each bit removes one part of the work, so the probe can time the load pipeline, the products, the epilogue and
+// the synchronization apart.  Results are wrong in every mode but 0.  kProbeNoLoad still loads the first STAGES
+// stages, so the products run on real operands and metadata.
+enum XtProbe { kProbeNoMma = 1, kProbeNoLoad = 2, kProbeNoEpilogue = 4 };
+
+template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0>
 __global__ void __launch_bounds__(kWsThreads, 1)
     SpmmWgmmaXtWsKernel(const SpmmXtParams p, const __grid_constant__ CUtensorMap tma_a,
                         const __grid_constant__ CUtensorMap tma_x) {
@@ -372,10 +380,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   using L = XtWsLayout<BR, BT, STAGES>;
   using W = XtWarps<BR, BT, NWMAX>;  // over the two consumer warpgroups
   constexpr int WR = W::WR, WN = W::WN, NW = W::NW, NCH = W::NCH;
-  // wgmma.sp groups a consumer keeps in flight while it issues the next stage: one from x^T (MN-major B: 0.237 ms
-  // against 0.257 with none at 2:4 1024x4096), none from x rows (K-major B: 0.249 ms with none against 0.274
-  // with one; session 8, device calls 2 and 4), whose stage then goes back to the producer at once.
-  constexpr int kInFlight = XROW ? 0 : 1;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const AlignedSmem aligned = AlignSmem1024(smem_raw);
   unsigned char* smem = aligned.ptr;
@@ -409,6 +413,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         const int s = it % STAGES;
         const uint32_t stage = smem_base + s * L::kStageBytes, full = full0 + 8 * s;
         if (it >= STAGES) MbarWait(empty0 + 8 * s, ((it / STAGES) & 1) ^ 1);
+        if ((PROBE & kProbeNoLoad) && it >= STAGES) {  // the ring keeps the first STAGES stages' data
+          if (tid == 0) MbarArrive(full);
+          CpAsyncMbarArrive(full);
+          continue;
+        }
         if (tid == 0) {
           MbarArriveExpectTx(full, L::kABytes + (x_by_tma ? L::kBBytes : 0));
           TmaLoad2d(stage, &tma_a, kt * (kKc / 2), row0, full);
@@ -444,20 +453,24 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
       };
       // Stage kt (parity `odd`, ring slot it % STAGES); once stage kt-1's products completed, its ring slot goes
-      // back to the producer (kInFlight = 0: this stage's slot).
+      // back to the producer.
       auto run_stage = [&](int kt, int it, auto odd) {
         constexpr bool kOdd = decltype(odd)::value;
         const int s = it % STAGES;
         MbarWait(full0 + 8 * s, (it / STAGES) & 1);
         FenceProxyAsyncShared();  // the producers' cp.async writes, seen through the barrier, before wgmma reads
+        if (PROBE & kProbeNoMma) {
+          if (lane == 0) MbarArrive(empty0 + 8 * s);
+          return;
+        }
         meta.Load<kOdd>(reinterpret_cast<const uint32_t*>(smem + L::kMetaOff + s * L::kMetaBytes), kt);
         fence_acc();
         WgmmaFence();
         XtStageMma<T, BR, NW, NCH, XROW>(acc, smem_base + s * L::kStageBytes, wr, wt * WN / 64, meta.Operands<kOdd>());
         WgmmaCommit();
-        WgmmaWait<kInFlight>();  // stage kt-1's products completed (kInFlight = 0: stage kt's too)
+        WgmmaWait<1>();  // stage kt-1's products completed
         fence_acc();
-        if (lane == 0 && (kInFlight == 0 || kt > 0)) MbarArrive(empty0 + 8 * ((kInFlight == 0 ? it : it - 1) % STAGES));
+        if (lane == 0 && kt > 0) MbarArrive(empty0 + 8 * ((it - 1) % STAGES));
       };
       for (int kt = 0; kt < num_kt; kt += 2) {
         run_stage(kt, it + kt, std::false_type{});
@@ -466,7 +479,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       it += num_kt;
       WgmmaWait<0>();
       fence_acc();
-      if (kInFlight == 1 && lane == 0) MbarArrive(empty0 + 8 * ((it - 1) % STAGES));  // the tile's last stage
+      if (!(PROBE & kProbeNoMma) && lane == 0) MbarArrive(empty0 + 8 * ((it - 1) % STAGES));  // the tile's last stage
+      if (PROBE & kProbeNoEpilogue) continue;
 #pragma unroll
       for (int ch = 0; ch < L::kEpiChunks; ++ch) {
         NamedBarSync(1, 256);  // the previous chunk's (or tile's) stores have read the staged Y
@@ -516,9 +530,9 @@ ffi::Error LaunchTile(cudaStream_t stream, const SpmmXtParams& p) {
   return LastLaunchError("SpmmWgmmaXtKernel");
 }
 
-template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128>
+template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0>
 ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& p) {
-  constexpr auto kernel = SpmmWgmmaXtWsKernel<T, BR, BT, STAGES, XROW, NWMAX>;
+  constexpr auto kernel = SpmmWgmmaXtWsKernel<T, BR, BT, STAGES, XROW, NWMAX, PROBE>;
   if (!Sm90aImageLoaded<kernel>())
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: needs an sm_90a build on a Hopper GPU");
   constexpr int smem = XtWsLayout<BR, BT, STAGES>::kBytes + 1024;

@@ -1,0 +1,63 @@
+"""The weight-gradient SDDMM alone (``ops.sddmm``: the tma engine on x rows at 2:4 and on the 2:4 view of 64:2:8,
+the x^T engine where the layer takes it) against XLA's dense dW product ``x^T dy`` and XLA's bias gradient, in one
+process, 16384 tokens, BERT-large shapes; median of timed repetitions after warm-up.
+
+  python3 benchmarks/sddmm.py     # writes benchmarks/results/<gpu>/sddmm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import common  # noqa: E402
+from jaxsparse import format as F  # noqa: E402
+from jaxsparse import ops  # noqa: E402
+
+TOKENS = 16384
+SHAPES = [(1024, 4096), (4096, 1024), (1024, 1024)]
+
+
+def dense_dw(x, dy):
+    """XLA's dense weight gradient ``x^T dy`` (float32 accumulation, bf16 out)."""
+    return jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--specs", default="2:4,64:2:8,128:2:16")
+    ap.add_argument("--out", default=None, help="json path (default benchmarks/results/<gpu>/sddmm.json)")
+    args = ap.parse_args()
+    rows = []
+    for k, n in SHAPES:
+        kx, kd, kw = jax.random.split(jax.random.PRNGKey(k + 7 * n), 3)
+        xs = [jax.random.normal(jax.random.fold_in(kx, i), (TOKENS, k), jnp.float32).astype(jnp.bfloat16)
+              for i in range(2)]
+        dys = [jax.random.normal(jax.random.fold_in(kd, i), (TOKENS, n), jnp.float32).astype(jnp.bfloat16)
+               for i in range(2)]
+        w = (jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+        dense_ms = common.time_jax(jax.jit(dense_dw), list(zip(xs, dys)))
+        db_ms = common.time_jax(jax.jit(lambda dy: jnp.sum(dy, axis=0, dtype=jnp.float32)), [(d,) for d in dys])
+        rows.append(dict(K=k, N=n, case="dense dW (XLA)", ms=dense_ms, speedup=1.0))
+        rows.append(dict(K=k, N=n, case="bias gradient (XLA reduce, alone)", ms=db_ms))
+        print(f"{k:>5} {n:>5} dense dW {dense_ms:.4f} ms   bias gradient alone {db_ms:.4f} ms", flush=True)
+        for spec in [s for s in args.specs.split(",") if s]:
+            sw = F.compress(w, F.select_mask(w, spec), spec)
+            ms = common.time_jax(jax.jit(lambda x, dy, sw: ops.sddmm(x, dy, sw)),
+                                 [(x, dy, sw) for x, dy in zip(xs, dys)])
+            rows.append(dict(K=k, N=n, spec=spec, case="sddmm", ms=ms, speedup=dense_ms / ms))
+            print(f"{k:>5} {n:>5} {spec:>9} sddmm {ms:.4f} ms {dense_ms / ms:.2f}x", flush=True)
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", common.gpu_slug(),
+                                   "sddmm.json")
+    common.write_json(out, dict(gpu=common.gpu_name(), tokens=TOKENS, versions=common.versions(), results=rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+// What bounds the warp-specialized row kernel (cuda/spmm_xt.cu, SpmmWgmmaXtWsKernel on x [T, K], 2:4): the
+// kernel timed alone (CUDA events, median of repetitions after warm-up) in its probe modes, each of which
+// removes one part of the work: the products (consumers only wait for and release the stages), the loads
+// (the producer arrives without copying after the first STAGES stages, so the products run on real data), the
+// epilogue.  The decomposition says whether the load pipeline,
+// the tensor pipe or the epilogue sets the time.
+//
+//   bash benchmarks/ws_probe.sh      # builds this file with nvcc (sm_90a) and writes
+//                                    # benchmarks/results/<gpu>/ws_probe.json
+//
+// Built as its own program (it includes the kernel's source), so none of the probe instantiations reach the
+// extension.
+#include "../cuda/spmm_xt.cu"
+
+#include <cstdio>
+#include <cstdlib>
+#include <iterator>
+#include <random>
+#include <utility>
+#include <vector>
+
+namespace jaxsparse {
+namespace {
+
+#define PROBE_CHECK(x)                                                                    \
+  do {                                                                                   \
+    cudaError_t st_ = (x);                                                               \
+    if (st_ != cudaSuccess) {                                                            \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(st_)); \
+      std::exit(1);                                                                      \
+    }                                                                                    \
+  } while (0)
+
+using Launcher = ffi::Error (*)(cudaStream_t, const SpmmXtParams&);
+
+template <int BR, int BT, int STAGES, int NWMAX, int PROBE>
+ffi::Error Launch(cudaStream_t s, const SpmmXtParams& p) {
+  return LaunchWs<__nv_bfloat16, BR, BT, STAGES, true, NWMAX, PROBE>(s, p);
+}
+
+struct Mode {
+  int probe;
+  const char* name;
+};
+
+// The probe modes timed, as PROBE bit sets (cuda/spmm_xt.cu, XtProbe).
+constexpr Mode kModes[] = {{0, "full"},
+                           {kProbeNoEpilogue, "no epilogue"},
+                           {kProbeNoMma | kProbeNoEpilogue, "loads only"},
+                           {kProbeNoLoad | kProbeNoEpilogue, "products only"},
+                           {kProbeNoLoad | kProbeNoMma, "epilogue only"},
+                           {kProbeNoLoad | kProbeNoMma | kProbeNoEpilogue, "barriers only"}};
+
+template <int BR, int BT, int STAGES, int NWMAX, size_t... I>
+std::vector<Launcher> LaunchersOf(std::index_sequence<I...>) {
+  return {Launch<BR, BT, STAGES, NWMAX, kModes[I].probe>...};
+}
+template <int BR, int BT, int STAGES, int NWMAX>
+std::vector<Launcher> Launchers() {
+  return LaunchersOf<BR, BT, STAGES, NWMAX>(std::make_index_sequence<std::size(kModes)>{});
+}
+
+float MedianMs(Launcher launch, const SpmmXtParams& p, int reps) {
+  cudaStream_t s = nullptr;
+  for (int i = 0; i < 10; ++i)
+    if (ffi::Error e = launch(s, p); e.failure()) {
+      std::fprintf(stderr, "launch failed: %s\n", e.message().c_str());
+      std::exit(1);
+    }
+  std::vector<cudaEvent_t> ev(reps + 1);
+  for (auto& e : ev) PROBE_CHECK(cudaEventCreate(&e));
+  PROBE_CHECK(cudaEventRecord(ev[0], s));
+  for (int i = 0; i < reps; ++i) {
+    (void)launch(s, p);
+    PROBE_CHECK(cudaEventRecord(ev[i + 1], s));
+  }
+  PROBE_CHECK(cudaEventSynchronize(ev[reps]));
+  std::vector<float> ms(reps);
+  for (int i = 0; i < reps; ++i) PROBE_CHECK(cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]));
+  for (auto& e : ev) cudaEventDestroy(e);
+  std::sort(ms.begin(), ms.end());
+  return ms[reps / 2];
+}
+
+int Main() {
+  const int tokens = 16384, reps = 50;
+  const int shapes[][2] = {{1024, 4096}, {4096, 1024}};  // (K, R)
+  cudaDeviceProp prop;
+  PROBE_CHECK(cudaGetDeviceProperties(&prop, 0));
+  int clock_khz = 0;
+  cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0);
+  std::mt19937 rng(0);
+  std::printf("{\"gpu\": \"%s\", \"sms\": %d, \"tokens\": %d, \"reps\": %d, \"spec\": \"2:4\", \"results\": [\n",
+              prop.name, prop.multiProcessorCount, tokens, reps);
+  bool first = true;
+  for (const auto& shape : shapes) {
+    const int k = shape[0], rows = shape[1], groups = k / 4;
+    std::vector<uint16_t> hx(static_cast<size_t>(tokens) * k), hv(static_cast<size_t>(rows) * 2 * groups);
+    std::vector<uint32_t> hm(static_cast<size_t>(rows) * groups / 8);
+    std::uniform_int_distribution<int> bits(0x3c00, 0x3f80);  // bf16 values in [1, 2) and thereabouts
+    for (auto& v : hx) v = static_cast<uint16_t>(bits(rng));
+    for (auto& v : hv) v = static_cast<uint16_t>(bits(rng));
+    const uint32_t pairs[6] = {0x4, 0x8, 0xc, 0x9, 0xd, 0xe};  // (i0, i1) with i0 < i1, i1 << 2 | i0
+    for (auto& w : hm) {
+      w = 0;
+      for (int g = 0; g < 8; ++g) w |= pairs[rng() % 6] << (4 * g);
+    }
+    void *dx, *dv, *dm, *dy;
+    PROBE_CHECK(cudaMalloc(&dx, hx.size() * 2));
+    PROBE_CHECK(cudaMalloc(&dv, hv.size() * 2));
+    PROBE_CHECK(cudaMalloc(&dm, hm.size() * 4));
+    PROBE_CHECK(cudaMalloc(&dy, static_cast<size_t>(tokens) * rows * 2));
+    PROBE_CHECK(cudaMemcpy(dx, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
+    PROBE_CHECK(cudaMemcpy(dv, hv.data(), hv.size() * 2, cudaMemcpyHostToDevice));
+    PROBE_CHECK(cudaMemcpy(dm, hm.data(), hm.size() * 4, cudaMemcpyHostToDevice));
+    SpmmXtParams p{};
+    p.xt = dx;
+    p.values = dv;
+    p.meta = static_cast<const uint32_t*>(dm);
+    p.cols = nullptr;
+    p.bias = nullptr;
+    p.y = dy;
+    p.tokens = tokens;
+    p.k = k;
+    p.rows = rows;
+    p.groups = groups;
+    p.v = 1;
+    p.m = 4;
+    struct Tile {
+      const char* name;
+      int br, bt;
+      std::vector<Launcher> launchers;
+    };
+    // The row kernel's tiles as cuda/spmm_xt.cu's Dispatch launches them (stages as there).
+    const Tile tiles[] = {{"ws128x256", 128, 256, Launchers<128, 256, 4, 256>()},
+                          {"ws64x256", 64, 256, Launchers<64, 256, 5, 128>()}};
+    // Bytes the SMs take in: x once per feature tile, the compressed values once per token tile.
+    for (const Tile& tile : tiles) {
+      const int br = tile.br, bt = tile.bt;
+      const double bytes = 2.0 * tokens * k * (rows / br) + 2.0 * rows * (2.0 * groups) * ((tokens + bt - 1) / bt);
+      for (size_t i = 0; i < tile.launchers.size(); ++i) {
+        const float ms = MedianMs(tile.launchers[i], p, reps);
+        std::printf("%s  {\"K\": %d, \"N\": %d, \"tile\": \"%s\", \"mode\": \"%s\", \"probe\": %d, \"ms\": %.5f, "
+                    "\"operand_bytes\": %.0f, \"intake_TBps\": %.3f}",
+                    first ? "" : ",\n", k, rows, tile.name, kModes[i].name, kModes[i].probe, ms, bytes,
+                    (kModes[i].probe & kProbeNoLoad) ? 0.0 : bytes / (ms * 1e-3) / 1e12);
+        first = false;
+        std::fflush(stdout);
+      }
+    }
+    cudaFree(dx);
+    cudaFree(dv);
+    cudaFree(dm);
+    cudaFree(dy);
+  }
+  std::printf("\n]}\n");
+  return 0;
+}
+
+}  // namespace
+}  // namespace jaxsparse
+
+int main() { return jaxsparse::Main(); }

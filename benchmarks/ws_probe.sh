@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Builds benchmarks/ws_probe.cu (nvcc, sm_90a, the XLA FFI headers from the installed jax) and runs it on the
+# GPU: the warp-specialized 2:4 row kernel timed alone in its probe modes (no products, no loads, no
+# epilogue).  Writes benchmarks/results/<gpu>/ws_probe.json (or $1) and prints the table.
+#   bash benchmarks/ws_probe.sh [out.json]
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+inc=$(python3 -c "import jax.ffi; print(jax.ffi.include_dir())")
+work=$(mktemp -d)
+nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 940,2473,39,128 -I"$inc" \
+  -I"$here/../cuda" -o "$work/ws_probe" "$here/ws_probe.cu"
+"$work/ws_probe" > "$work/probe.json"
+python3 - "$here" "$work/probe.json" "${1:-}" <<'PY'
+import json, os, sys
+here, raw, out = sys.argv[1], sys.argv[2], sys.argv[3]
+sys.path.insert(0, here)
+import common
+doc = json.load(open(raw))
+doc["versions"] = common.versions()
+out = out or os.path.join(here, "results", common.gpu_slug(), "ws_probe.json")
+common.write_json(out, doc)
+print(f"{'K':>5} {'N':>5} {'tile':>10} {'mode':>36} {'ms':>8} {'of full':>8} {'TB/s in':>8}")
+full = {}
+for r in doc["results"]:
+    key = (r["K"], r["N"], r["tile"])
+    full.setdefault(key, r["ms"])
+    print(f"{r['K']:>5} {r['N']:>5} {r['tile']:>10} {r['mode']:>36} {r['ms']:8.4f} {r['ms'] / full[key]:8.2f} "
+          f"{r['intake_TBps']:8.2f}")
+PY
