@@ -52,6 +52,21 @@ def sparse_vjp(x, dy, values, b, sw):
     return y, f(dy)
 
 
+def layer_operands(tokens: int, k: int, n: int, sets: int = 2) -> tuple[list, list, Any, Any]:
+    """Fresh bf16 operands of one linear layer ``[tokens, k] -> [tokens, n]``, seeded by the shape: ``sets`` inputs
+    x and cotangents dy (timed in turn, so no call sees the previous one's data), the weight ``w [k, n]`` (scaled
+    by 1/sqrt(k)) and a bias ``b [n]``."""
+    import jax
+    import jax.numpy as jnp
+
+    kx, kd, kw, kb = jax.random.split(jax.random.PRNGKey(k + n), 4)
+    normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
+    xs = [normal(jax.random.fold_in(kx, i), (tokens, k)) for i in range(sets)]
+    dys = [normal(jax.random.fold_in(kd, i), (tokens, n)) for i in range(sets)]
+    w = (jax.random.normal(kw, (k, n), jnp.float32) / jnp.sqrt(float(k))).astype(jnp.bfloat16)
+    return xs, dys, w, normal(kb, (n,))
+
+
 def with_env(fn: Callable, **env: str) -> Callable:
     """``fn`` traced with these environment settings (the layer reads its routes from them at trace time)."""
     def traced(*a):

@@ -15,8 +15,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import common  # noqa: E402
 from jaxsparse import format as F  # noqa: E402
@@ -32,13 +30,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for k, n in SHAPES:
-        kx, kd, kw, kb = jax.random.split(jax.random.PRNGKey(k + n), 4)
-        xs = [jax.random.normal(jax.random.fold_in(kx, i), (TOKENS, k), jnp.float32).astype(jnp.bfloat16)
-              for i in range(2)]
-        dys = [jax.random.normal(jax.random.fold_in(kd, i), (TOKENS, n), jnp.float32).astype(jnp.bfloat16)
-               for i in range(2)]
-        w = (jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
-        b = jax.random.normal(kb, (n,), jnp.float32).astype(jnp.bfloat16)
+        xs, dys, w, b = common.layer_operands(TOKENS, k, n)
         dense_ms = common.time_jax(jax.jit(common.dense_vjp), [(x, dy, w, b) for x, dy in zip(xs, dys)])
         rows.append(dict(K=k, N=n, case="dense XLA", ms=dense_ms, speedup=1.0))
         for spec in [s for s in args.specs.split(",") if s]:

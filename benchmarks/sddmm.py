@@ -15,7 +15,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import common  # noqa: E402
 from jaxsparse import format as F  # noqa: E402
@@ -37,12 +36,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for k, n in SHAPES:
-        kx, kd, kw = jax.random.split(jax.random.PRNGKey(k + 7 * n), 3)
-        xs = [jax.random.normal(jax.random.fold_in(kx, i), (TOKENS, k), jnp.float32).astype(jnp.bfloat16)
-              for i in range(2)]
-        dys = [jax.random.normal(jax.random.fold_in(kd, i), (TOKENS, n), jnp.float32).astype(jnp.bfloat16)
-               for i in range(2)]
-        w = (jax.random.normal(kw, (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+        xs, dys, w, _ = common.layer_operands(TOKENS, k, n)
         dense_ms = common.time_jax(jax.jit(dense_dw), list(zip(xs, dys)))
         db_ms = common.time_jax(jax.jit(lambda dy: jnp.sum(dy, axis=0, dtype=jnp.float32)), [(d,) for d in dys])
         rows.append(dict(K=k, N=n, case="dense dW (XLA)", ms=dense_ms, speedup=1.0))
