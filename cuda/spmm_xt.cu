@@ -337,7 +337,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
 // store of per-warpgroup Y buffers (0.194-0.200 ms), and storer warps in the producer warpgroup copying Y while
 // the consumers go on (0.236: one loading warp left could not keep the ring full).
 constexpr int kWsThreads = 384;
-// Registers per thread once the roles are known (setmaxnreg, 128 x producer + 256 x consumer <= 64 K): the
+// Registers per thread once the roles are known (setmaxnreg, 128 x producer + 256 x consumer <= 168 x 384): the
 // producer gives back what the consumers' 128 accumulators and metadata pipeline need.  Launched at 168 (384
 // threads, one CTA per SM), the 128x256 consumers spilled 28 bytes once the metadata was fetched two stages
 // ahead.  A producer that gathers x^T rows by cp.async (x^T, M > 4) needs more than one that only issues TMA.
@@ -345,7 +345,10 @@ template <bool XROW>
 struct WsRegs {
   static constexpr int kProducer = XROW ? 40 : 56;
   static constexpr int kConsumer = XROW ? 232 : 224;
-  static_assert(128 * kProducer + 256 * kConsumer <= 65536, "register file");
+  // setmaxnreg.inc waits until registers are free, so the roles must fit in what the launch allocated (168 per
+  // thread), not in the register file: producer 48 / consumer 232 deadlocked every launch (session 10, call 5).
+  static constexpr int kLaunchRegs = 65536 / kWsThreads / 8 * 8;
+  static_assert(128 * kProducer + 256 * kConsumer <= kWsThreads * kLaunchRegs, "registers the launch allocated");
 };
 
 // The Y tile is staged kEpiChunks chunks of 128 tokens at a time where the two warpgroups share every token (BR >=
