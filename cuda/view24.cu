@@ -84,19 +84,17 @@ ffi::Error Launch(cudaStream_t stream, const void* values, const uint8_t* column
   return LastLaunchError("As24Kernel");
 }
 
+// M in {8, 16, 32} (NQ = M/4 quads per group); M = 4 is refused before (a 2:4 weight is its own view).
 template <typename T>
 ffi::Error LaunchM(cudaStream_t stream, int m, const void* values, const uint8_t* columns, const uint32_t* metadata,
                    void* values24, uint32_t* meta24, int32_t* slots, int rows, int groups, int v) {
-  switch (m) {
-    case 8:
-      return Launch<T, 2>(stream, values, columns, metadata, values24, meta24, slots, rows, groups, v);
-    case 16:
-      return Launch<T, 4>(stream, values, columns, metadata, values24, meta24, slots, rows, groups, v);
-    case 32:
-      return Launch<T, 8>(stream, values, columns, metadata, values24, meta24, slots, rows, groups, v);
-    default:
-      return ffi::Error::InvalidArgument("jaxsparse_as_2_4: M must be 8, 16 or 32, got " + std::to_string(m));
-  }
+  return DispatchGroupWidth("jaxsparse_as_2_4", m, [&](auto width) {
+    constexpr int kM = decltype(width)::value;
+    if constexpr (kM == 4)
+      return ffi::Error::InvalidArgument("jaxsparse_as_2_4: a 2:4 weight is its own view");
+    else
+      return Launch<T, kM / 4>(stream, values, columns, metadata, values24, meta24, slots, rows, groups, v);
+  });
 }
 
 ffi::Error As24Impl(cudaStream_t stream, ffi::AnyBuffer values, ffi::Buffer<ffi::U8> columns,
