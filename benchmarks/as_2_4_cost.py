@@ -36,9 +36,7 @@ def main() -> None:
             kernel = common.time_jax(jax.jit(calls.as_2_4), sws)
             rows.append(dict(K=k, N=n, spec=spec, xla_ms=xla, kernel_ms=kernel))
             print(f"{k:>5} {n:>5} {spec:>9} as_2_4 XLA {xla:.4f} ms, kernel {kernel:.4f} ms", flush=True)
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", common.gpu_slug(),
-                                   "as_2_4_cost.json")
-    common.write_json(out, dict(gpu=common.gpu_name(), versions=common.versions(), results=rows))
+    common.write_json(common.results_path("as_2_4_cost.json", args.out), dict(gpu=common.gpu_name(), versions=common.versions(), results=rows))
 
 
 if __name__ == "__main__":

@@ -176,6 +176,11 @@ def versions() -> dict:
     return out
 
 
+def results_path(name: str, out: str | None = None) -> str:
+    """``out`` if given, else ``benchmarks/results/<gpu>/<name>``: where a benchmark writes its results."""
+    return out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", gpu_slug(), name)
+
+
 def write_json(path: str, payload: dict) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:

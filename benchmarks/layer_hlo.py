@@ -16,19 +16,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 import common  # noqa: E402
 from jaxsparse import format as F  # noqa: E402
 
 
 def main() -> None:
-    k, n, t = 1024, 4096, 4096
+    (x,), (dy,), w, b = common.layer_operands(4096, 1024, 4096, sets=1)
     for spec in ["2:4", "64:2:8", "128:2:16"]:
-        x = jnp.ones((t, k), jnp.bfloat16)
-        dy = jnp.ones((t, n), jnp.bfloat16)
-        w = (jax.random.normal(jax.random.PRNGKey(0), (k, n)) / 32).astype(jnp.bfloat16)
-        b = jnp.zeros((n,), jnp.bfloat16)
         sw = F.compress(w, F.select_mask(w, spec), spec)
         f = jax.jit(lambda x, dy, sw, b: common.sparse_vjp(x, dy, sw.values, b, sw))
         hlo = f.lower(x, dy, sw, b).compile().as_text()

@@ -43,9 +43,7 @@ def main() -> None:
                 ms = common.time_jax(fn, [(x, dy, sw, b) for x, dy in zip(xs, dys)])
                 rows.append(dict(K=k, N=n, spec=spec, case=name, ms=ms, speedup=dense_ms / ms))
                 print(f'{k:>5} {n:>5} {spec:>9} {name:>14} fwd+bwd {ms:.4f} ms {dense_ms / ms:.2f}x', flush=True)
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", common.gpu_slug(),
-                                   "layer_routes.json")
-    common.write_json(out, dict(gpu=common.gpu_name(), tokens=TOKENS, versions=common.versions(), results=rows))
+    common.write_json(common.results_path("layer_routes.json", args.out), dict(gpu=common.gpu_name(), tokens=TOKENS, versions=common.versions(), results=rows))
 
 
 if __name__ == "__main__":

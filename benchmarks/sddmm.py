@@ -48,9 +48,7 @@ def main() -> None:
                                  [(x, dy, sw) for x, dy in zip(xs, dys)])
             rows.append(dict(K=k, N=n, spec=spec, case="sddmm", ms=ms, speedup=dense_ms / ms))
             print(f"{k:>5} {n:>5} {spec:>9} sddmm {ms:.4f} ms {dense_ms / ms:.2f}x", flush=True)
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", common.gpu_slug(),
-                                   "sddmm.json")
-    common.write_json(out, dict(gpu=common.gpu_name(), tokens=TOKENS, versions=common.versions(), results=rows))
+    common.write_json(common.results_path("sddmm.json", args.out), dict(gpu=common.gpu_name(), tokens=TOKENS, versions=common.versions(), results=rows))
 
 
 if __name__ == "__main__":

@@ -144,8 +144,7 @@ def main() -> None:
             timing="median over 15 batches of 20 async calls (host clock between syncs; torch: CUDA events), 3 rotating input sets",
             results=rows,
         )
-        path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", common.gpu_slug(), "spmm.json")
-        common.write_json(path, payload)
+        common.write_json(common.results_path("spmm.json", args.out), payload)
         if os.environ.get("OUT"):
             common.write_json(os.path.join(os.environ["OUT"], "spmm.json"), payload)
 

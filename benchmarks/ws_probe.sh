@@ -11,14 +11,13 @@ nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 940,247
   -I"$here/../cuda" -o "$work/ws_probe" "$here/ws_probe.cu"
 "$work/ws_probe" > "$work/probe.json"
 python3 - "$here" "$work/probe.json" "${1:-}" <<'PY'
-import json, os, sys
+import json, sys
 here, raw, out = sys.argv[1], sys.argv[2], sys.argv[3]
 sys.path.insert(0, here)
 import common
 doc = json.load(open(raw))
 doc["versions"] = common.versions()
-out = out or os.path.join(here, "results", common.gpu_slug(), "ws_probe.json")
-common.write_json(out, doc)
+common.write_json(common.results_path("ws_probe.json", out or None), doc)
 print(f"{'K':>5} {'N':>5} {'tile':>10} {'mode':>36} {'ms':>8} {'of full':>8} {'TB/s in':>8}")
 full = {}
 for r in doc["results"]:
