@@ -225,7 +225,7 @@ def classify(name: str, info: OpInfo | None = None) -> str:
     for text in (name, target):
         if text and ("jaxsparse" in text.lower() or "spmm" in text.lower() or "sddmm" in text.lower()
                      or "decompresskernel" in text.lower()):
-            if _VIEW_NAME.search(text):  # the 2:4 view of a V:2:M weight: built for the forward and for the SDDMM
+            if _VIEW_NAME.search(text):  # the 2:4 view of a V:2:M weight: traced for the forward and the SDDMM
                 return "sddmm" if _sparse_scope(scopes) == "bwd" else "sparse_fwd"
             if _SDDMM_NAME.search(text):
                 return "sddmm"

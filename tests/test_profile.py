@@ -59,7 +59,7 @@ HLO_EVENTS = [
                              "__cublas$gemm"), "dense_gemm"),
     ("custom-call.9", OpInfo("custom-call", f"{FWD}/output/output._compressed/spmm", False, (), frozenset({"custom-call"}),
                              "jaxsparse_spmm"), "sparse_fwd"),
-    # the 2:4 view of a V:2:M weight, built once for the forward and once for the SDDMM
+    # the 2:4 view of a V:2:M weight, traced in the forward and in the SDDMM (XLA keeps one call; either scope classifies)
     ("custom-call.10", OpInfo("custom-call", f"{FWD}/output/output._compressed/as_2_4", False, (), frozenset({"custom-call"}),
                               "jaxsparse_as_2_4"), "sparse_fwd"),
     ("custom-call.11", OpInfo("custom-call", f"{BWD}/output/output._compressed/as_2_4", False, (), frozenset({"custom-call"}),
