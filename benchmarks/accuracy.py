@@ -78,7 +78,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (warm-up, then cosine to 0)")
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--warmup", type=float, default=0.1, help="warm-up, fraction of all steps")
-    train.add_recipe_arguments(p)  # --fade, --score, --distill (one teacher per task, seed 0), --temperature, --init, --refit
+    train.add_recipe_arguments(p)  # --fade, --score, --distill, --distill-hidden (one teacher per task, seed 0), --temperature, --init, --refit
     p.add_argument("--teacher-dir", type=Path, default=None,
                    help="share distillation teachers between processes: the first trains and saves "
                         "teacher-<task>.npz here (under a file lock), the others load it")
@@ -147,7 +147,9 @@ def hyperparameters(args: argparse.Namespace) -> dict[str, Any]:
             "fade": args.fade, "score": args.score, "init": args.init,
             "refit": args.refit, "refit_batches": args.refit_batches if args.refit else None,
             "max_train": args.max_train, "max_eval": args.max_eval, "dtype": args.dtype,
-            "param_dtype": "float32", "compress": args.compress, "quick": bool(args.quick)}
+            "param_dtype": "float32", "compress": args.compress, "quick": bool(args.quick),
+            # only when set, so that result files written before the option still --resume and --merge
+            **({"distill_hidden": args.distill_hidden} if args.distill_hidden else {})}
 
 
 def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> argparse.Namespace:
@@ -159,6 +161,7 @@ def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> a
             "--warmup", str(args.warmup), "--seed", str(seed), "--max-train", str(args.max_train),
             "--max-eval", str(args.max_eval), "--max-len", str(args.max_len), "--dtype", args.dtype,
             "--distill", str(args.distill if sparsity != "dense" else 0.0), "--temperature", str(args.temperature),
+            "--distill-hidden", str(args.distill_hidden if sparsity != "dense" else 0.0),
             "--fade", str(args.fade), "--score", args.score,
             "--init", args.init if sparsity != "dense" else "pretrained", "--no-progress"]
     if args.refit and sparsity != "dense":
@@ -274,12 +277,15 @@ def compressed_note(payload: dict) -> str:
 def distill_note(payload: dict) -> str:
     """The distillation setting of the sparse runs ("" without one)."""
     hp = payload["hyperparameters"]
-    if not hp.get("distill"):
+    if not hp.get("distill") and not hp.get("distill_hidden"):
         return ""
     teachers = payload.get("teachers", {})
     accs = ", ".join(f"{t} {100 * v['test_accuracy']:.2f}" for t, v in teachers.items())
+    terms = ([f"weight {hp['distill']:g} on T² KL at temperature {hp['temperature']:g}"] if hp.get("distill") else []) + (
+        [f"weight {hp['distill_hidden']:g} on the mean squared difference of the encoder layers' outputs"]
+        if hp.get("distill_hidden") else [])
     return (f"; sparse runs distil from a dense teacher per task (seed 0, same schedule; test accuracy {accs or 'n/a'}) "
-            f"with weight {hp['distill']:g} on T² KL at temperature {hp['temperature']:g}")
+            f"with {' and '.join(terms)}")
 
 
 def section(payload: dict) -> str:
@@ -294,6 +300,7 @@ def section(payload: dict) -> str:
     recipe = ", ".join([f"{hp['epochs']} epochs, " + ("one-shot" if oneshot else f"GMP to {hp['prune_end']:g}")]
                        + (["least-squares refit"] if hp.get("refit") else [])
                        + ([f"distillation {hp['distill']:g}"] if hp.get("distill") else [])
+                       + ([f"hidden-state distillation {hp['distill_hidden']:g}"] if hp.get("distill_hidden") else [])
                        + ([f"fade {hp['fade']:g}"] if fades else [])
                        + ([f"{hp['score']} score"] if hp.get("score", "magnitude") != "magnitude" else [])
                        + (["from the fine-tuned teacher"] if hp.get("init") == "teacher" else []))
@@ -489,7 +496,7 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
     cache = train.JitCache()
     teachers: dict[str, Any] = {}
     teacher_params: dict[str, Any] = {}
-    if args.distill > 0 or args.init == "teacher":
+    if args.distill > 0 or args.distill_hidden > 0 or args.init == "teacher":
         payload["teachers"] = {}
         for task in dict.fromkeys(t for t, s, _ in grid if s != "dense"):
             r0 = time.time()
@@ -514,6 +521,8 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
                                    cache=cache, on_step=bar.step, log=lambda line: None,
                                    teacher_logits=teachers.get(task) if sparsity != "dense" and args.distill > 0 else None,
                                    init_params=teacher_params.get(task) if sparsity != "dense" and args.init == "teacher"
+                                   else None,
+                                   teacher_params=teacher_params.get(task) if sparsity != "dense" and args.distill_hidden > 0
                                    else None)
             last[(task, sparsity)] = time.time() - r0
             keep = ("task", "sparsity", "seed", "test_accuracy", "dev_accuracy", "test_loss", "weight_sparsity",
@@ -547,7 +556,7 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
 # Hyper-parameters that change only sparse runs: dense baselines measured under another pruning recipe are
 # the same experiment, so --dense-from may take them into a study that differs only in these.
 SPARSE_ONLY_HYPERPARAMETERS = ("prune", "ladder", "prune_begin", "prune_end", "fade", "score", "distill",
-                               "temperature", "compress", "init", "refit", "refit_batches")
+                               "temperature", "distill_hidden", "compress", "init", "refit", "refit_batches")
 
 
 def _dense_settings(hp: dict) -> dict:

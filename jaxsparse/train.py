@@ -45,7 +45,8 @@ MODELS = ("minilm",) + tuple(n for n in bert.PRESETS if n != "minilm")
 
 def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     """The sparse fine-tuning recipe options shared by ``jaxsparse-train`` and ``benchmarks/accuracy.py``:
-    ``--fade``, ``--score``, ``--distill``, ``--temperature``, ``--init``, ``--refit``, ``--refit-batches``."""
+    ``--fade``, ``--score``, ``--distill``, ``--temperature``, ``--distill-hidden``, ``--init``, ``--refit``,
+    ``--refit-batches``."""
     p.add_argument("--fade", type=float, default=0.0,
                    help="GMP: before each stage, fade the weights it will prune to zero over this fraction of all "
                         "steps (0 = masks change at once; see jaxsparse.pruning.gmp_prune fade_steps)")
@@ -55,6 +56,10 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
                    help="knowledge distillation weight in [0, 1): sparse runs learn from a dense teacher fine-tuned "
                         "with the same settings, on (1 - w) * cross-entropy + w * T^2 * KL(teacher || student)")
     p.add_argument("--temperature", type=float, default=2.0, help="distillation temperature T")
+    p.add_argument("--distill-hidden", type=float, default=0.0,
+                   help="hidden-state distillation weight >= 0: sparse runs add this times the mean over encoder "
+                        "layers of the squared difference between their layer outputs and the dense teacher's "
+                        "(per hidden unit, over real tokens; hidden_distill_loss); the teacher runs in every step")
     p.add_argument("--init", default="pretrained", choices=INITS,
                    help="where sparse runs start: the pretrained weights, or the dense teacher fine-tuned with the "
                         "same settings (prune a fine-tuned model, as oBERT's downstream pruning does)")
@@ -72,6 +77,10 @@ def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
         p.error("need 0 <= --fade < 1")
     if not 0.0 <= args.distill < 1.0 or args.temperature <= 0:
         p.error("need 0 <= --distill < 1 and --temperature > 0")
+    if not args.distill_hidden >= 0.0:
+        p.error("need --distill-hidden >= 0")
+    if args.distill_hidden > 0 and getattr(args, "sparsity", None) == "dense":
+        p.error("--distill-hidden trains a sparse student from a dense teacher: give a --sparsity pattern")
     if args.init == "teacher" and getattr(args, "sparsity", None) == "dense":
         p.error("--init teacher starts a sparse run from a dense teacher: give a --sparsity pattern")
     if args.refit and args.prune != "oneshot":
@@ -291,9 +300,32 @@ def loss_fn(logits: jax.Array, labels: jax.Array, teacher_logits: jax.Array | No
     return (1.0 - distill) * ce + distill * temperature**2 * kl
 
 
+def hidden_distill_loss(student: Sequence[jax.Array], teacher: Sequence[jax.Array],
+                        attention_mask: jax.Array) -> jax.Array:
+    """Mean over layers of the squared difference between student and teacher hidden states.
+
+    Each layer's term is ``sum over real tokens of ||h_s - h_t||^2 / (real tokens * hidden size)``: the mean
+    squared difference per hidden unit, padding excluded (``attention_mask [B, T]``, 1 = real token). The
+    teacher's states get no gradient. Student and teacher must have the same number of layers and shapes.
+    """
+    if len(student) != len(teacher) or not student:
+        raise ValueError(f"hidden_distill_loss needs as many student as teacher layers (>= 1), got "
+                         f"{len(student)} and {len(teacher)}")
+    m = attention_mask.astype(jnp.float32)[..., None]
+    denom = jnp.maximum(m.sum(), 1.0) * student[0].shape[-1]
+    terms = [(jnp.square(s.astype(jnp.float32) - jax.lax.stop_gradient(t).astype(jnp.float32)) * m).sum() / denom
+             for s, t in zip(student, teacher)]
+    return jnp.mean(jnp.stack(terms))
+
+
+TEACHER = "teacher"
+"""Key of ``extra`` under which :func:`make_step` with ``distill_hidden > 0`` takes the teacher's params."""
+
+
 def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: jax.sharding.Mesh | None = None,
               axis: str = parallel.DATA_AXIS, donate: bool = False, distill: float = 0.0,
-              temperature: float = 2.0, mask_score: str = "magnitude") -> Callable:
+              temperature: float = 2.0, mask_score: str = "magnitude", distill_hidden: float = 0.0,
+              teacher_model=None) -> Callable:
     """The jitted training step ``(params, opt_state, extra, batch, rng) -> (params, opt_state, loss)``.
 
     Args:
@@ -311,25 +343,39 @@ def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: j
       mask_score: the ``score`` of the ``gmp_prune`` in ``tx``; with ``"activation"`` the forward collects
         the sparse layers' input statistics (:data:`jaxsparse.nn.INPUT_STATS`) and hands them to the
         optimizer update as ``input_sq``.
+      distill_hidden, teacher_model: with ``distill_hidden > 0`` the dense ``teacher_model`` runs on the batch
+        (no dropout) with the params in ``extra[TEACHER]``, and the loss adds ``distill_hidden`` times
+        :func:`hidden_distill_loss` of the encoder layers' outputs (:data:`jaxsparse.models.bert.HIDDEN_STATES`).
 
     The optimizer update runs in the named scope ``OPTIMIZER_SCOPE``, so ``jaxsparse-profile`` can
     attribute its kernels.
     """
     dp = axis if mesh is not None else None
     with_stats = with_masks and mask_score == "activation"
+    if distill_hidden > 0 and teacher_model is None:
+        raise ValueError("make_step: distill_hidden > 0 needs the teacher_model")
+    mutable = [INPUT_STATS] * with_stats + [bert.HIDDEN_STATES] * (distill_hidden > 0)
 
     def step(params, opt_state, extra, batch, rng):
         variables = pruning.model_variables(params, opt_state) if with_masks else dict(extra)
-        variables = {k: v for k, v in variables.items() if k != "params"}
+        variables = {k: v for k, v in variables.items() if k not in ("params", TEACHER)}
         if dp is not None:
             rng = jax.random.fold_in(rng, jax.lax.axis_index(dp))
+        if distill_hidden > 0:
+            _, t_state = teacher_model.apply({"params": extra[TEACHER]}, *batch[:3], deterministic=True,
+                                             mutable=[bert.HIDDEN_STATES])
+            t_hidden = t_state[bert.HIDDEN_STATES]["bert"]["layers"]
 
         def lf(p):
             out = model.apply({**variables, "params": p}, *batch[:3], deterministic=False,
-                              rngs={"dropout": rng}, mutable=[INPUT_STATS] if with_stats else False)
-            logits, stats = out if with_stats else (out, None)
+                              rngs={"dropout": rng}, mutable=mutable or False)
+            logits, stats = out if mutable else (out, {})
             teacher = batch[4] if distill > 0 else None
-            return loss_fn(logits, batch[3], teacher, distill, temperature), stats
+            loss = loss_fn(logits, batch[3], teacher, distill, temperature)
+            if distill_hidden > 0:
+                loss += distill_hidden * hidden_distill_loss(stats[bert.HIDDEN_STATES]["bert"]["layers"], t_hidden,
+                                                             batch[2])
+            return loss, stats
 
         (loss, stats), grads = jax.value_and_grad(lf, has_aux=True)(params)
         grads, loss = parallel.pmean_grads((grads, loss), dp)
@@ -350,7 +396,7 @@ def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: j
 def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretrained: dict | None, *,
         cache: JitCache | None = None, on_step: Callable[[int, jax.Array], None] | None = None,
         log: Callable[[str], None] = _stderr, teacher_logits: np.ndarray | None = None,
-        init_params: dict | None = None) -> tuple[dict[str, Any], dict]:
+        init_params: dict | None = None, teacher_params: dict | None = None) -> tuple[dict[str, Any], dict]:
     """Fine-tune and evaluate as ``args`` (from :func:`parse_args`) says, on tokenized ``data``.
 
     Args:
@@ -365,6 +411,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         when ``args.distill > 0``.
       init_params: the whole classifier's starting params (``--init teacher``: the teacher's fine-tuned
         params); ``pretrained`` is ignored then.
+      teacher_params: the dense teacher's classifier params, needed when ``args.distill_hidden > 0``.
 
     With ``args.refit`` (``--prune oneshot`` only) the starting params are first pruned and refit by
     :func:`jaxsparse.obs.oneshot_refit` (sequential: each kernel's input Hessian is measured on the model
@@ -387,6 +434,9 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         raise ValueError(f"--distill {distill} needs teacher logits for the {len(train)} training examples "
                          f"(got {None if teacher_logits is None else np.shape(teacher_logits)})")
     kd = (distill, temperature) if distill > 0 else (0.0, temperature)
+    hidden = float(getattr(args, "distill_hidden", 0.0)) if args.sparsity != "dense" else 0.0
+    if hidden > 0 and teacher_params is None:
+        raise ValueError(f"--distill-hidden {hidden} needs the teacher's params (teacher_params)")
 
     def batch_of(idx):
         return _arrays(train, idx) + ((teacher_logits[idx],) if distill > 0 else ())
@@ -461,9 +511,12 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
     def make_logits(model):
         return jax.jit(lambda variables, *a: model.apply(variables, *a))
 
-    step = cache.get("step", (model, tx_key, prune is not None, mesh, kd),
+    # With --distill-hidden the teacher (the dense master model) runs inside the step on ``extra[TEACHER]``.
+    hd = dict(distill_hidden=hidden, teacher_model=master) if hidden > 0 else {}
+    teacher_extra = {TEACHER: jax.tree_util.tree_map(jnp.asarray, teacher_params)} if hidden > 0 else {}
+    step = cache.get("step", (model, tx_key, prune is not None, mesh, kd, hidden),
                      lambda: make_step(model, tx, prune is not None, mesh, distill=kd[0], temperature=kd[1],
-                                       mask_score=score))
+                                       mask_score=score, **hd))
     logits_fn = cache.get("logits", master_key, lambda: make_logits(master))
     extra: dict = {}
     evaluate_dev, evaluate_test = _Evaluator(dev, args.batch_size), _Evaluator(test, args.batch_size)
@@ -493,11 +546,11 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
                 params, pattern, base_state = pruning.to_compressed(params, pruning.masks_of(opt_state), spec, opt_state[0])
                 opt_state, extra, compressed = base_state, {"sparsity": pattern}, True
                 model = make_model(True)
-                step = cache.get("step", (model, base_key, False, mesh, kd),
-                                 lambda: make_step(model, base, False, mesh, distill=kd[0], temperature=kd[1]))
+                step = cache.get("step", (model, base_key, False, mesh, kd, hidden),
+                                 lambda: make_step(model, base, False, mesh, distill=kd[0], temperature=kd[1], **hd))
                 logits_fn = cache.get("logits", (model,), lambda: make_logits(model))
             drop_key, k_drop = jax.random.split(drop_key)
-            params, opt_state, loss = step(params, opt_state, extra, batch_of(idx), k_drop)
+            params, opt_state, loss = step(params, opt_state, {**extra, **teacher_extra}, batch_of(idx), k_drop)
             losses.append(loss)
             global_step += 1
             if on_step is not None:
@@ -527,7 +580,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         "stage_steps": list(prune.schedule.stage_steps) if prune is not None else [],
         "compressed_training": compressed, "seed": args.seed, "epochs": args.epochs,
         "batch_size": args.batch_size, "lr": args.lr, "max_len": args.max_len, "dtype": args.dtype,
-        "distill": distill, "temperature": temperature if distill > 0 else None,
+        "distill": distill, "temperature": temperature if distill > 0 else None, "distill_hidden": hidden,
         "refit": refit, "refit_batches": n_cal if refit else None,
         "train_examples": len(train), "dev_examples": len(dev), "test_examples": len(test), "steps": global_step,
         "history": history, "dev_accuracy": history[-1]["dev_accuracy"], "test_accuracy": test_metrics["accuracy"],
@@ -553,7 +606,7 @@ def predict_logits(cfg: bert.BertConfig, variables: dict, batch: data_lib.Batch,
 
 def teacher_args(args: argparse.Namespace) -> argparse.Namespace:
     """The dense teacher's run: ``args`` with no sparsity, no pruning, no distillation."""
-    return argparse.Namespace(**{**vars(args), "sparsity": "dense", "prune": "none", "distill": 0.0,
+    return argparse.Namespace(**{**vars(args), "sparsity": "dense", "prune": "none", "distill": 0.0, "distill_hidden": 0.0,
                                  "ladder": None, "init": "pretrained"})
 
 
@@ -575,12 +628,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg, pretrained = load_model(args.model)
     teacher = teacher_params = None
     init = getattr(args, "init", "pretrained")
-    if (args.distill > 0 or init == "teacher") and args.sparsity != "dense":
-        _stderr(f"--distill {args.distill} --init {init}: fine-tuning the dense teacher first")
+    hidden = getattr(args, "distill_hidden", 0.0)
+    if (args.distill > 0 or hidden > 0 or init == "teacher") and args.sparsity != "dense":
+        _stderr(f"--distill {args.distill} --distill-hidden {hidden} --init {init}: fine-tuning the dense teacher first")
         teacher, teacher_metrics, teacher_params = fit_teacher(args, data, cfg, pretrained)
         _stderr(f"teacher: dev acc {teacher_metrics['dev_accuracy']:.4f}, test acc {teacher_metrics['test_accuracy']:.4f}")
     metrics, final = fit(args, data, cfg, pretrained, teacher_logits=teacher if args.distill > 0 else None,
-                         init_params=teacher_params if init == "teacher" else None)
+                         init_params=teacher_params if init == "teacher" else None,
+                         teacher_params=teacher_params if hidden > 0 else None)
     metrics["init"] = init
     if teacher is not None:
         metrics["teacher"] = {k: teacher_metrics[k] for k in ("dev_accuracy", "test_accuracy", "steps")}

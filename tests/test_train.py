@@ -195,3 +195,73 @@ def test_refit_needs_oneshot(capsys):
     with pytest.raises(ValueError, match="--refit needs --prune oneshot"):
         train.fit(args, data_, cfg, None)
     assert not train.parse_args([]).refit
+
+
+def test_hidden_distill_loss():
+    import jax.numpy as jnp
+
+    from jaxsparse.train import hidden_distill_loss
+
+    rng = np.random.default_rng(0)
+    s = [jnp.asarray(rng.standard_normal((2, 5, 4)), jnp.float32) for _ in range(3)]
+    t = [jnp.asarray(rng.standard_normal((2, 5, 4)), jnp.float32) for _ in range(3)]
+    mask = jnp.asarray([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    m = np.asarray(mask, bool)
+    want = np.mean([((np.asarray(a) - np.asarray(b)) ** 2)[m].mean() for a, b in zip(s, t)])
+    assert float(hidden_distill_loss(s, t, mask)) == pytest.approx(want, rel=1e-5)
+    assert float(hidden_distill_loss(s, s, mask)) == 0.0
+    # Padding does not count: changing the student's padded positions leaves the loss unchanged.
+    s2 = [a.at[0, 3:].set(100.0) for a in s]
+    assert float(hidden_distill_loss(s2, t, mask)) == pytest.approx(want, rel=1e-5)
+    # Only the student gets a gradient.
+    gs, gt = jax.grad(lambda a, b: hidden_distill_loss(a, b, mask), argnums=(0, 1))(s, t)
+    assert all(float(jnp.abs(g).sum()) > 0 for g in gs) and all(float(jnp.abs(g).sum()) == 0 for g in gt)
+    with pytest.raises(ValueError, match="as many student as teacher layers"):
+        hidden_distill_loss(s[:2], t, mask)
+
+
+def test_make_step_with_hidden_distillation_runs_the_teacher():
+    """distill_hidden > 0: the teacher's layer outputs enter the loss; a teacher equal to the student adds 0."""
+    import optax
+
+    from jaxsparse.models import bert
+
+    cfg = bert.BertConfig.preset("tiny")
+    model = bert.BertForSequenceClassification(cfg, num_labels=3)
+    ids = jax.random.randint(jax.random.key(1), (4, 9), 1, cfg.vocab_size)
+    mask = np.ones((4, 9), np.int32)
+    mask[0, 6:] = 0
+    batch = (ids, np.zeros_like(ids), mask, np.array([0, 1, 2, 1]))
+    params = model.init(jax.random.key(0), *batch[:3])["params"]
+    _, state = model.apply({"params": params}, *batch[:3], mutable=[bert.HIDDEN_STATES])
+    layers = state[bert.HIDDEN_STATES]["bert"]["layers"]
+    assert len(layers) == cfg.num_hidden_layers and layers[0].shape == (4, 9, cfg.hidden_size)
+    tx = optax.sgd(0.0)
+    plain = train.make_step(model, tx, False)
+    hidden = train.make_step(model, tx, False, distill_hidden=2.0, teacher_model=model)
+    key = jax.random.key(3)
+    other = jax.tree_util.tree_map(lambda a: a * 1.5, params)
+    base = float(plain(params, tx.init(params), {}, batch, key)[2])
+    same = float(hidden(params, tx.init(params), {train.TEACHER: params}, batch, key)[2])
+    diff = float(hidden(params, tx.init(params), {train.TEACHER: other}, batch, key)[2])
+    assert np.isfinite([base, same, diff]).all()
+    # The student runs with dropout, the teacher without, so equal params still differ a little.
+    assert same == pytest.approx(base, abs=0.5) and diff > same + 0.1
+    with pytest.raises(ValueError, match="needs the teacher_model"):
+        train.make_step(model, tx, False, distill_hidden=1.0)
+
+
+def test_distill_hidden_run(tmp_path, capsys):
+    args = train.parse_args(TINY + ["--sparsity", "2:4", "--distill-hidden", "1.0", "--out", str(tmp_path / "run")])
+    data_ = train.load_data("trec", args.max_train, args.max_eval, args.max_len)
+    cfg, _ = train.load_model(args.model)
+    with pytest.raises(ValueError, match="needs the teacher's params"):
+        train.fit(args, data_, cfg, None)
+    metrics = train.run(args)  # the teacher first, then the student with the teacher in its step
+    assert metrics["distill_hidden"] == 1.0 and metrics["distill"] == 0.0
+    assert "fine-tuning the dense teacher first" in capsys.readouterr().err
+    hist = metrics["history"]
+    assert np.isfinite(hist[-1]["train_loss"]) and hist[-1]["train_loss"] < hist[0]["first_loss"], hist
+    for argv in (["--sparsity", "dense", "--distill-hidden", "1"], ["--distill-hidden", "-1"]):
+        with pytest.raises(SystemExit):
+            train.parse_args(argv)

@@ -198,8 +198,15 @@ class BertLayer(_Sparse):
         return self.norm("LayerNorm")(out + h)
 
 
+HIDDEN_STATES = "hidden_states"
+"""Flax collection into which :class:`BertModel` sows each encoder layer's output (``"layers"``: a tuple of
+``[B, T, H]``, first layer first). It is filled only when the collection is mutable in ``apply``, e.g. for
+hidden-state distillation (``jaxsparse.train.hidden_distill_loss``); otherwise sowing is a no-op."""
+
+
 class BertModel(_Sparse):
-    """Embeddings + encoder (+ pooler). Returns ``(hidden [B, T, H], pooled [B, H] or None)``."""
+    """Embeddings + encoder (+ pooler). Returns ``(hidden [B, T, H], pooled [B, H] or None)``; each encoder
+    layer's output is sown into :data:`HIDDEN_STATES`."""
 
     add_pooler: bool = True
 
@@ -231,6 +238,7 @@ class BertModel(_Sparse):
         opts = dict(config=cfg, sparsity=self.sparsity, compressed=self.compressed, dtype=self.dtype)
         for i in range(cfg.num_hidden_layers):
             h = BertLayer(**opts, name=f"encoder_layer_{i}")(h, bias, deterministic)
+            self.sow(HIDDEN_STATES, "layers", h)
         pooled = None
         if self.add_pooler:
             pooled = jnp.tanh(nn.Dense(cfg.hidden_size, dtype=self.dtype, kernel_init=init, name="pooler")(h[:, 0]))
