@@ -1,6 +1,8 @@
 """The weight-gradient SDDMM alone (``ops.sddmm``: the tma engine on x rows at 2:4 and on the 2:4 view of 64:2:8,
 the x^T engine where the layer takes it) against XLA's dense dW product ``x^T dy`` and XLA's bias gradient, in one
-process, 16384 tokens, BERT-large shapes; median of timed repetitions after warm-up.
+process, 16384 tokens, BERT-large shapes; median of timed repetitions after warm-up. For M >= 8 it also times the
+x^T engine with x^T given (``calls.sddmm_from_xt``: the condensed product, no transpose in the timing), the
+bound on any route that hands that engine x^T without a transpose kernel.
 
   python3 benchmarks/sddmm.py     # writes benchmarks/results/<gpu>/sddmm.json
 """
@@ -19,6 +21,7 @@ import jax.numpy as jnp  # noqa: E402
 import common  # noqa: E402
 from jaxsparse import format as F  # noqa: E402
 from jaxsparse import ops  # noqa: E402
+from jaxsparse.ffi import calls  # noqa: E402
 
 TOKENS = 16384
 SHAPES = [(1024, 4096), (4096, 1024), (1024, 1024)]
@@ -48,6 +51,12 @@ def main() -> None:
                                  [(x, dy, sw) for x, dy in zip(xs, dys)])
             rows.append(dict(K=k, N=n, spec=spec, case="sddmm", ms=ms, speedup=dense_ms / ms))
             print(f"{k:>5} {n:>5} {spec:>9} sddmm {ms:.4f} ms {dense_ms / ms:.2f}x", flush=True)
+            if F.VNM.parse(spec).m >= 8:
+                xts = [jnp.asarray(x.T) for x in xs]
+                ms = common.time_jax(jax.jit(lambda xt, dy, sw: calls.sddmm_from_xt(xt, dy, sw)),
+                                     [(xt, dy, sw) for xt, dy in zip(xts, dys)])
+                rows.append(dict(K=k, N=n, spec=spec, case="sddmm from x^T given", ms=ms, speedup=dense_ms / ms))
+                print(f"{k:>5} {n:>5} {spec:>9} sddmm from x^T given {ms:.4f} ms {dense_ms / ms:.2f}x", flush=True)
     common.write_json(common.results_path("sddmm.json", args.out), dict(gpu=common.gpu_name(), tokens=TOKENS, versions=common.versions(), results=rows))
 
 
