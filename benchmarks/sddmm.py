@@ -2,7 +2,8 @@
 the x^T engine where the layer takes it) against XLA's dense dW product ``x^T dy`` and XLA's bias gradient, in one
 process, 16384 tokens, BERT-large shapes; median of timed repetitions after warm-up. For M >= 8 it also times the
 x^T engine with x^T given (``calls.sddmm_from_xt``: the condensed product, no transpose in the timing), the
-bound on any route that hands that engine x^T without a transpose kernel.
+bound on any route that hands that engine x^T without a transpose kernel, and the transpose kernel alone
+(``calls.transpose``, what the x^T route adds) with its rate in TB/s (x read once, x^T written once).
 
   python3 benchmarks/sddmm.py     # writes benchmarks/results/<gpu>/sddmm.json
 """
@@ -44,6 +45,10 @@ def main() -> None:
         db_ms = common.time_jax(jax.jit(lambda dy: jnp.sum(dy, axis=0, dtype=jnp.float32)), [(d,) for d in dys])
         rows.append(dict(K=k, N=n, case="dense dW (XLA)", ms=dense_ms, speedup=1.0))
         rows.append(dict(K=k, N=n, case="bias gradient (XLA reduce, alone)", ms=db_ms))
+        tr_ms = common.time_jax(jax.jit(calls.transpose), [(x,) for x in xs])
+        tbs = 2 * xs[0].size * xs[0].dtype.itemsize / (tr_ms * 1e-3) / 1e12
+        rows.append(dict(K=k, N=n, case="transpose x (jaxsparse_transpose, alone)", ms=tr_ms, tb_per_s=tbs))
+        print(f"{k:>5} {n:>5} transpose x {tr_ms:.4f} ms ({tbs:.2f} TB/s)", flush=True)
         print(f"{k:>5} {n:>5} dense dW {dense_ms:.4f} ms   bias gradient alone {db_ms:.4f} ms", flush=True)
         for spec in [s for s in args.specs.split(",") if s]:
             sw = F.compress(w, F.select_mask(w, spec), spec)
