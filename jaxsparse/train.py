@@ -354,7 +354,7 @@ def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: j
     with_stats = with_masks and mask_score == "activation"
     if distill_hidden > 0 and teacher_model is None:
         raise ValueError("make_step: distill_hidden > 0 needs the teacher_model")
-    mutable = [INPUT_STATS] * with_stats + [bert.HIDDEN_STATES] * (distill_hidden > 0)
+    mutable = ([INPUT_STATS] if with_stats else []) + ([bert.HIDDEN_STATES] if distill_hidden > 0 else [])
 
     def step(params, opt_state, extra, batch, rng):
         variables = pruning.model_variables(params, opt_state) if with_masks else dict(extra)
