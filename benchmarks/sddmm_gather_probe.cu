@@ -74,9 +74,8 @@ struct Params {
 
 // 16-byte chunk position of chunk j of xT row k.
 __device__ __forceinline__ int XtChunk(int k, int j) { return j ^ ((k ^ (k >> 2)) & 7); }
-// Position of token t (0..15) inside its 16-token step of an xT row: a thread's 4 tokens 2c, 2c+1, 2c+8, 2c+9
-// are adjacent (4c .. 4c+3).
-__device__ __forceinline__ int TokenSlot(int t) { return ((t & 7) >> 1) * 4 + (t >> 3) * 2 + (t & 1); }
+// Inside each 16-token step of an xT row, token t sits at slot 4 ((t % 8) / 2) + 2 (t / 8) + t % 2: a thread's
+// 4 tokens 2c, 2c+1, 2c+8, 2c+9 are the adjacent slots 4c .. 4c+3 (the transpose pass writes that order).
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
