@@ -36,18 +36,10 @@
 #include <random>
 #include <vector>
 
+#include "probe_timing.cuh"
 #include "wgmma.cuh"
 
 namespace probe {
-
-#define CHECK(x)                                                                                  \
-  do {                                                                                           \
-    cudaError_t st_ = (x);                                                                       \
-    if (st_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(st_));  \
-      std::exit(1);                                                                              \
-    }                                                                                            \
-  } while (0)
 
 constexpr int kM = 8, kV = 64;
 constexpr int kBT = 64;                 // tokens per stage
@@ -230,11 +222,6 @@ __global__ void ReduceKernel(const float* partial, float* out, int64_t n, int sp
   }
 }
 
-float Median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 // One shape: returns false when the check fails.
 bool RunShape(int tokens, int k, int rows, int splits, bool first) {
   const int groups = k / kM;
@@ -263,16 +250,16 @@ bool RunShape(int tokens, int k, int rows, int splits, bool first) {
   uint32_t* dmeta;
   float *dpart, *dout;
   const int64_t n = static_cast<int64_t>(rows) * 2 * groups;
-  CHECK(cudaMalloc(&dx, hx.size() * 2));
-  CHECK(cudaMalloc(&ddy, hdy.size() * 2));
-  CHECK(cudaMalloc(&dcols, hcols.size()));
-  CHECK(cudaMalloc(&dmeta, hmeta.size() * 4));
-  CHECK(cudaMalloc(&dpart, splits * n * 4));
-  CHECK(cudaMalloc(&dout, n * 4));
-  CHECK(cudaMemcpy(dx, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(ddy, hdy.data(), hdy.size() * 2, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(dcols, hcols.data(), hcols.size(), cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(dmeta, hmeta.data(), hmeta.size() * 4, cudaMemcpyHostToDevice));
+  PROBE_CHECK(cudaMalloc(&dx, hx.size() * 2));
+  PROBE_CHECK(cudaMalloc(&ddy, hdy.size() * 2));
+  PROBE_CHECK(cudaMalloc(&dcols, hcols.size()));
+  PROBE_CHECK(cudaMalloc(&dmeta, hmeta.size() * 4));
+  PROBE_CHECK(cudaMalloc(&dpart, splits * n * 4));
+  PROBE_CHECK(cudaMalloc(&dout, n * 4));
+  PROBE_CHECK(cudaMemcpy(dx, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
+  PROBE_CHECK(cudaMemcpy(ddy, hdy.data(), hdy.size() * 2, cudaMemcpyHostToDevice));
+  PROBE_CHECK(cudaMemcpy(dcols, hcols.data(), hcols.size(), cudaMemcpyHostToDevice));
+  PROBE_CHECK(cudaMemcpy(dmeta, hmeta.data(), hmeta.size() * 4, cudaMemcpyHostToDevice));
 
   CUtensorMap tx{}, tdy{};
   if (!jaxsparse::MakeTensorMap2d(&tx, dx, tokens, k, kBT) || !jaxsparse::MakeTensorMap2d(&tdy, ddy, tokens, rows, kBT)) {
@@ -282,20 +269,20 @@ bool RunShape(int tokens, int k, int rows, int splits, bool first) {
   Params p{dcols, dmeta, dpart, tokens, k, rows, groups, 0};
   const int all_kt = (tokens + kBT - 1) / kBT;
   p.kt_per_split = (all_kt + splits - 1) / splits;
-  CHECK(cudaFuncSetAttribute(GatherSddmmKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  PROBE_CHECK(cudaFuncSetAttribute(GatherSddmmKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   const dim3 grid(rows / kBR, groups / kGC, splits);
   auto launch = [&]() {
     GatherSddmmKernel<<<grid, kThreads, kSmem>>>(p, tx, tdy);
     ReduceKernel<<<4 * 132, 256>>>(dpart, dout, n, splits);
   };
   // Poisoned outputs: NaN everywhere, so an entry the kernel never writes fails the check.
-  CHECK(cudaMemset(dpart, 0xFF, splits * n * 4));
-  CHECK(cudaMemset(dout, 0xFF, n * 4));
+  PROBE_CHECK(cudaMemset(dpart, 0xFF, splits * n * 4));
+  PROBE_CHECK(cudaMemset(dout, 0xFF, n * 4));
   launch();
-  CHECK(cudaGetLastError());
-  CHECK(cudaDeviceSynchronize());
+  PROBE_CHECK(cudaGetLastError());
+  PROBE_CHECK(cudaDeviceSynchronize());
   std::vector<float> hout(n);
-  CHECK(cudaMemcpy(hout.data(), dout, n * 4, cudaMemcpyDeviceToHost));
+  PROBE_CHECK(cudaMemcpy(hout.data(), dout, n * 4, cudaMemcpyDeviceToHost));
   // Check 4096 random entries against a float64 reference; NaN never passes.
   double err2 = 0, ref2 = 0;
   int nan = 0;
@@ -316,31 +303,15 @@ bool RunShape(int tokens, int k, int rows, int splits, bool first) {
   const bool ok = nan == 0 && rel < 1e-3;  // float32 accumulation of exact bf16 products
 
   // Timing: the kernel + its reduce, and cuBLAS's dense dW = x^T dy (bf16 in, float32 accumulation, bf16 out)
-  // in the same process; median of 50 after 10 warm-up launches, CUDA events.
-  cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
-  auto time_it = [&](auto fn) {
-    for (int w = 0; w < 10; ++w) fn();
-    std::vector<float> ms;
-    for (int rep = 0; rep < 50; ++rep) {
-      CHECK(cudaEventRecord(e0));
-      fn();
-      CHECK(cudaEventRecord(e1));
-      CHECK(cudaEventSynchronize(e1));
-      float t;
-      CHECK(cudaEventElapsedTime(&t, e0, e1));
-      ms.push_back(t);
-    }
-    return Median(ms);
-  };
+  // in the same process; median of 50 back-to-back launches after 10 warm-up launches, CUDA events.
+  auto time_it = [&](auto fn) { return probe_timing::MedianEventMs(fn, fn, 50); };
   const float ms = time_it(launch);
   float dense_ms = -1.f;  // printed as null when the build has no cuBLAS
 #ifdef PROBE_CUBLAS
   cublasHandle_t h;
   cublasCreate(&h);
   __nv_bfloat16* ddw;
-  CHECK(cudaMalloc(&ddw, static_cast<size_t>(k) * rows * 2));
+  PROBE_CHECK(cudaMalloc(&ddw, static_cast<size_t>(k) * rows * 2));
   const float one = 1.f, zero = 0.f;
   // Column-major view: dW^T [rows x k] = dy^T [rows x T] * x [T x k]; dy (row-major [T, rows]) is dy^T col-major.
   auto dense = [&]() {
@@ -355,7 +326,7 @@ bool RunShape(int tokens, int k, int rows, int splits, bool first) {
   cublasDestroy(h);
   cudaFree(ddw);
 #endif
-  CHECK(cudaGetLastError());
+  PROBE_CHECK(cudaGetLastError());
   // Floor of the condensed product: x and dy read once, the values written once (float32 here).
   const double bytes = 2.0 * tokens * (k + rows) + 4.0 * n;
   std::printf("%s{\"T\": %d, \"K\": %d, \"R\": %d, \"spec\": \"64:2:8\", \"splits\": %d, \"rel_err\": %.3e, "

@@ -11,6 +11,7 @@
 // Built as its own program (it includes the kernel's source), so none of the probe instantiations reach the
 // extension.
 #include "../cuda/spmm_xt.cu"
+#include "probe_timing.cuh"
 
 #include <cstdio>
 #include <cstdlib>
@@ -21,15 +22,6 @@
 
 namespace jaxsparse {
 namespace {
-
-#define PROBE_CHECK(x)                                                                    \
-  do {                                                                                   \
-    cudaError_t st_ = (x);                                                               \
-    if (st_ != cudaSuccess) {                                                            \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(st_)); \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
 
 using Launcher = ffi::Error (*)(cudaStream_t, const SpmmXtParams&);
 
@@ -62,24 +54,14 @@ std::vector<Launcher> Launchers() {
 
 float MedianMs(Launcher launch, const SpmmXtParams& p, int reps) {
   cudaStream_t s = nullptr;
-  for (int i = 0; i < 10; ++i)
-    if (ffi::Error e = launch(s, p); e.failure()) {
-      std::fprintf(stderr, "launch failed: %s\n", e.message().c_str());
-      std::exit(1);
-    }
-  std::vector<cudaEvent_t> ev(reps + 1);
-  for (auto& e : ev) PROBE_CHECK(cudaEventCreate(&e));
-  PROBE_CHECK(cudaEventRecord(ev[0], s));
-  for (int i = 0; i < reps; ++i) {
-    (void)launch(s, p);
-    PROBE_CHECK(cudaEventRecord(ev[i + 1], s));
-  }
-  PROBE_CHECK(cudaEventSynchronize(ev[reps]));
-  std::vector<float> ms(reps);
-  for (int i = 0; i < reps; ++i) PROBE_CHECK(cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]));
-  for (auto& e : ev) cudaEventDestroy(e);
-  std::sort(ms.begin(), ms.end());
-  return ms[reps / 2];
+  return probe_timing::MedianEventMs(
+      [&] {  // warm-up launches are checked; the timed ones are the same launches
+        if (ffi::Error e = launch(s, p); e.failure()) {
+          std::fprintf(stderr, "launch failed: %s\n", e.message().c_str());
+          std::exit(1);
+        }
+      },
+      [&] { (void)launch(s, p); }, reps);
 }
 
 int Main() {
