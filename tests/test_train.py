@@ -94,10 +94,14 @@ def test_distillation_loss():
     assert np.isfinite(np.asarray(g)).all() and float(jnp.abs(g).sum()) > 0
 
 
+def _tiny_sparse_run(tmp_path, *options):
+    """A tiny 2:4 run's parsed arguments (``options`` added, output under ``tmp_path``), its data and model config."""
+    args = train.parse_args(TINY + ["--sparsity", "2:4", *options, "--out", str(tmp_path / "run")])
+    return args, train.load_data("trec", args.max_train, args.max_eval, args.max_len), train.load_model(args.model)[0]
+
+
 def test_distill_needs_a_sparse_run_and_teacher_logits(tmp_path, capsys):
-    args = train.parse_args(TINY + ["--sparsity", "2:4", "--distill", "0.5", "--out", str(tmp_path / "run")])
-    data_ = train.load_data("trec", args.max_train, args.max_eval, args.max_len)
-    cfg, _ = train.load_model(args.model)
+    args, data_, cfg = _tiny_sparse_run(tmp_path, "--distill", "0.5")
     with pytest.raises(ValueError, match="needs teacher logits"):
         train.fit(args, data_, cfg, None)
     metrics = train.run(args)  # the teacher first, then the student
@@ -127,7 +131,7 @@ def test_tiny_run_with_activation_score(tmp_path):
 
 def test_init_teacher_starts_the_sparse_run_from_the_fine_tuned_teacher(tmp_path, capsys, monkeypatch):
     """--init teacher: the dense teacher trains first and the sparse student starts from its params."""
-    args = train.parse_args(TINY + ["--sparsity", "2:4", "--init", "teacher", "--out", str(tmp_path / "run")])
+    args, data_, cfg = _tiny_sparse_run(tmp_path, "--init", "teacher")
     seen = {}
     real_fit = train.fit
 
@@ -143,8 +147,6 @@ def test_init_teacher_starts_the_sparse_run_from_the_fine_tuned_teacher(tmp_path
     assert seen["dense"][0] is None and seen["2:4"][0] is teacher_params
     with pytest.raises(SystemExit):
         train.parse_args(["--sparsity", "dense", "--init", "teacher"])
-    data_ = train.load_data("trec", args.max_train, args.max_eval, args.max_len)
-    cfg, _ = train.load_model(args.model)
     wrong = jax.tree_util.tree_map(lambda a: a[..., :1], teacher_params)
     with pytest.raises(ValueError, match="init_params does not match"):
         real_fit(args, data_, cfg, None, init_params=wrong)
@@ -252,9 +254,7 @@ def test_make_step_with_hidden_distillation_runs_the_teacher():
 
 
 def test_distill_hidden_run(tmp_path, capsys):
-    args = train.parse_args(TINY + ["--sparsity", "2:4", "--distill-hidden", "1.0", "--out", str(tmp_path / "run")])
-    data_ = train.load_data("trec", args.max_train, args.max_eval, args.max_len)
-    cfg, _ = train.load_model(args.model)
+    args, data_, cfg = _tiny_sparse_run(tmp_path, "--distill-hidden", "1.0")
     with pytest.raises(ValueError, match="needs the teacher's params"):
         train.fit(args, data_, cfg, None)
     metrics = train.run(args)  # the teacher first, then the student with the teacher in its step
