@@ -19,7 +19,7 @@
 //
 // v0 simplifications (to measure before optimizing): one xT buffer and two barriers per stage, so the
 // transpose and the products of one CTA do not overlap; the wgmma group is waited for at the end of each stage.
-#if __has_include(<cublas_v2.h>)
+#if !defined(PROBE_NO_CUBLAS) && __has_include(<cublas_v2.h>)
 #include <cublas_v2.h>
 #define PROBE_CUBLAS 1
 #endif
@@ -89,6 +89,9 @@ __device__ __forceinline__ void WgmmaRs64(float (&d)[32], const uint32_t (&a)[4]
 }
 #endif
 
+// kMode: 0 the whole kernel; 1 without the transpose pass (xT holds whatever it holds: timing only); 2 without the
+// gathers and products (timing only).  Modes 1 and 2 split the time of one stage between its two halves.
+template <int kMode>
 __global__ void __launch_bounds__(kThreads, 1) GatherSddmmKernel(const Params p, const __grid_constant__ CUtensorMap tx,
                                                                   const __grid_constant__ CUtensorMap tdy) {
 #ifdef JAXSPARSE_WGMMA
@@ -140,7 +143,7 @@ __global__ void __launch_bounds__(kThreads, 1) GatherSddmmKernel(const Params p,
     const int s = i % kStages;
     MbarWait(bar0 + 8 * s, (i / kStages) & 1);
     __syncthreads();  // every warp is done reading xT of stage i - 1
-    {
+    if (kMode != 1) {
       // Transpose: warp w takes 4-column chunk q = 32 (w % 2) + lane of x and 16-token step w / 2.
       const int q = 32 * (warp & 1) + lane, step = warp >> 1;
       const unsigned char* xs = smem + s * kStageBytes + (q >> 4) * kBox;  // box of columns 64 (q / 16) ..
@@ -170,6 +173,7 @@ __global__ void __launch_bounds__(kThreads, 1) GatherSddmmKernel(const Params p,
     }
     __syncthreads();  // xT of stage i is complete; slot (i - 1) % kStages is free
     if (tid == 0 && i + kStages - 1 < num_kt) issue(i + kStages - 1);
+    if (kMode == 2) continue;
     // A fragments of all 16 products first (the registers a wgmma reads must be written before the fence).
     uint32_t a[kVB][4][4];
 #pragma unroll
@@ -269,11 +273,14 @@ bool RunShape(int tokens, int k, int rows, int splits, bool first) {
   Params p{dcols, dmeta, dpart, tokens, k, rows, groups, 0};
   const int all_kt = (tokens + kBT - 1) / kBT;
   p.kt_per_split = (all_kt + splits - 1) / splits;
-  PROBE_CHECK(cudaFuncSetAttribute(GatherSddmmKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  PROBE_CHECK(cudaFuncSetAttribute(GatherSddmmKernel<0>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  PROBE_CHECK(cudaFuncSetAttribute(GatherSddmmKernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  PROBE_CHECK(cudaFuncSetAttribute(GatherSddmmKernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   const dim3 grid(rows / kBR, groups / kGC, splits);
+  auto reduce = [&]() { ReduceKernel<<<4 * 132, 256>>>(dpart, dout, n, splits); };
   auto launch = [&]() {
-    GatherSddmmKernel<<<grid, kThreads, kSmem>>>(p, tx, tdy);
-    ReduceKernel<<<4 * 132, 256>>>(dpart, dout, n, splits);
+    GatherSddmmKernel<0><<<grid, kThreads, kSmem>>>(p, tx, tdy);
+    reduce();
   };
   // Poisoned outputs: NaN everywhere, so an entry the kernel never writes fails the check.
   PROBE_CHECK(cudaMemset(dpart, 0xFF, splits * n * 4));
@@ -285,7 +292,7 @@ bool RunShape(int tokens, int k, int rows, int splits, bool first) {
   PROBE_CHECK(cudaMemcpy(hout.data(), dout, n * 4, cudaMemcpyDeviceToHost));
   // Check 4096 random entries against a float64 reference; NaN never passes.
   double err2 = 0, ref2 = 0;
-  int nan = 0;
+  int nan = 0, shown = 0;
   for (int s = 0; s < 4096; ++s) {
     const int r = rng() % rows, g = rng() % groups, j = rng() % 2;
     const uint32_t nib = (hmeta[static_cast<size_t>(r) * (groups / 8) + g / 8] >> (4 * (g % 8))) & 0xFu;
@@ -296,6 +303,20 @@ bool RunShape(int tokens, int k, int rows, int splits, bool first) {
       ref += double(__bfloat162float(hx[static_cast<size_t>(t) * k + col])) * __bfloat162float(hdy[static_cast<size_t>(t) * rows + r]);
     const double got = hout[static_cast<size_t>(r) * 2 * groups + 2 * g + j];
     if (!std::isfinite(got)) ++nan;
+    if (!(std::fabs(got - ref) <= 1e-3 * (std::fabs(ref) + 1.0)) && shown < 6) {
+      // Diagnose: which real column of the group (if any) the kernel's value belongs to.
+      int match = -1;
+      for (int cc = 0; cc < kM && match < 0; ++cc) {
+        double alt = 0;
+        for (int t = 0; t < tokens; ++t)
+          alt += double(__bfloat162float(hx[static_cast<size_t>(t) * k + g * kM + cc])) *
+                 __bfloat162float(hdy[static_cast<size_t>(t) * rows + r]);
+        if (std::fabs(alt - got) <= 1e-3 * (std::fabs(alt) + 1.0)) match = cc;
+      }
+      std::fprintf(stderr, "K=%d R=%d mismatch r=%d g=%d j=%d col=%d ref=%.4f got=%.4f (got is column %d of the group)\n",
+                   k, rows, r, g, j, col - g * kM, ref, got, match);
+      ++shown;
+    }
     err2 += (got - ref) * (got - ref);
     ref2 += ref * ref;
   }
@@ -306,6 +327,10 @@ bool RunShape(int tokens, int k, int rows, int splits, bool first) {
   // in the same process; median of 50 back-to-back launches after 10 warm-up launches, CUDA events.
   auto time_it = [&](auto fn) { return probe_timing::MedianEventMs(fn, fn, 50); };
   const float ms = time_it(launch);
+  const float kernel_ms = time_it([&]() { GatherSddmmKernel<0><<<grid, kThreads, kSmem>>>(p, tx, tdy); });
+  const float no_transpose_ms = time_it([&]() { GatherSddmmKernel<1><<<grid, kThreads, kSmem>>>(p, tx, tdy); });
+  const float no_products_ms = time_it([&]() { GatherSddmmKernel<2><<<grid, kThreads, kSmem>>>(p, tx, tdy); });
+  const float reduce_ms = time_it(reduce);
   float dense_ms = -1.f;  // printed as null when the build has no cuBLAS
 #ifdef PROBE_CUBLAS
   cublasHandle_t h;
@@ -330,9 +355,11 @@ bool RunShape(int tokens, int k, int rows, int splits, bool first) {
   // Floor of the condensed product: x and dy read once, the values written once (float32 here).
   const double bytes = 2.0 * tokens * (k + rows) + 4.0 * n;
   std::printf("%s{\"T\": %d, \"K\": %d, \"R\": %d, \"spec\": \"64:2:8\", \"splits\": %d, \"rel_err\": %.3e, "
-              "\"nan\": %d, \"ok\": %s, \"ms\": %.4f, \"dense_dw_cublas_ms\": %.4f, "
+              "\"nan\": %d, \"ok\": %s, \"ms\": %.4f, \"kernel_ms\": %.4f, \"no_transpose_ms\": %.4f, "
+              "\"no_products_ms\": %.4f, \"reduce_ms\": %.4f, \"dense_dw_cublas_ms\": %.4f, "
               "\"floor_ms_at_3.35TBps\": %.4f}",
-              first ? "" : ",\n", tokens, k, rows, splits, rel, nan, ok ? "true" : "false", ms, dense_ms,
+              first ? "" : ",\n", tokens, k, rows, splits, rel, nan, ok ? "true" : "false", ms, kernel_ms,
+              no_transpose_ms, no_products_ms, reduce_ms, dense_ms,
               bytes / 3.35e12 * 1e3);
   cudaFree(dx), cudaFree(ddy), cudaFree(dcols), cudaFree(dmeta), cudaFree(dpart), cudaFree(dout);
   return ok;

@@ -9,12 +9,18 @@ set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 inc=$(python3 -c "import jax.ffi; print(jax.ffi.include_dir())")
 work=$(mktemp -d)
-blas=()
+# cuBLAS: the toolkit's own when it has the library, else the nvidia-cublas wheel's; without either the dense dW
+# is reported as null.
+blas=(-DPROBE_NO_CUBLAS)
+cuda_home=$(dirname "$(dirname "$(command -v nvcc)")")
 cublas=$(python3 -c "import nvidia.cublas, os; print(list(nvidia.cublas.__path__)[0])" 2>/dev/null || true)
-if [ -n "$cublas" ] && [ -f "$cublas/include/cublas_v2.h" ]; then
+if [ -f "$cuda_home/include/cublas_v2.h" ] && ls "$cuda_home"/lib64/libcublas.so* > /dev/null 2>&1; then
+  blas=(-L"$cuda_home/lib64" -lcublas)
+elif [ -n "$cublas" ] && [ -f "$cublas/include/cublas_v2.h" ]; then
   lib=$(ls "$cublas"/lib/libcublas.so* 2>/dev/null | head -1)
   [ -n "$lib" ] && blas=(-I"$cublas/include" "$lib" -Xlinker -rpath -Xlinker "$cublas/lib")
 fi
+echo "cuBLAS: ${blas[*]}" >&2
 nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 940,2473,39,128 -I"$inc" -I"$here/../cuda" \
   "${blas[@]}" -o "$work/probe" "$here/sddmm_gather_probe.cu" || exit 2
 "$work/probe" > "$work/probe.json"; st=$?
