@@ -78,7 +78,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (warm-up, then cosine to 0)")
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--warmup", type=float, default=0.1, help="warm-up, fraction of all steps")
-    train.add_recipe_arguments(p)  # --fade, --score, --distill, --distill-hidden (one teacher per task, seed 0), --temperature, --init, --refit
+    train.add_recipe_arguments(p)  # --fade, --score, --distill, --distill-hidden, --distill-augment (one teacher per task, seed 0), --temperature, --init, --refit
     p.add_argument("--teacher-dir", type=Path, default=None,
                    help="share distillation teachers between processes: the first trains and saves "
                         "teacher-<task>.npz here (under a file lock), the others load it")
@@ -149,7 +149,8 @@ def hyperparameters(args: argparse.Namespace) -> dict[str, Any]:
             "max_train": args.max_train, "max_eval": args.max_eval, "dtype": args.dtype,
             "param_dtype": "float32", "compress": args.compress, "quick": bool(args.quick),
             # only when set, so that result files written before the option still --resume and --merge
-            **({"distill_hidden": args.distill_hidden} if args.distill_hidden else {})}
+            **({"distill_hidden": args.distill_hidden} if args.distill_hidden else {}),
+            **({"distill_augment": args.distill_augment} if args.distill_augment else {})}
 
 
 def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> argparse.Namespace:
@@ -162,6 +163,7 @@ def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> a
             "--max-eval", str(args.max_eval), "--max-len", str(args.max_len), "--dtype", args.dtype,
             "--distill", str(args.distill if sparsity != "dense" else 0.0), "--temperature", str(args.temperature),
             "--distill-hidden", str(args.distill_hidden if sparsity != "dense" else 0.0),
+            "--distill-augment", str(args.distill_augment if sparsity != "dense" else 0.0),
             "--fade", str(args.fade), "--score", args.score,
             "--init", args.init if sparsity != "dense" else "pretrained", "--no-progress"]
     if args.refit and sparsity != "dense":
@@ -284,8 +286,10 @@ def distill_note(payload: dict) -> str:
     terms = ([f"weight {hp['distill']:g} on T² KL at temperature {hp['temperature']:g}"] if hp.get("distill") else []) + (
         [f"weight {hp['distill_hidden']:g} on the mean squared difference of the encoder layers' outputs"]
         if hp.get("distill_hidden") else [])
+    augment = (f", and the same terms on a copy of each batch with {hp['distill_augment']:g} of its tokens replaced "
+               f"(--distill-augment)" if hp.get("distill_augment") else "")
     return (f"; sparse runs distil from a dense teacher per task (seed 0, same schedule; test accuracy {accs or 'n/a'}) "
-            f"with {' and '.join(terms)}")
+            f"with {' and '.join(terms)}{augment}")
 
 
 def section(payload: dict) -> str:
@@ -301,6 +305,7 @@ def section(payload: dict) -> str:
                        + (["least-squares refit"] if hp.get("refit") else [])
                        + ([f"distillation {hp['distill']:g}"] if hp.get("distill") else [])
                        + ([f"hidden-state distillation {hp['distill_hidden']:g}"] if hp.get("distill_hidden") else [])
+                       + ([f"augmented distillation {hp['distill_augment']:g}"] if hp.get("distill_augment") else [])
                        + ([f"fade {hp['fade']:g}"] if fades else [])
                        + ([f"{hp['score']} score"] if hp.get("score", "magnitude") != "magnitude" else [])
                        + (["from the fine-tuned teacher"] if hp.get("init") == "teacher" else []))
@@ -522,8 +527,8 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
                                    teacher_logits=teachers.get(task) if sparsity != "dense" and args.distill > 0 else None,
                                    init_params=teacher_params.get(task) if sparsity != "dense" and args.init == "teacher"
                                    else None,
-                                   teacher_params=teacher_params.get(task) if sparsity != "dense" and args.distill_hidden > 0
-                                   else None)
+                                   teacher_params=teacher_params.get(task) if sparsity != "dense"
+                                   and (args.distill_hidden > 0 or args.distill_augment > 0) else None)
             last[(task, sparsity)] = time.time() - r0
             keep = ("task", "sparsity", "seed", "test_accuracy", "dev_accuracy", "test_loss", "weight_sparsity",
                     "ladder", "stage_steps", "steps", "compressed_training", "history", "seconds")
@@ -556,7 +561,7 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
 # Hyper-parameters that change only sparse runs: dense baselines measured under another pruning recipe are
 # the same experiment, so --dense-from may take them into a study that differs only in these.
 SPARSE_ONLY_HYPERPARAMETERS = ("prune", "ladder", "prune_begin", "prune_end", "fade", "score", "distill",
-                               "temperature", "distill_hidden", "compress", "init", "refit", "refit_batches")
+                               "temperature", "distill_hidden", "distill_augment", "compress", "init", "refit", "refit_batches")
 
 
 def _dense_settings(hp: dict) -> dict:

@@ -45,8 +45,8 @@ MODELS = ("minilm",) + tuple(n for n in bert.PRESETS if n != "minilm")
 
 def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     """The sparse fine-tuning recipe options shared by ``jaxsparse-train`` and ``benchmarks/accuracy.py``:
-    ``--fade``, ``--score``, ``--distill``, ``--temperature``, ``--distill-hidden``, ``--init``, ``--refit``,
-    ``--refit-batches``."""
+    ``--fade``, ``--score``, ``--distill``, ``--temperature``, ``--distill-hidden``, ``--distill-augment``,
+    ``--init``, ``--refit``, ``--refit-batches``."""
     p.add_argument("--fade", type=float, default=0.0,
                    help="GMP: before each stage, fade the weights it will prune to zero over this fraction of all "
                         "steps (0 = masks change at once; see jaxsparse.pruning.gmp_prune fade_steps)")
@@ -60,6 +60,10 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
                    help="hidden-state distillation weight >= 0: sparse runs add this times the mean over encoder "
                         "layers of the squared difference between their layer outputs and the dense teacher's "
                         "(per hidden unit, over real tokens; hidden_distill_loss); the teacher runs in every step")
+    p.add_argument("--distill-augment", type=float, default=0.0,
+                   help="token replacement probability in [0, 1) of a corrupted copy of every batch that sparse runs "
+                        "also distil on (needs --distill; augment_tokens): the teacher runs on the copy in every step "
+                        "and the loss adds the --distill and --distill-hidden terms on it (no labels)")
     p.add_argument("--init", default="pretrained", choices=INITS,
                    help="where sparse runs start: the pretrained weights, or the dense teacher fine-tuned with the "
                         "same settings (prune a fine-tuned model, as oBERT's downstream pruning does)")
@@ -81,6 +85,10 @@ def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
         p.error("need --distill-hidden >= 0")
     if args.distill_hidden > 0 and getattr(args, "sparsity", None) == "dense":
         p.error("--distill-hidden trains a sparse student from a dense teacher: give a --sparsity pattern")
+    if not 0.0 <= args.distill_augment < 1.0:
+        p.error("need 0 <= --distill-augment < 1")
+    if args.distill_augment > 0 and args.distill == 0:
+        p.error("--distill-augment distils on a corrupted copy of each batch: it needs --distill > 0")
     if args.init == "teacher" and getattr(args, "sparsity", None) == "dense":
         p.error("--init teacher starts a sparse run from a dense teacher: give a --sparsity pattern")
     if args.refit and args.prune != "oneshot":
@@ -294,10 +302,33 @@ def loss_fn(logits: jax.Array, labels: jax.Array, teacher_logits: jax.Array | No
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
     if teacher_logits is None or distill == 0.0:
         return ce
+    return (1.0 - distill) * ce + distill * soft_distill_loss(logits, teacher_logits, temperature)
+
+
+def soft_distill_loss(logits: jax.Array, teacher_logits: jax.Array, temperature: float) -> jax.Array:
+    """``T^2 * KL(teacher_T || student_T)``, mean over the batch, of temperature-``T`` softened logits."""
     t = jax.nn.log_softmax(teacher_logits.astype(jnp.float32) / temperature)
-    st = jax.nn.log_softmax(logits / temperature)
-    kl = (jnp.exp(t) * (t - st)).sum(-1).mean()
-    return (1.0 - distill) * ce + distill * temperature**2 * kl
+    st = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature)
+    return temperature**2 * (jnp.exp(t) * (t - st)).sum(-1).mean()
+
+
+def augment_tokens(key: jax.Array, input_ids: jax.Array, attention_mask: jax.Array, rate: float) -> jax.Array:
+    """A corrupted copy of ``input_ids [B, T]`` for distillation on unlabelled variants of the batch.
+
+    The eligible tokens are the real ones (``attention_mask`` 1) except each row's first and last real token
+    (``[CLS]`` and ``[SEP]`` of a single-segment example). Each is replaced, independently with probability
+    ``rate``, by an eligible token of the same batch drawn uniformly (so replacements follow the batch's own
+    word distribution); a row without eligible tokens, and every other position, stays as it is.
+    """
+    real = attention_mask > 0
+    after = jnp.concatenate([real[:, 1:], jnp.zeros_like(real[:, :1])], axis=1)  # the next position is real
+    first = jnp.arange(real.shape[1])[None, :] == 0
+    eligible = real & after & ~first
+    k_pick, k_src = jax.random.split(key)
+    pick = eligible & jax.random.bernoulli(k_pick, rate, input_ids.shape)
+    flat_ok = eligible.reshape(-1)
+    src = jax.random.categorical(k_src, jnp.where(flat_ok, 0.0, -jnp.inf), shape=input_ids.shape)
+    return jnp.where(pick & flat_ok.any(), input_ids.reshape(-1)[src], input_ids)
 
 
 def hidden_distill_loss(student: Sequence[jax.Array], teacher: Sequence[jax.Array],
@@ -319,13 +350,14 @@ def hidden_distill_loss(student: Sequence[jax.Array], teacher: Sequence[jax.Arra
 
 
 TEACHER = "teacher"
-"""Key of ``extra`` under which :func:`make_step` with ``distill_hidden > 0`` takes the teacher's params."""
+"""Key of ``extra`` under which :func:`make_step` with ``distill_hidden > 0`` or ``distill_augment > 0`` takes
+the teacher's params."""
 
 
 def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: jax.sharding.Mesh | None = None,
               axis: str = parallel.DATA_AXIS, donate: bool = False, distill: float = 0.0,
               temperature: float = 2.0, mask_score: str = "magnitude", distill_hidden: float = 0.0,
-              teacher_model=None) -> Callable:
+              teacher_model=None, distill_augment: float = 0.0) -> Callable:
     """The jitted training step ``(params, opt_state, extra, batch, rng) -> (params, opt_state, loss)``.
 
     Args:
@@ -346,35 +378,55 @@ def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: j
       distill_hidden, teacher_model: with ``distill_hidden > 0`` the dense ``teacher_model`` runs on the batch
         (no dropout) with the params in ``extra[TEACHER]``, and the loss adds ``distill_hidden`` times
         :func:`hidden_distill_loss` of the encoder layers' outputs (:data:`jaxsparse.models.bert.HIDDEN_STATES`).
+      distill_augment: with a rate ``> 0`` (and ``distill > 0``) each step also distils on a copy of the batch
+        corrupted by :func:`augment_tokens` (its key split from ``rng``): student and ``teacher_model`` run on
+        the clean batch and the copy together (one forward of twice the batch each), and the loss adds, on the
+        copy, ``distill`` times :func:`soft_distill_loss` against the teacher's logits there, plus the
+        ``distill_hidden`` term when that is on. The clean half's loss is unchanged (its soft targets are still
+        the batch's fifth array). With the activation score the input statistics include the copy's tokens.
 
     The optimizer update runs in the named scope ``OPTIMIZER_SCOPE``, so ``jaxsparse-profile`` can
     attribute its kernels.
     """
     dp = axis if mesh is not None else None
     with_stats = with_masks and mask_score == "activation"
-    if distill_hidden > 0 and teacher_model is None:
-        raise ValueError("make_step: distill_hidden > 0 needs the teacher_model")
+    if (distill_hidden > 0 or distill_augment > 0) and teacher_model is None:
+        raise ValueError("make_step: distill_hidden > 0 or distill_augment > 0 needs the teacher_model")
+    if distill_augment > 0 and distill <= 0:
+        raise ValueError("make_step: distill_augment > 0 needs distill > 0")
     mutable = ([INPUT_STATS] if with_stats else []) + ([bert.HIDDEN_STATES] if distill_hidden > 0 else [])
+    teacher_runs = distill_hidden > 0 or distill_augment > 0
 
     def step(params, opt_state, extra, batch, rng):
         variables = pruning.model_variables(params, opt_state) if with_masks else dict(extra)
         variables = {k: v for k, v in variables.items() if k not in ("params", TEACHER)}
         if dp is not None:
             rng = jax.random.fold_in(rng, jax.lax.axis_index(dp))
-        if distill_hidden > 0:
-            _, t_state = teacher_model.apply({"params": extra[TEACHER]}, *batch[:3], deterministic=True,
-                                             mutable=[bert.HIDDEN_STATES])
+        inputs, n = tuple(batch[:3]), batch[0].shape[0]
+        if distill_augment > 0:  # the clean batch and its corrupted copy, stacked: [2B, T]
+            rng, k_aug = jax.random.split(rng)
+            copy = (augment_tokens(k_aug, batch[0], batch[2], distill_augment),) + inputs[1:]
+            inputs = tuple(jnp.concatenate([a, b]) for a, b in zip(inputs, copy))
+        if teacher_runs:
+            t_logits, t_state = teacher_model.apply({"params": extra[TEACHER]}, *inputs, deterministic=True,
+                                                    mutable=[bert.HIDDEN_STATES])
             t_hidden = t_state[bert.HIDDEN_STATES]["bert"]["layers"]
 
         def lf(p):
-            out = model.apply({**variables, "params": p}, *batch[:3], deterministic=False,
+            out = model.apply({**variables, "params": p}, *inputs, deterministic=False,
                               rngs={"dropout": rng}, mutable=mutable or False)
             logits, stats = out if mutable else (out, {})
             teacher = batch[4] if distill > 0 else None
-            loss = loss_fn(logits, batch[3], teacher, distill, temperature)
+            loss = loss_fn(logits[:n], batch[3], teacher, distill, temperature)
+            s_hidden = stats[bert.HIDDEN_STATES]["bert"]["layers"] if distill_hidden > 0 else ()
             if distill_hidden > 0:
-                loss += distill_hidden * hidden_distill_loss(stats[bert.HIDDEN_STATES]["bert"]["layers"], t_hidden,
+                loss += distill_hidden * hidden_distill_loss([h[:n] for h in s_hidden], [h[:n] for h in t_hidden],
                                                              batch[2])
+            if distill_augment > 0:
+                loss += distill * soft_distill_loss(logits[n:], t_logits[n:], temperature)
+                if distill_hidden > 0:
+                    loss += distill_hidden * hidden_distill_loss([h[n:] for h in s_hidden],
+                                                                 [h[n:] for h in t_hidden], batch[2])
             return loss, stats
 
         (loss, stats), grads = jax.value_and_grad(lf, has_aux=True)(params)
@@ -411,7 +463,8 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         when ``args.distill > 0``.
       init_params: the whole classifier's starting params (``--init teacher``: the teacher's fine-tuned
         params); ``pretrained`` is ignored then.
-      teacher_params: the dense teacher's classifier params, needed when ``args.distill_hidden > 0``.
+      teacher_params: the dense teacher's classifier params, needed when ``args.distill_hidden > 0`` or
+        ``args.distill_augment > 0`` (the teacher then runs inside every step).
 
     With ``args.refit`` (``--prune oneshot`` only) the starting params are first pruned and refit by
     :func:`jaxsparse.obs.oneshot_refit` (sequential: each kernel's input Hessian is measured on the model
@@ -435,8 +488,10 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
                          f"(got {None if teacher_logits is None else np.shape(teacher_logits)})")
     kd = (distill, temperature) if distill > 0 else (0.0, temperature)
     hidden = float(getattr(args, "distill_hidden", 0.0)) if args.sparsity != "dense" else 0.0
-    if hidden > 0 and teacher_params is None:
-        raise ValueError(f"--distill-hidden {hidden} needs the teacher's params (teacher_params)")
+    augment = float(getattr(args, "distill_augment", 0.0)) if distill > 0 else 0.0
+    if (hidden > 0 or augment > 0) and teacher_params is None:
+        raise ValueError(f"the teacher runs in every step (--distill-hidden {hidden}, --distill-augment {augment}): "
+                         f"fit needs the teacher's params (teacher_params)")
 
     def batch_of(idx):
         return _arrays(train, idx) + ((teacher_logits[idx],) if distill > 0 else ())
@@ -511,10 +566,12 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
     def make_logits(model):
         return jax.jit(lambda variables, *a: model.apply(variables, *a))
 
-    # With --distill-hidden the teacher (the dense master model) runs inside the step on ``extra[TEACHER]``.
-    hd = dict(distill_hidden=hidden, teacher_model=master) if hidden > 0 else {}
-    teacher_extra = {TEACHER: jax.tree_util.tree_map(jnp.asarray, teacher_params)} if hidden > 0 else {}
-    step = cache.get("step", (model, tx_key, prune is not None, mesh, kd, hidden),
+    # With --distill-hidden or --distill-augment the teacher (the dense master model) runs inside the step on
+    # ``extra[TEACHER]``.
+    in_step = hidden > 0 or augment > 0
+    hd = dict(distill_hidden=hidden, teacher_model=master, distill_augment=augment) if in_step else {}
+    teacher_extra = {TEACHER: jax.tree_util.tree_map(jnp.asarray, teacher_params)} if in_step else {}
+    step = cache.get("step", (model, tx_key, prune is not None, mesh, kd, hidden, augment),
                      lambda: make_step(model, tx, prune is not None, mesh, distill=kd[0], temperature=kd[1],
                                        mask_score=score, **hd))
     logits_fn = cache.get("logits", master_key, lambda: make_logits(master))
@@ -546,7 +603,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
                 params, pattern, base_state = pruning.to_compressed(params, pruning.masks_of(opt_state), spec, opt_state[0])
                 opt_state, extra, compressed = base_state, {"sparsity": pattern}, True
                 model = make_model(True)
-                step = cache.get("step", (model, base_key, False, mesh, kd, hidden),
+                step = cache.get("step", (model, base_key, False, mesh, kd, hidden, augment),
                                  lambda: make_step(model, base, False, mesh, distill=kd[0], temperature=kd[1], **hd))
                 logits_fn = cache.get("logits", (model,), lambda: make_logits(model))
             drop_key, k_drop = jax.random.split(drop_key)
@@ -581,6 +638,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         "compressed_training": compressed, "seed": args.seed, "epochs": args.epochs,
         "batch_size": args.batch_size, "lr": args.lr, "max_len": args.max_len, "dtype": args.dtype,
         "distill": distill, "temperature": temperature if distill > 0 else None, "distill_hidden": hidden,
+        "distill_augment": augment,
         "refit": refit, "refit_batches": n_cal if refit else None,
         "train_examples": len(train), "dev_examples": len(dev), "test_examples": len(test), "steps": global_step,
         "history": history, "dev_accuracy": history[-1]["dev_accuracy"], "test_accuracy": test_metrics["accuracy"],
@@ -607,7 +665,7 @@ def predict_logits(cfg: bert.BertConfig, variables: dict, batch: data_lib.Batch,
 def teacher_args(args: argparse.Namespace) -> argparse.Namespace:
     """The dense teacher's run: ``args`` with no sparsity, no pruning, no distillation."""
     return argparse.Namespace(**{**vars(args), "sparsity": "dense", "prune": "none", "distill": 0.0, "distill_hidden": 0.0,
-                                 "ladder": None, "init": "pretrained"})
+                                 "distill_augment": 0.0, "ladder": None, "init": "pretrained"})
 
 
 def fit_teacher(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretrained: dict | None,
@@ -629,13 +687,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     teacher = teacher_params = None
     init = getattr(args, "init", "pretrained")
     hidden = getattr(args, "distill_hidden", 0.0)
+    in_step = hidden > 0 or getattr(args, "distill_augment", 0.0) > 0  # the teacher runs inside every step
     if (args.distill > 0 or hidden > 0 or init == "teacher") and args.sparsity != "dense":
         _stderr(f"--distill {args.distill} --distill-hidden {hidden} --init {init}: fine-tuning the dense teacher first")
         teacher, teacher_metrics, teacher_params = fit_teacher(args, data, cfg, pretrained)
         _stderr(f"teacher: dev acc {teacher_metrics['dev_accuracy']:.4f}, test acc {teacher_metrics['test_accuracy']:.4f}")
     metrics, final = fit(args, data, cfg, pretrained, teacher_logits=teacher if args.distill > 0 else None,
                          init_params=teacher_params if init == "teacher" else None,
-                         teacher_params=teacher_params if hidden > 0 else None)
+                         teacher_params=teacher_params if in_step else None)
     metrics["init"] = init
     if teacher is not None:
         metrics["teacher"] = {k: teacher_metrics[k] for k in ("dev_accuracy", "test_accuracy", "steps")}

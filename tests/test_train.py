@@ -265,3 +265,89 @@ def test_distill_hidden_run(tmp_path, capsys):
     for argv in (["--sparsity", "dense", "--distill-hidden", "1"], ["--distill-hidden", "-1"]):
         with pytest.raises(SystemExit):
             train.parse_args(argv)
+
+
+def test_augment_tokens_replaces_only_inner_real_tokens_from_the_batch():
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(1000, 30000, (64, 40)), jnp.int32)
+    mask = np.ones((64, 40), np.int32)
+    lengths = rng.integers(3, 41, 64)
+    for i, n in enumerate(lengths):
+        mask[i, n:] = 0
+    mask[5, 2:] = 0  # a row of [CLS] [SEP] only: nothing eligible
+    out = np.asarray(train.augment_tokens(jax.random.key(7), ids, jnp.asarray(mask), 0.3))
+    ids_np = np.asarray(ids)
+    eligible = np.zeros_like(mask, bool)
+    for i in range(64):
+        n = int(mask[i].sum())
+        eligible[i, 1:n - 1] = True
+    changed = out != ids_np
+    assert not changed[~eligible].any()  # [CLS], [SEP], padding and the short row untouched
+    rate = changed[eligible].mean()
+    assert 0.25 < rate < 0.35, rate  # ~0.3 (a draw of the same value counts as unchanged)
+    assert set(out[changed].tolist()) <= set(ids_np[eligible].tolist())  # replacements come from the batch
+    assert (np.asarray(train.augment_tokens(jax.random.key(7), ids, jnp.asarray(mask), 0.0)) == ids_np).all()
+    other = np.asarray(train.augment_tokens(jax.random.key(8), ids, jnp.asarray(mask), 0.3))
+    assert (other != out).any()  # the key decides the copy
+
+
+def test_make_step_with_augmented_distillation_adds_the_copy_terms():
+    """distill_augment > 0: the loss is the clean loss plus distill * soft loss (and the hidden term) on the
+    augment_tokens copy, with the teacher run on the copy; a teacher equal to the student adds exactly 0."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    import optax
+
+    from jaxsparse.models import bert
+
+    cfg = dataclasses.replace(bert.BertConfig.preset("tiny"), hidden_dropout_prob=0.0,
+                              attention_probs_dropout_prob=0.0)  # so the exact terms can be recomputed
+    model = bert.BertForSequenceClassification(cfg, num_labels=3)
+    ids = jax.random.randint(jax.random.key(1), (4, 9), 1, cfg.vocab_size)
+    mask = np.ones((4, 9), np.int32)
+    mask[0, 6:] = 0
+    params = model.init(jax.random.key(0), ids, np.zeros_like(ids), mask)["params"]
+    other = jax.tree_util.tree_map(lambda a: a * 1.5, params)
+    t_logits = model.apply({"params": other}, ids, np.zeros_like(ids), mask)
+    batch = (ids, np.zeros_like(ids), mask, np.array([0, 1, 2, 1]), t_logits)
+    tx, key, w, b = optax.sgd(0.0), jax.random.key(3), 0.6, 2.0
+    opt = tx.init(params)
+    plain = train.make_step(model, tx, False, distill=w, distill_hidden=b, teacher_model=model)
+    aug = train.make_step(model, tx, False, distill=w, distill_hidden=b, teacher_model=model, distill_augment=0.5)
+    base = float(plain(params, opt, {train.TEACHER: other}, batch, key)[2])
+    got = float(aug(params, opt, {train.TEACHER: other}, batch, key)[2])
+    copy = train.augment_tokens(jax.random.split(key)[1], ids, jnp.asarray(mask), 0.5)
+    assert (np.asarray(copy) != np.asarray(ids)).any()
+
+    def run(p, x):
+        return model.apply({"params": p}, x, np.zeros_like(ids), mask, mutable=[bert.HIDDEN_STATES])
+
+    (s_out, s_state), (t_out, t_state) = run(params, copy), run(other, copy)
+    layers = lambda st: st[bert.HIDDEN_STATES]["bert"]["layers"]  # noqa: E731
+    extra = w * train.soft_distill_loss(s_out, t_out, 2.0) + b * train.hidden_distill_loss(
+        layers(s_state), layers(t_state), mask)
+    assert float(extra) > 0.01
+    assert got == pytest.approx(base + float(extra), rel=1e-4)
+    # A teacher equal to the student: both the clean hidden term and the copy's terms vanish.
+    same_batch = batch[:4] + (model.apply({"params": params}, ids, np.zeros_like(ids), mask),)
+    assert float(aug(params, opt, {train.TEACHER: params}, same_batch, key)[2]) == pytest.approx(
+        float(plain(params, opt, {train.TEACHER: params}, same_batch, key)[2]), rel=1e-5)
+    with pytest.raises(ValueError, match="needs the teacher_model"):
+        train.make_step(model, tx, False, distill=w, distill_augment=0.5)
+    with pytest.raises(ValueError, match="needs distill > 0"):
+        train.make_step(model, tx, False, teacher_model=model, distill_augment=0.5)
+
+
+def test_distill_augment_run(tmp_path):
+    args, data_, cfg = _tiny_sparse_run(tmp_path, "--distill", "0.5", "--distill-augment", "0.2")
+    metrics = train.run(args)  # the teacher first; it then runs in the student's step on the corrupted copies
+    assert metrics["distill_augment"] == 0.2 and metrics["distill_hidden"] == 0.0
+    hist = metrics["history"]
+    assert np.isfinite(hist[-1]["train_loss"]) and hist[-1]["train_loss"] < hist[0]["first_loss"], hist
+    for argv in (["--distill-augment", "0.2"], ["--distill", "0.5", "--distill-augment", "1.0"],
+                 ["--sparsity", "dense", "--distill-augment", "0.2"]):
+        with pytest.raises(SystemExit):
+            train.parse_args(argv)
