@@ -33,12 +33,34 @@ constexpr int kFlagOff = kNoiseOff + kNoiseBytes;
 constexpr int kSmem = kFlagOff + 16 + 1024;
 constexpr int kThreads = 384;              // warps 0-7: two consumer warpgroups; warps 8-11: noise
 
+#ifdef JAXSPARSE_WGMMA
+// Sparse m64n256k32 with A (the compressed [64 x 16] tile, this thread's 8 values) in registers: the RS form, whose
+// only shared-memory operand is B.
+__device__ __forceinline__ void WgmmaSpRs256(float (&d)[128], const uint32_t (&a)[4], uint64_t b_desc, uint32_t e) {
+#define P_ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %134, 0;\n"
+      "wgmma.mma_async.sp.sync.aligned.m64n256k32.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,"
+      "%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,"
+      "%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,"
+      "%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,"
+      "%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, "
+      "{%128,%129,%130,%131}, %132, %133, 0, p, 1, 1, 1;\n}\n"
+      : P_ACC8(0), P_ACC8(8), P_ACC8(16), P_ACC8(24), P_ACC8(32), P_ACC8(40), P_ACC8(48), P_ACC8(56), P_ACC8(64),
+        P_ACC8(72), P_ACC8(80), P_ACC8(88), P_ACC8(96), P_ACC8(104), P_ACC8(112), P_ACC8(120)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(e), "r"(1));
+#undef P_ACC8
+}
+#endif
+
 struct Out {
   unsigned long long mma_cycles, noise_cycles, noise_loads;
   float sink;
 };
 
-template <bool kSparse, bool kMma, bool kNoise>
+// kSparse: 0 dense (SS), 1 sparse with A from shared memory (SS), 2 sparse with A from registers (RS).
+template <int kSparse, bool kMma, bool kNoise>
 __global__ void __launch_bounds__(kThreads, 1) RateKernel(int iters, int noise_only_loads, Out* out) {
 #ifdef JAXSPARSE_WGMMA
   using namespace jaxsparse;
@@ -61,11 +83,19 @@ __global__ void __launch_bounds__(kThreads, 1) RateKernel(int iters, int noise_o
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
     const uint64_t b0 = WgmmaDescSw128(base + kBOff, kBCol, 1024);
     const uint32_t meta = 0x44444444u;  // every group keeps its elements 0 and 1
+    uint32_t a_regs[2][4];                // RS form: two k32 steps of A fragments (finite bf16 values)
+#pragma unroll
+    for (int ks = 0; ks < 2; ++ks)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) a_regs[ks][j] = (((tid + 7 * j + 3 * ks) * 2654435761u) & 0x007F007Fu) | 0x3E803E80u;
     const unsigned long long t0 = clock64();
     for (int it = 0; it < iters; ++it) {
       WgmmaFenceOperands(acc);
       WgmmaFence();
-      if (kSparse) {
+      if (kSparse == 2) {
+#pragma unroll
+        for (int ks = 0; ks < 2; ++ks) WgmmaSpRs256(acc, a_regs[ks], b0 + ((4096 * ks) >> 4), meta);
+      } else if (kSparse == 1) {
 #pragma unroll
         for (int ks = 0; ks < 2; ++ks)  // two k32 steps: A rows of 32 stored values, 64-byte swizzle (4 KB)
           WgmmaSp<kN, __nv_bfloat16, 1>::Run(acc, WgmmaDescSw64K(base + kAOff + 32 * ks, 512), b0 + ((4096 * ks) >> 4), meta);
@@ -116,7 +146,7 @@ __global__ void __launch_bounds__(kThreads, 1) RateKernel(int iters, int noise_o
 #endif
 }
 
-template <bool kSparse, bool kMma, bool kNoise>
+template <int kSparse, bool kMma, bool kNoise>
 void Run(const char* name, int sms, int iters, bool first) {
   auto kernel = RateKernel<kSparse, kMma, kNoise>;
   PROBE_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
@@ -135,7 +165,8 @@ void Run(const char* name, int sms, int iters, bool first) {
     if (kMma) {
       const double per_iter_macs = 2.0 * 64 * kN * 64;  // both warpgroups
       mac.push_back(per_iter_macs * iters / o.mma_cycles);
-      opb.push_back(2.0 * (kSparse ? 36864.0 : 40960.0) * iters / o.mma_cycles);
+      // Operand bytes per iteration and warpgroup: A (shared only: 8 KB dense, 4 KB sparse SS) + B 32 KB.
+      opb.push_back(2.0 * (kSparse == 2 ? 32768.0 : kSparse == 1 ? 36864.0 : 40960.0) * iters / o.mma_cycles);
       cyc += static_cast<double>(o.mma_cycles) / sms;
     }
     if (kNoise) {
@@ -162,11 +193,13 @@ int main() {
   PROBE_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const int iters = 4096;
   std::printf("{\"probe\": \"smem_rate\", \"sms\": %d, \"iters\": %d, \"results\": [\n", sms, iters);
-  probe::Run<false, true, false>("dense wgmma m64n256k16", sms, iters, true);
-  probe::Run<true, true, false>("sparse wgmma.sp m64n256k32", sms, iters, false);
-  probe::Run<false, false, true>("noise loads alone", sms, iters, false);
-  probe::Run<false, true, true>("dense + noise", sms, iters, false);
-  probe::Run<true, true, true>("sparse + noise", sms, iters, false);
+  probe::Run<0, true, false>("dense wgmma m64n256k16", sms, iters, true);
+  probe::Run<1, true, false>("sparse wgmma.sp m64n256k32", sms, iters, false);
+  probe::Run<2, true, false>("sparse RS (A in registers)", sms, iters, false);
+  probe::Run<0, false, true>("noise loads alone", sms, iters, false);
+  probe::Run<0, true, true>("dense + noise", sms, iters, false);
+  probe::Run<1, true, true>("sparse + noise", sms, iters, false);
+  probe::Run<2, true, true>("sparse RS + noise", sms, iters, false);
   std::printf("\n]}\n");
   return 0;
 }
