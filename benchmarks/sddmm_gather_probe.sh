@@ -7,7 +7,7 @@
 #   bash benchmarks/sddmm_gather_probe.sh [out.json]
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-inc=$(python3 -c "import jax.ffi; print(jax.ffi.include_dir())")
+. "$here/probe_build.sh"
 work=$(mktemp -d)
 # cuBLAS: the toolkit's own when it has the library, else the nvidia-cublas wheel's; without either the dense dW
 # is reported as null.
@@ -21,8 +21,7 @@ elif [ -n "$cublas" ] && [ -f "$cublas/include/cublas_v2.h" ]; then
   [ -n "$lib" ] && blas=(-I"$cublas/include" "$lib" -Xlinker -rpath -Xlinker "$cublas/lib")
 fi
 echo "cuBLAS: ${blas[*]}" >&2
-nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 940,2473,39,128 -I"$inc" -I"$here/../cuda" \
-  "${blas[@]}" -o "$work/probe" "$here/sddmm_gather_probe.cu" || exit 2
+probe_build "$here/sddmm_gather_probe.cu" "$work/probe" "${blas[@]}" || exit 2
 "$work/probe" > "$work/probe.json"; st=$?
 python3 - "$here" "$work/probe.json" "${1:-}" <<'PY' || cat "$work/probe.json"
 import json, sys

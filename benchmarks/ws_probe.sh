@@ -5,10 +5,9 @@
 #   bash benchmarks/ws_probe.sh [out.json]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-inc=$(python3 -c "import jax.ffi; print(jax.ffi.include_dir())")
+. "$here/probe_build.sh"
 work=$(mktemp -d)
-nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -diag-suppress 940,2473,39,128 -I"$inc" \
-  -I"$here/../cuda" -o "$work/ws_probe" "$here/ws_probe.cu"
+probe_build "$here/ws_probe.cu" "$work/ws_probe"
 "$work/ws_probe" > "$work/probe.json"
 python3 - "$here" "$work/probe.json" "${1:-}" <<'PY'
 import json, sys
