@@ -74,22 +74,6 @@ __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-#ifdef JAXSPARSE_WGMMA
-// D[64 x 64] += A[64 x 16] (registers, the mma.m16n8k16 A fragment per warp) * B[16 x 64] (shared, MN-major).
-__device__ __forceinline__ void WgmmaRs64(float (&d)[32], const uint32_t (&a)[4], uint64_t b_desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,"
-      "%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, %37;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "n"(1), "r"(1));
-}
-#endif
-
 // kMode: 0 the whole kernel; 1 without the transpose pass (xT holds whatever it holds: timing only); 2 without the
 // gathers and products (timing only).  Modes 1 and 2 split the time of one stage between its two halves.
 template <int kMode>
@@ -192,7 +176,7 @@ __global__ void __launch_bounds__(kThreads, 1) GatherSddmmKernel(const Params p,
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
         const uint32_t dy_box = base + s * kStageBytes + kXBytes + b * kBox + ks * 2048;
-        WgmmaRs64(acc[b], a[b][ks], WgmmaDescSw128(dy_box, 8192, 1024));
+        WgmmaRs<64, __nv_bfloat16, 1>::Run(acc[b], a[b][ks], WgmmaDescSw128(dy_box, 8192, 1024));
       }
     WgmmaCommit();
     WgmmaWait<0>();

@@ -33,27 +33,6 @@ constexpr int kFlagOff = kNoiseOff + kNoiseBytes;
 constexpr int kSmem = kFlagOff + 16 + 1024;
 constexpr int kThreads = 384;              // warps 0-7: two consumer warpgroups; warps 8-11: noise
 
-#ifdef JAXSPARSE_WGMMA
-// Sparse m64n256k32 with A (the compressed [64 x 16] tile, this thread's 8 values) in registers: the RS form, whose
-// only shared-memory operand is B.
-__device__ __forceinline__ void WgmmaSpRs256(float (&d)[128], const uint32_t (&a)[4], uint64_t b_desc, uint32_t e) {
-#define P_ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %134, 0;\n"
-      "wgmma.mma_async.sp.sync.aligned.m64n256k32.f32.bf16.bf16 {"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,"
-      "%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,"
-      "%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,"
-      "%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,"
-      "%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, "
-      "{%128,%129,%130,%131}, %132, %133, 0, p, 1, 1, 1;\n}\n"
-      : P_ACC8(0), P_ACC8(8), P_ACC8(16), P_ACC8(24), P_ACC8(32), P_ACC8(40), P_ACC8(48), P_ACC8(56), P_ACC8(64),
-        P_ACC8(72), P_ACC8(80), P_ACC8(88), P_ACC8(96), P_ACC8(104), P_ACC8(112), P_ACC8(120)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(e), "r"(1));
-#undef P_ACC8
-}
-#endif
-
 struct Out {
   unsigned long long mma_cycles, noise_cycles, noise_loads;
   float sink;
@@ -94,7 +73,7 @@ __global__ void __launch_bounds__(kThreads, 1) RateKernel(int iters, int noise_o
       WgmmaFence();
       if (kSparse == 2) {
 #pragma unroll
-        for (int ks = 0; ks < 2; ++ks) WgmmaSpRs256(acc, a_regs[ks], b0 + ((4096 * ks) >> 4), meta);
+        for (int ks = 0; ks < 2; ++ks) WgmmaSpRs<kN, __nv_bfloat16, 1>::Run(acc, a_regs[ks], b0 + ((4096 * ks) >> 4), meta);
       } else if (kSparse == 1) {
 #pragma unroll
         for (int ks = 0; ks < 2; ++ks)  // two k32 steps: A rows of 32 stored values, 64-byte swizzle (4 KB)

@@ -196,9 +196,18 @@ struct Wgmma;
 template <int N, typename T, int TRANS_B = 1>
 struct WgmmaSp;
 
-// NR = N / 2 accumulators; S0 .. S4 are the asm operand numbers NR .. NR + 4 as strings.  Dense operands:
-// a, b, scale-d, trans-b, trans-a; sparse: a, b, e, scale-d, trans-b.
-#define JAXSPARSE_DEFINE_WGMMA(N, NR, CT, PT, S0, S1, S2, S3, S4)                                                \
+// The RS forms of the two: A in registers (this thread's fragment, 4 words: the dense [64 x 16] or the compressed
+// [64 x 16] tile of its warp's 16 rows in the mma.m16n8k16 / mma.sp.m16n8k32 A layout), B from shared memory.
+// Only the benchmarks' probes use them so far (benchmarks/smem_probe.cu, benchmarks/sddmm_gather_probe.cu).
+template <int N, typename T, int TRANS_B = 1>
+struct WgmmaRs;
+template <int N, typename T, int TRANS_B = 1>
+struct WgmmaSpRs;
+
+// NR = N / 2 accumulators; S0 .. S4 are the asm operand numbers NR .. NR + 4 as strings, R5 .. R7 the numbers
+// NR + 5 .. NR + 7.  Dense operands: a, b, scale-d, trans-b, trans-a; sparse: a, b, e, scale-d, trans-b; RS dense:
+// a0 .. a3, b, scale-d, trans-b; RS sparse: a0 .. a3, b, e, scale-d, trans-b.
+#define JAXSPARSE_DEFINE_WGMMA(N, NR, CT, PT, S0, S1, S2, S3, S4, R5, R6, R7)                                \
   template <int TRANS_B, int TRANS_A>                                                                          \
   struct Wgmma<N, CT, TRANS_B, TRANS_A> {                                                                      \
     __device__ __forceinline__ static void Run(float (&d)[NR], uint64_t a_desc, uint64_t b_desc) {             \
@@ -218,14 +227,35 @@ struct WgmmaSp;
                    : JAXSPARSE_ACC_OPS_##NR(d)                                                                  \
                    : "l"(a_desc), "l"(b_desc), "r"(e), "r"(1), "n"(TRANS_B));                                   \
     }                                                                                                          \
+  };                                                                                                           \
+  template <int TRANS_B>                                                                                       \
+  struct WgmmaRs<N, CT, TRANS_B> {                                                                             \
+    __device__ __forceinline__ static void Run(float (&d)[NR], const uint32_t (&a)[4], uint64_t b_desc) {      \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" R6 ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N       \
+                   "k16.f32." PT "." PT " " JAXSPARSE_ACC_REGS_##NR ", {%" S0 ", %" S1 ", %" S2 ", %" S3 "}, %" S4 \
+                   ", p, 1, 1, %" R5 ";\n}\n"                                                                   \
+                   : JAXSPARSE_ACC_OPS_##NR(d)                                                                  \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "n"(TRANS_B), "r"(1));             \
+    }                                                                                                          \
+  };                                                                                                           \
+  template <int TRANS_B>                                                                                       \
+  struct WgmmaSpRs<N, CT, TRANS_B> {                                                                           \
+    __device__ __forceinline__ static void Run(float (&d)[NR], const uint32_t (&a)[4], uint64_t b_desc,        \
+                                               uint32_t e) {                                                   \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" R6 ", 0;\nwgmma.mma_async.sp.sync.aligned.m64n" #N    \
+                   "k32.f32." PT "." PT " " JAXSPARSE_ACC_REGS_##NR ", {%" S0 ", %" S1 ", %" S2 ", %" S3 "}, %" S4 \
+                   ", %" R5 ", 0, p, 1, 1, %" R7 ";\n}\n"                                                        \
+                   : JAXSPARSE_ACC_OPS_##NR(d)                                                                  \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(e), "r"(1), "n"(TRANS_B));     \
+    }                                                                                                          \
   };
 
-JAXSPARSE_DEFINE_WGMMA(256, 128, __nv_bfloat16, "bf16", "128", "129", "130", "131", "132")
-JAXSPARSE_DEFINE_WGMMA(256, 128, __half, "f16", "128", "129", "130", "131", "132")
-JAXSPARSE_DEFINE_WGMMA(128, 64, __nv_bfloat16, "bf16", "64", "65", "66", "67", "68")
-JAXSPARSE_DEFINE_WGMMA(128, 64, __half, "f16", "64", "65", "66", "67", "68")
-JAXSPARSE_DEFINE_WGMMA(64, 32, __nv_bfloat16, "bf16", "32", "33", "34", "35", "36")
-JAXSPARSE_DEFINE_WGMMA(64, 32, __half, "f16", "32", "33", "34", "35", "36")
+JAXSPARSE_DEFINE_WGMMA(256, 128, __nv_bfloat16, "bf16", "128", "129", "130", "131", "132", "133", "134", "135")
+JAXSPARSE_DEFINE_WGMMA(256, 128, __half, "f16", "128", "129", "130", "131", "132", "133", "134", "135")
+JAXSPARSE_DEFINE_WGMMA(128, 64, __nv_bfloat16, "bf16", "64", "65", "66", "67", "68", "69", "70", "71")
+JAXSPARSE_DEFINE_WGMMA(128, 64, __half, "f16", "64", "65", "66", "67", "68", "69", "70", "71")
+JAXSPARSE_DEFINE_WGMMA(64, 32, __nv_bfloat16, "bf16", "32", "33", "34", "35", "36", "37", "38", "39")
+JAXSPARSE_DEFINE_WGMMA(64, 32, __half, "f16", "32", "33", "34", "35", "36", "37", "38", "39")
 #undef JAXSPARSE_DEFINE_WGMMA
 #undef JAXSPARSE_ACC_REGS_32
 #undef JAXSPARSE_ACC_OPS_32
