@@ -522,13 +522,13 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
                 break
             bar.describe(f"[{i + 1}/{len(grid)}] {task} {sparsity} seed {seed}")
             c0, s0, r0 = clock.count, clock.seconds, time.time()
-            metrics, _ = train.fit(run_args(args, task, sparsity, seed), data[task], cfg, pretrained,
+            rargs = run_args(args, task, sparsity, seed)
+            metrics, _ = train.fit(rargs, data[task], cfg, pretrained,
                                    cache=cache, on_step=bar.step, log=lambda line: None,
                                    teacher_logits=teachers.get(task) if sparsity != "dense" and args.distill > 0 else None,
                                    init_params=teacher_params.get(task) if sparsity != "dense" and args.init == "teacher"
                                    else None,
-                                   teacher_params=teacher_params.get(task) if sparsity != "dense"
-                                   and (args.distill_hidden > 0 or args.distill_augment > 0) else None)
+                                   teacher_params=teacher_params.get(task) if train.teacher_in_step(rargs) else None)
             last[(task, sparsity)] = time.time() - r0
             keep = ("task", "sparsity", "seed", "test_accuracy", "dev_accuracy", "test_loss", "weight_sparsity",
                     "ladder", "stage_steps", "steps", "compressed_training", "history", "seconds")

@@ -349,6 +349,21 @@ def hidden_distill_loss(student: Sequence[jax.Array], teacher: Sequence[jax.Arra
     return jnp.mean(jnp.stack(terms))
 
 
+def in_step_distillation(args: argparse.Namespace) -> tuple[float, float]:
+    """``(distill_hidden, distill_augment)`` of a run: the weights of the distillation terms whose dense teacher
+    runs inside every training step, each 0 where it does not apply (hidden-state distillation to a dense run,
+    distillation on corrupted copies without ``--distill``)."""
+    hidden = float(getattr(args, "distill_hidden", 0.0)) if args.sparsity != "dense" else 0.0
+    augment = float(getattr(args, "distill_augment", 0.0)) if getattr(args, "distill", 0.0) > 0 else 0.0
+    return hidden, augment
+
+
+def teacher_in_step(args: argparse.Namespace) -> bool:
+    """Whether the dense teacher runs inside every training step of ``args`` (:func:`in_step_distillation`), so
+    that :func:`fit` needs its params."""
+    return any(w > 0 for w in in_step_distillation(args))
+
+
 TEACHER = "teacher"
 """Key of ``extra`` under which :func:`make_step` with ``distill_hidden > 0`` or ``distill_augment > 0`` takes
 the teacher's params."""
@@ -487,9 +502,9 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         raise ValueError(f"--distill {distill} needs teacher logits for the {len(train)} training examples "
                          f"(got {None if teacher_logits is None else np.shape(teacher_logits)})")
     kd = (distill, temperature) if distill > 0 else (0.0, temperature)
-    hidden = float(getattr(args, "distill_hidden", 0.0)) if args.sparsity != "dense" else 0.0
-    augment = float(getattr(args, "distill_augment", 0.0)) if distill > 0 else 0.0
-    if (hidden > 0 or augment > 0) and teacher_params is None:
+    hidden, augment = in_step_distillation(args)
+    in_step = hidden > 0 or augment > 0  # teacher_in_step(args)
+    if in_step and teacher_params is None:
         raise ValueError(f"the teacher runs in every step (--distill-hidden {hidden}, --distill-augment {augment}): "
                          f"fit needs the teacher's params (teacher_params)")
 
@@ -568,7 +583,6 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
 
     # With --distill-hidden or --distill-augment the teacher (the dense master model) runs inside the step on
     # ``extra[TEACHER]``.
-    in_step = hidden > 0 or augment > 0
     hd = dict(distill_hidden=hidden, teacher_model=master, distill_augment=augment) if in_step else {}
     teacher_extra = {TEACHER: jax.tree_util.tree_map(jnp.asarray, teacher_params)} if in_step else {}
     step = cache.get("step", (model, tx_key, prune is not None, mesh, kd, hidden, augment),
@@ -687,14 +701,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     teacher = teacher_params = None
     init = getattr(args, "init", "pretrained")
     hidden = getattr(args, "distill_hidden", 0.0)
-    in_step = hidden > 0 or getattr(args, "distill_augment", 0.0) > 0  # the teacher runs inside every step
     if (args.distill > 0 or hidden > 0 or init == "teacher") and args.sparsity != "dense":
         _stderr(f"--distill {args.distill} --distill-hidden {hidden} --init {init}: fine-tuning the dense teacher first")
         teacher, teacher_metrics, teacher_params = fit_teacher(args, data, cfg, pretrained)
         _stderr(f"teacher: dev acc {teacher_metrics['dev_accuracy']:.4f}, test acc {teacher_metrics['test_accuracy']:.4f}")
     metrics, final = fit(args, data, cfg, pretrained, teacher_logits=teacher if args.distill > 0 else None,
                          init_params=teacher_params if init == "teacher" else None,
-                         teacher_params=teacher_params if in_step else None)
+                         teacher_params=teacher_params if teacher_in_step(args) else None)
     metrics["init"] = init
     if teacher is not None:
         metrics["teacher"] = {k: teacher_metrics[k] for k in ("dev_accuracy", "test_accuracy", "steps")}
