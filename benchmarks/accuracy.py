@@ -150,7 +150,8 @@ def hyperparameters(args: argparse.Namespace) -> dict[str, Any]:
             "param_dtype": "float32", "compress": args.compress, "quick": bool(args.quick),
             # only when set, so that result files written before the option still --resume and --merge
             **({"distill_hidden": args.distill_hidden} if args.distill_hidden else {}),
-            **({"distill_augment": args.distill_augment} if args.distill_augment else {})}
+            **({"distill_augment": args.distill_augment} if args.distill_augment else {}),
+            **({"augment_neighbors": args.augment_neighbors} if args.augment_neighbors else {})}
 
 
 def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> argparse.Namespace:
@@ -164,6 +165,7 @@ def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> a
             "--distill", str(args.distill if sparsity != "dense" else 0.0), "--temperature", str(args.temperature),
             "--distill-hidden", str(args.distill_hidden if sparsity != "dense" else 0.0),
             "--distill-augment", str(args.distill_augment if sparsity != "dense" else 0.0),
+            "--augment-neighbors", str(args.augment_neighbors if sparsity != "dense" else 0),
             "--fade", str(args.fade), "--score", args.score,
             "--init", args.init if sparsity != "dense" else "pretrained", "--no-progress"]
     if args.refit and sparsity != "dense":
@@ -286,8 +288,10 @@ def distill_note(payload: dict) -> str:
     terms = ([f"weight {hp['distill']:g} on T² KL at temperature {hp['temperature']:g}"] if hp.get("distill") else []) + (
         [f"weight {hp['distill_hidden']:g} on the mean squared difference of the encoder layers' outputs"]
         if hp.get("distill_hidden") else [])
-    augment = (f", and the same terms on a copy of each batch with {hp['distill_augment']:g} of its tokens replaced "
-               f"(--distill-augment)" if hp.get("distill_augment") else "")
+    by = (f" by one of their {hp['augment_neighbors']} nearest word pieces (--augment-neighbors)"
+          if hp.get("augment_neighbors") else "")
+    augment = (f", and the same terms on a copy of each batch with {hp['distill_augment']:g} of its tokens replaced"
+               f"{by} (--distill-augment)" if hp.get("distill_augment") else "")
     return (f"; sparse runs distil from a dense teacher per task (seed 0, same schedule; test accuracy {accs or 'n/a'}) "
             f"with {' and '.join(terms)}{augment}")
 
@@ -305,7 +309,9 @@ def section(payload: dict) -> str:
                        + (["least-squares refit"] if hp.get("refit") else [])
                        + ([f"distillation {hp['distill']:g}"] if hp.get("distill") else [])
                        + ([f"hidden-state distillation {hp['distill_hidden']:g}"] if hp.get("distill_hidden") else [])
-                       + ([f"augmented distillation {hp['distill_augment']:g}"] if hp.get("distill_augment") else [])
+                       + ([f"augmented distillation {hp['distill_augment']:g}"
+                           + (f" ({hp['augment_neighbors']} nearest word pieces)" if hp.get("augment_neighbors") else "")]
+                          if hp.get("distill_augment") else [])
                        + ([f"fade {hp['fade']:g}"] if fades else [])
                        + ([f"{hp['score']} score"] if hp.get("score", "magnitude") != "magnitude" else [])
                        + (["from the fine-tuned teacher"] if hp.get("init") == "teacher" else []))
@@ -561,7 +567,7 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
 # Hyper-parameters that change only sparse runs: dense baselines measured under another pruning recipe are
 # the same experiment, so --dense-from may take them into a study that differs only in these.
 SPARSE_ONLY_HYPERPARAMETERS = ("prune", "ladder", "prune_begin", "prune_end", "fade", "score", "distill",
-                               "temperature", "distill_hidden", "distill_augment", "compress", "init", "refit", "refit_batches")
+                               "temperature", "distill_hidden", "distill_augment", "augment_neighbors", "compress", "init", "refit", "refit_batches")
 
 
 def _dense_settings(hp: dict) -> dict:

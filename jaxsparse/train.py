@@ -46,7 +46,7 @@ MODELS = ("minilm",) + tuple(n for n in bert.PRESETS if n != "minilm")
 def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     """The sparse fine-tuning recipe options shared by ``jaxsparse-train`` and ``benchmarks/accuracy.py``:
     ``--fade``, ``--score``, ``--distill``, ``--temperature``, ``--distill-hidden``, ``--distill-augment``,
-    ``--init``, ``--refit``, ``--refit-batches``."""
+    ``--augment-neighbors``, ``--init``, ``--refit``, ``--refit-batches``."""
     p.add_argument("--fade", type=float, default=0.0,
                    help="GMP: before each stage, fade the weights it will prune to zero over this fraction of all "
                         "steps (0 = masks change at once; see jaxsparse.pruning.gmp_prune fade_steps)")
@@ -64,6 +64,10 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
                    help="token replacement probability in [0, 1) of a corrupted copy of every batch that sparse runs "
                         "also distil on (needs --distill; augment_tokens): the teacher runs on the copy in every step "
                         "and the loss adds the --distill and --distill-hidden terms on it (no labels)")
+    p.add_argument("--augment-neighbors", type=int, default=0,
+                   help="with --distill-augment: replace each chosen token by one of its K nearest word pieces "
+                        "(cosine of the teacher's input word embeddings, among the training set's word pieces; "
+                        "token_neighbors) instead of a token drawn from the batch (0 = the batch)")
     p.add_argument("--init", default="pretrained", choices=INITS,
                    help="where sparse runs start: the pretrained weights, or the dense teacher fine-tuned with the "
                         "same settings (prune a fine-tuned model, as oBERT's downstream pruning does)")
@@ -89,6 +93,10 @@ def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
         p.error("need 0 <= --distill-augment < 1")
     if args.distill_augment > 0 and args.distill == 0:
         p.error("--distill-augment distils on a corrupted copy of each batch: it needs --distill > 0")
+    if args.augment_neighbors < 0:
+        p.error("need --augment-neighbors >= 0")
+    if args.augment_neighbors > 0 and args.distill_augment == 0:
+        p.error("--augment-neighbors chooses the replacements of --distill-augment: give --distill-augment > 0")
     if args.init == "teacher" and getattr(args, "sparsity", None) == "dense":
         p.error("--init teacher starts a sparse run from a dense teacher: give a --sparsity pattern")
     if args.refit and args.prune != "oneshot":
@@ -312,23 +320,71 @@ def soft_distill_loss(logits: jax.Array, teacher_logits: jax.Array, temperature:
     return temperature**2 * (jnp.exp(t) * (t - st)).sum(-1).mean()
 
 
-def augment_tokens(key: jax.Array, input_ids: jax.Array, attention_mask: jax.Array, rate: float) -> jax.Array:
+def _inner_tokens(attention_mask: jax.Array) -> jax.Array:
+    """``[B, T]`` bool: the real tokens (``attention_mask`` 1) except each row's first and last real token
+    (``[CLS]`` and ``[SEP]`` of a single-segment example)."""
+    real = attention_mask > 0
+    after = jnp.concatenate([real[:, 1:], jnp.zeros_like(real[:, :1])], axis=1)  # the next position is real
+    first = jnp.arange(real.shape[1])[None, :] == 0
+    return real & after & ~first
+
+
+def augment_tokens(key: jax.Array, input_ids: jax.Array, attention_mask: jax.Array, rate: float,
+                   neighbors: jax.Array | None = None) -> jax.Array:
     """A corrupted copy of ``input_ids [B, T]`` for distillation on unlabelled variants of the batch.
 
     The eligible tokens are the real ones (``attention_mask`` 1) except each row's first and last real token
     (``[CLS]`` and ``[SEP]`` of a single-segment example). Each is replaced, independently with probability
-    ``rate``, by an eligible token of the same batch drawn uniformly (so replacements follow the batch's own
-    word distribution); a row without eligible tokens, and every other position, stays as it is.
+    ``rate``: without ``neighbors`` by an eligible token of the same batch drawn uniformly (so replacements
+    follow the batch's own word distribution), with ``neighbors [vocab, K]`` (:func:`token_neighbors`) by one
+    of the token's ``K`` nearest word pieces drawn uniformly. A row without eligible tokens, and every other
+    position, stays as it is.
     """
-    real = attention_mask > 0
-    after = jnp.concatenate([real[:, 1:], jnp.zeros_like(real[:, :1])], axis=1)  # the next position is real
-    first = jnp.arange(real.shape[1])[None, :] == 0
-    eligible = real & after & ~first
+    eligible = _inner_tokens(attention_mask)
     k_pick, k_src = jax.random.split(key)
     pick = eligible & jax.random.bernoulli(k_pick, rate, input_ids.shape)
+    if neighbors is not None:
+        choice = jax.random.randint(k_src, input_ids.shape, 0, neighbors.shape[1])
+        return jnp.where(pick, neighbors[input_ids, choice], input_ids)
     flat_ok = eligible.reshape(-1)
     src = jax.random.categorical(k_src, jnp.where(flat_ok, 0.0, -jnp.inf), shape=input_ids.shape)
     return jnp.where(pick & flat_ok.any(), input_ids.reshape(-1)[src], input_ids)
+
+
+def token_neighbors(embedding: jax.Array, input_ids: np.ndarray, attention_mask: np.ndarray, k: int,
+                    chunk: int = 2048) -> np.ndarray:
+    """``[vocab, k]`` int32: each word piece's ``k`` nearest word pieces, for :func:`augment_tokens`.
+
+    The candidates are the word pieces that occur as inner tokens of ``input_ids [N, T]`` (the positions
+    :func:`augment_tokens` may replace: real tokens but the first and last of each row); a candidate's row
+    lists the ``k`` other candidates with the largest cosine similarity of their rows of ``embedding
+    [vocab, hidden]`` (the model's input word embeddings), most similar first. Every other row holds its own id
+    ``k`` times, so such a token is never changed. Raises ``ValueError`` when there are not more than ``k``
+    candidates.
+    """
+    vocab = embedding.shape[0]
+    ids = np.asarray(input_ids)
+    cand = np.unique(ids[np.asarray(_inner_tokens(jnp.asarray(attention_mask)))])
+    if k < 1 or len(cand) <= k:
+        raise ValueError(f"token_neighbors needs 1 <= k < candidates, got k = {k} and {len(cand)} candidate word "
+                         f"pieces")
+    if cand.min() < 0 or cand.max() >= vocab:
+        raise ValueError(f"token ids must lie in [0, {vocab}) of the embedding, got {cand.min()}..{cand.max()}")
+    e = jnp.asarray(embedding, jnp.float32)[jnp.asarray(cand)]
+    e = e / jnp.maximum(jnp.linalg.norm(e, axis=1, keepdims=True), 1e-12)
+
+    @jax.jit
+    def nearest(q, lo):
+        sim = q @ e.T
+        sim = jnp.where(jnp.arange(e.shape[0])[None, :] == lo + jnp.arange(q.shape[0])[:, None], -jnp.inf, sim)
+        return jax.lax.top_k(sim, k)[1]
+
+    out = np.repeat(np.arange(vocab, dtype=np.int32)[:, None], k, axis=1)
+    padded = jnp.concatenate([e, jnp.zeros((-len(cand) % chunk, e.shape[1]), e.dtype)])
+    for lo in range(0, len(cand), chunk):
+        hi = min(lo + chunk, len(cand))
+        out[cand[lo:hi]] = cand[np.asarray(nearest(padded[lo:lo + chunk], lo))[: hi - lo]]
+    return out
 
 
 def hidden_distill_loss(student: Sequence[jax.Array], teacher: Sequence[jax.Array],
@@ -367,6 +423,9 @@ def teacher_in_step(args: argparse.Namespace) -> bool:
 TEACHER = "teacher"
 """Key of ``extra`` under which :func:`make_step` with ``distill_hidden > 0`` or ``distill_augment > 0`` takes
 the teacher's params."""
+NEIGHBORS = "augment_neighbors"
+"""Key of ``extra`` under which :func:`make_step` with ``distill_augment > 0`` may take a
+:func:`token_neighbors` table; the corrupted copy then replaces tokens by their neighbours."""
 
 
 def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: jax.sharding.Mesh | None = None,
@@ -394,7 +453,8 @@ def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: j
         (no dropout) with the params in ``extra[TEACHER]``, and the loss adds ``distill_hidden`` times
         :func:`hidden_distill_loss` of the encoder layers' outputs (:data:`jaxsparse.models.bert.HIDDEN_STATES`).
       distill_augment: with a rate ``> 0`` (and ``distill > 0``) each step also distils on a copy of the batch
-        corrupted by :func:`augment_tokens` (its key split from ``rng``): student and ``teacher_model`` run on
+        corrupted by :func:`augment_tokens` (its key split from ``rng``; by the neighbours in
+        ``extra[NEIGHBORS]`` when that is there, else by in-batch tokens): student and ``teacher_model`` run on
         the clean batch and the copy together (one forward of twice the batch each), and the loss adds, on the
         copy, ``distill`` times :func:`soft_distill_loss` against the teacher's logits there, plus the
         ``distill_hidden`` term when that is on. The clean half's loss is unchanged (its soft targets are still
@@ -414,13 +474,13 @@ def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: j
 
     def step(params, opt_state, extra, batch, rng):
         variables = pruning.model_variables(params, opt_state) if with_masks else dict(extra)
-        variables = {k: v for k, v in variables.items() if k not in ("params", TEACHER)}
+        variables = {k: v for k, v in variables.items() if k not in ("params", TEACHER, NEIGHBORS)}
         if dp is not None:
             rng = jax.random.fold_in(rng, jax.lax.axis_index(dp))
         inputs, n = tuple(batch[:3]), batch[0].shape[0]
         if distill_augment > 0:  # the clean batch and its corrupted copy, stacked: [2B, T]
             rng, k_aug = jax.random.split(rng)
-            copy = (augment_tokens(k_aug, batch[0], batch[2], distill_augment),) + inputs[1:]
+            copy = (augment_tokens(k_aug, batch[0], batch[2], distill_augment, extra.get(NEIGHBORS)),) + inputs[1:]
             inputs = tuple(jnp.concatenate([a, b]) for a, b in zip(inputs, copy))
         if teacher_runs:
             t_logits, t_state = teacher_model.apply({"params": extra[TEACHER]}, *inputs, deterministic=True,
@@ -585,6 +645,12 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
     # ``extra[TEACHER]``.
     hd = dict(distill_hidden=hidden, teacher_model=master, distill_augment=augment) if in_step else {}
     teacher_extra = {TEACHER: jax.tree_util.tree_map(jnp.asarray, teacher_params)} if in_step else {}
+    n_neighbors = int(getattr(args, "augment_neighbors", 0)) if augment > 0 else 0
+    if n_neighbors:
+        t_nb = time.time()
+        emb = teacher_params["bert"]["embeddings_word_embeddings"]["embedding"]
+        teacher_extra[NEIGHBORS] = jnp.asarray(token_neighbors(emb, train.input_ids, train.attention_mask, n_neighbors))
+        log(f"augmentation: {n_neighbors} nearest word pieces per token ({time.time() - t_nb:.0f} s)")
     step = cache.get("step", (model, tx_key, prune is not None, mesh, kd, hidden, augment),
                      lambda: make_step(model, tx, prune is not None, mesh, distill=kd[0], temperature=kd[1],
                                        mask_score=score, **hd))
@@ -652,7 +718,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         "compressed_training": compressed, "seed": args.seed, "epochs": args.epochs,
         "batch_size": args.batch_size, "lr": args.lr, "max_len": args.max_len, "dtype": args.dtype,
         "distill": distill, "temperature": temperature if distill > 0 else None, "distill_hidden": hidden,
-        "distill_augment": augment,
+        "distill_augment": augment, "augment_neighbors": n_neighbors,
         "refit": refit, "refit_batches": n_cal if refit else None,
         "train_examples": len(train), "dev_examples": len(dev), "test_examples": len(test), "steps": global_step,
         "history": history, "dev_accuracy": history[-1]["dev_accuracy"], "test_accuracy": test_metrics["accuracy"],
@@ -679,7 +745,7 @@ def predict_logits(cfg: bert.BertConfig, variables: dict, batch: data_lib.Batch,
 def teacher_args(args: argparse.Namespace) -> argparse.Namespace:
     """The dense teacher's run: ``args`` with no sparsity, no pruning, no distillation."""
     return argparse.Namespace(**{**vars(args), "sparsity": "dense", "prune": "none", "distill": 0.0, "distill_hidden": 0.0,
-                                 "distill_augment": 0.0, "ladder": None, "init": "pretrained"})
+                                 "distill_augment": 0.0, "augment_neighbors": 0, "ladder": None, "init": "pretrained"})
 
 
 def fit_teacher(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretrained: dict | None,

@@ -343,13 +343,72 @@ def test_make_step_with_augmented_distillation_adds_the_copy_terms():
         train.make_step(model, tx, False, teacher_model=model, distill_augment=0.5)
 
 
+def test_token_neighbors_against_brute_force():
+    rng = np.random.default_rng(3)
+    emb = rng.normal(size=(50, 8)).astype(np.float32)
+    ids = rng.integers(0, 30, (6, 12)).astype(np.int32)  # word pieces 30..49 never occur
+    mask = np.ones_like(ids)
+    mask[2, 7:] = 0
+    inner = np.zeros(ids.shape, bool)
+    for i in range(6):
+        inner[i, 1:int(mask[i].sum()) - 1] = True
+    cand = np.unique(ids[inner])
+    out = train.token_neighbors(emb, ids, mask, 3, chunk=4)  # several chunks, the last one short
+    assert out.shape == (50, 3) and out.dtype == np.int32
+    unit = emb / np.linalg.norm(emb, axis=1, keepdims=True)
+    for t in range(50):
+        if t in cand:
+            sim = unit[cand] @ unit[t]
+            sim[cand == t] = -np.inf
+            assert list(out[t]) == list(cand[np.argsort(-sim)[:3]]), t
+        else:  # not an inner token of the data: kept as it is
+            assert (out[t] == t).all(), t
+    with pytest.raises(ValueError, match="1 <= k < candidates"):
+        train.token_neighbors(emb, ids, mask, len(cand))
+    with pytest.raises(ValueError, match="token ids must lie"):
+        train.token_neighbors(emb[:10], ids, mask, 2)
+
+
+def test_augment_tokens_with_neighbors_replaces_by_a_neighbor():
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(1)
+    vocab = 40
+    neighbors = np.stack([(np.arange(vocab) + d) % vocab for d in (1, 2, 3)], axis=1).astype(np.int32)
+    ids = rng.integers(0, vocab, (32, 20)).astype(np.int32)
+    mask = np.ones_like(ids)
+    mask[:, 15:] = 0
+    out = np.asarray(train.augment_tokens(jax.random.key(2), jnp.asarray(ids), jnp.asarray(mask), 0.4,
+                                          jnp.asarray(neighbors)))
+    changed = out != ids
+    inner = np.zeros(ids.shape, bool)
+    inner[:, 1:14] = True
+    assert not changed[~inner].any()
+    assert 0.34 < changed[inner].mean() < 0.46, changed[inner].mean()  # neighbours differ from the token
+    assert all(out[i, j] in neighbors[ids[i, j]] for i, j in zip(*np.nonzero(changed)))
+    picks = (out[changed] - ids[changed]) % vocab
+    assert set(picks.tolist()) == {1, 2, 3}  # every neighbour slot is drawn
+
+
 def test_distill_augment_run(tmp_path):
     args, data_, cfg = _tiny_sparse_run(tmp_path, "--distill", "0.5", "--distill-augment", "0.2")
     metrics = train.run(args)  # the teacher first; it then runs in the student's step on the corrupted copies
     assert metrics["distill_augment"] == 0.2 and metrics["distill_hidden"] == 0.0
+    assert metrics["augment_neighbors"] == 0
     hist = metrics["history"]
     assert np.isfinite(hist[-1]["train_loss"]) and hist[-1]["train_loss"] < hist[0]["first_loss"], hist
     for argv in (["--distill-augment", "0.2"], ["--distill", "0.5", "--distill-augment", "1.0"],
-                 ["--sparsity", "dense", "--distill-augment", "0.2"]):
+                 ["--sparsity", "dense", "--distill-augment", "0.2"], ["--distill", "0.5", "--augment-neighbors", "4"],
+                 ["--distill", "0.5", "--distill-augment", "0.2", "--augment-neighbors", "-1"]):
         with pytest.raises(SystemExit):
             train.parse_args(argv)
+
+
+def test_distill_augment_neighbors_run(tmp_path, capsys):
+    args, data_, cfg = _tiny_sparse_run(tmp_path, "--distill", "0.5", "--distill-augment", "0.3",
+                                        "--augment-neighbors", "4")
+    metrics = train.run(args)
+    assert metrics["augment_neighbors"] == 4 and metrics["distill_augment"] == 0.3
+    assert "augmentation: 4 nearest word pieces per token" in capsys.readouterr().err
+    hist = metrics["history"]
+    assert np.isfinite(hist[-1]["train_loss"]) and hist[-1]["train_loss"] < hist[0]["first_loss"], hist
