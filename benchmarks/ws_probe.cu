@@ -86,6 +86,26 @@ int Main() {
   PROBE_CHECK(cudaGetDeviceProperties(&prop, 0));
   int clock_khz = 0;
   cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0);
+  int max_clusters = -1;  // what LaunchWs sizes the multicast kernel's persistent grid by
+  {
+    constexpr auto kernel = SpmmWgmmaXtWsKernel<__nv_bfloat16, 128, 256, 4, true, 256, 0, 2>;
+    constexpr int smem = XtWsLayout<128, 256, 4>::kBytes + 1024;
+    PROBE_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    cudaLaunchConfig_t cfg{};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 2;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.gridDim = dim3(2 * prop.multiProcessorCount);
+    cfg.blockDim = dim3(kWsThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    if (cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &cfg) != cudaSuccess) max_clusters = -2;
+    cudaGetLastError();
+  }
+  std::fprintf(stderr, "max active 2-CTA clusters of ws128x256c2: %d\n", max_clusters);
   std::mt19937 rng(0);
   std::printf("{\"gpu\": \"%s\", \"sms\": %d, \"tokens\": %d, \"reps\": %d, \"spec\": \"2:4\", \"results\": [\n",
               prop.name, prop.multiProcessorCount, tokens, reps);

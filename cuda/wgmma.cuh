@@ -174,7 +174,7 @@ __device__ __forceinline__ void FenceMbarrierInitCluster() {
 __device__ __forceinline__ void MbarArriveCluster(uint32_t bar, uint32_t rank) {
   asm volatile(
       "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar), "r"(rank)
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar), "r"(rank)
       : "memory");
 }
 __device__ __forceinline__ void TmaLoad2dMulticast(uint32_t dst, const void* tensor_map, int c0, int c1, uint32_t bar,
