@@ -25,9 +25,9 @@ namespace {
 
 using Launcher = ffi::Error (*)(cudaStream_t, const SpmmXtParams&);
 
-template <int BR, int BT, int STAGES, int NWMAX, int PROBE, int CLUSTER>
+template <int BR, int BT, int STAGES, int NWMAX, int PROBE>
 ffi::Error Launch(cudaStream_t s, const SpmmXtParams& p) {
-  return LaunchWs<__nv_bfloat16, BR, BT, STAGES, true, NWMAX, PROBE, CLUSTER>(s, p);
+  return LaunchWs<__nv_bfloat16, BR, BT, STAGES, true, NWMAX, PROBE>(s, p);
 }
 
 struct Mode {
@@ -43,28 +43,13 @@ constexpr Mode kModes[] = {{0, "full"},
                            {kProbeNoLoad | kProbeNoMma, "epilogue only"},
                            {kProbeNoLoad | kProbeNoMma | kProbeNoEpilogue, "barriers only"}};
 
-template <int BR, int BT, int STAGES, int NWMAX, int CLUSTER, size_t... I>
+template <int BR, int BT, int STAGES, int NWMAX, size_t... I>
 std::vector<Launcher> LaunchersOf(std::index_sequence<I...>) {
-  return {Launch<BR, BT, STAGES, NWMAX, kModes[I].probe, CLUSTER>...};
+  return {Launch<BR, BT, STAGES, NWMAX, kModes[I].probe>...};
 }
-// CLUSTER = 2: the 2-CTA multicast of x (SpmmWgmmaXtWsKernel's CLUSTER).
-template <int BR, int BT, int STAGES, int NWMAX, int CLUSTER = 1>
+template <int BR, int BT, int STAGES, int NWMAX>
 std::vector<Launcher> Launchers() {
-  return LaunchersOf<BR, BT, STAGES, NWMAX, CLUSTER>(std::make_index_sequence<std::size(kModes)>{});
-}
-
-// Y of the full mode of `launch` into y (poisoned with 0xFF bytes first), copied to the host.
-std::vector<uint16_t> FullY(Launcher launch, SpmmXtParams p, void* y, size_t count) {
-  PROBE_CHECK(cudaMemset(y, 0xFF, count * 2));
-  p.y = y;
-  if (ffi::Error e = launch(nullptr, p); e.failure()) {
-    std::fprintf(stderr, "launch failed: %s\n", e.message().c_str());
-    std::exit(1);
-  }
-  PROBE_CHECK(cudaDeviceSynchronize());
-  std::vector<uint16_t> h(count);
-  PROBE_CHECK(cudaMemcpy(h.data(), y, count * 2, cudaMemcpyDeviceToHost));
-  return h;
+  return LaunchersOf<BR, BT, STAGES, NWMAX>(std::make_index_sequence<std::size(kModes)>{});
 }
 
 float MedianMs(Launcher launch, const SpmmXtParams& p, int reps) {
@@ -86,26 +71,6 @@ int Main() {
   PROBE_CHECK(cudaGetDeviceProperties(&prop, 0));
   int clock_khz = 0;
   cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0);
-  int max_clusters = -1;  // what LaunchWs sizes the multicast kernel's persistent grid by
-  {
-    constexpr auto kernel = SpmmWgmmaXtWsKernel<__nv_bfloat16, 128, 256, 4, true, 256, 0, 2>;
-    constexpr int smem = XtWsLayout<128, 256, 4>::kBytes + 1024;
-    PROBE_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    cudaLaunchConfig_t cfg{};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 2;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.gridDim = dim3(2 * prop.multiProcessorCount);
-    cfg.blockDim = dim3(kWsThreads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    if (cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &cfg) != cudaSuccess) max_clusters = -2;
-    cudaGetLastError();
-  }
-  std::fprintf(stderr, "max active 2-CTA clusters of ws128x256c2: %d\n", max_clusters);
   std::mt19937 rng(0);
   std::printf("{\"gpu\": \"%s\", \"sms\": %d, \"tokens\": %d, \"reps\": %d, \"spec\": \"2:4\", \"results\": [\n",
               prop.name, prop.multiProcessorCount, tokens, reps);
@@ -150,26 +115,7 @@ int Main() {
     };
     // The row kernel's tiles as cuda/spmm_xt.cu's Dispatch launches them (stages as there).
     const Tile tiles[] = {{"ws128x256", 128, 256, Launchers<128, 256, 4, 256>()},
-                          {"ws128x256c2", 128, 256, Launchers<128, 256, 4, 256, 2>()},
                           {"ws64x256", 64, 256, Launchers<64, 256, 5, 128>()}};
-    // The multicast kernel must give the very bytes of the plain one (same products in the same order), which
-    // the GPU tests check against the reference; NaN bytes (the poison) never compare equal as values here.
-    {
-      const size_t count = static_cast<size_t>(tokens) * rows;
-      const std::vector<uint16_t> y1 = FullY(tiles[0].launchers[0], p, dy, count);
-      const std::vector<uint16_t> y2 = FullY(tiles[1].launchers[0], p, dy, count);
-      size_t differ = 0, poison = 0;
-      for (size_t i = 0; i < count; ++i) {
-        differ += y1[i] != y2[i];
-        poison += y2[i] == 0xFFFF || y1[i] == 0xFFFF;
-      }
-      std::printf("%s  {\"K\": %d, \"N\": %d, \"tile\": \"ws128x256c2\", \"mode\": \"check against ws128x256\", "
-                  "\"probe\": 0, \"ms\": 0, \"operand_bytes\": 0, \"intake_TBps\": 0, \"differing\": %zu, "
-                  "\"poisoned\": %zu}",
-                  first ? "" : ",\n", k, rows, differ, poison);
-      first = false;
-      std::fflush(stdout);
-    }
     // Bytes the SMs take in: x once per feature tile, the compressed values once per token tile.
     for (const Tile& tile : tiles) {
       const int br = tile.br, bt = tile.bt;

@@ -375,17 +375,11 @@ struct XtWsLayout {
 // stages, so the products run on real operands and metadata.
 enum XtProbe { kProbeNoMma = 1, kProbeNoLoad = 2, kProbeNoEpilogue = 4 };
 
-// CLUSTER = 2 (x rows only): the two CTAs of a cluster take adjacent feature tiles of one token tile (launched
-// with an even grid and an even tile count, so tiles 2c and 2c + 1 share their tokens) and each loads half of the
-// stage's x box by TMA multicast into both, so L2 serves each x byte once per pair instead of once per CTA.  A
-// stage's ring slot is reloaded only when the consumers of both CTAs released it (the empty barrier counts the
-// 8 local and 8 peer consumer warps).
-template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0, int CLUSTER = 1>
+template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0>
 __global__ void __launch_bounds__(kWsThreads, 1)
     SpmmWgmmaXtWsKernel(const SpmmXtParams p, const __grid_constant__ CUtensorMap tma_a,
                         const __grid_constant__ CUtensorMap tma_x) {
 #ifdef JAXSPARSE_WGMMA
-  static_assert(CLUSTER == 1 || (CLUSTER == 2 && XROW && BT % 16 == 0), "multicast splits x rows' boxes in two");
   using L = XtWsLayout<BR, BT, STAGES>;
   using W = XtWarps<BR, BT, NWMAX>;  // over the two consumer warpgroups
   constexpr int WR = W::WR, WN = W::WN, NW = W::NW, NCH = W::NCH;
@@ -397,25 +391,15 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
   const bool x_by_tma = XROW || p.cols == nullptr;  // M = 4: Xc is x^T (or x) itself
-  const uint32_t rank = CLUSTER > 1 ? ClusterCtaRank() : 0;
-  // Every consumer warp of the cluster done with the stage releases it (local arrive, and remote with CLUSTER 2).
-  auto release = [&](uint32_t bar) {
-    MbarArrive(bar);
-    if (CLUSTER > 1) MbarArriveCluster(bar, rank ^ 1);
-  };
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       // Thread 0's expect_tx arrival, plus every producer thread's cp.async arrival (metadata words, and Xc when
       // it is gathered).
       MbarInit(full0 + 8 * s, 129);
-      MbarInit(empty0 + 8 * s, 8 * CLUSTER);  // every consumer warp of the cluster done with the stage
+      MbarInit(empty0 + 8 * s, 8);  // every consumer warp done with the stage
     }
-    if (CLUSTER > 1) FenceMbarrierInitCluster();
   }
-  if (CLUSTER > 1)
-    ClusterSync();  // the peer's barriers exist before any multicast or remote arrival reaches them
-  else
-    __syncthreads();
+  __syncthreads();
 
   const int kc_total = 4 * p.groups;
   const int num_kt = (kc_total + kKc - 1) / kKc;
@@ -440,10 +424,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         if (tid == 0) {
           MbarArriveExpectTx(full, L::kABytes + (x_by_tma ? L::kBBytes : 0));
           TmaLoad2d(stage, &tma_a, kt * (kKc / 2), row0, full);
-          if (XROW && CLUSTER > 1)  // this CTA's half of the BT rows, into both CTAs of the cluster
-            TmaLoad2dMulticast(stage + L::kABytes + rank * (BT / 2) * 128, &tma_x, kt * kKc, tok0 + rank * (BT / 2),
-                               full, 0x3);
-          else if (XROW)  // x [T, K]: BT rows of the stage's 64 k
+          if (XROW)  // x [T, K]: BT rows of the stage's 64 k
             TmaLoad2d(stage + L::kABytes, &tma_x, kt * kKc, tok0, full);
           else if (x_by_tma)
 #pragma unroll
@@ -482,7 +463,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         MbarWait(full0 + 8 * s, (it / STAGES) & 1);
         FenceProxyAsyncShared();  // the producers' cp.async writes, seen through the barrier, before wgmma reads
         if (PROBE & kProbeNoMma) {
-          if (lane == 0) release(empty0 + 8 * s);
+          if (lane == 0) MbarArrive(empty0 + 8 * s);
           return;
         }
         meta.Load<kOdd>(reinterpret_cast<const uint32_t*>(smem + L::kMetaOff + s * L::kMetaBytes), kt);
@@ -492,7 +473,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         WgmmaCommit();
         WgmmaWait<1>();  // stage kt-1's products completed
         fence_acc();
-        if (lane == 0 && kt > 0) release(empty0 + 8 * ((it - 1) % STAGES));
+        if (lane == 0 && kt > 0) MbarArrive(empty0 + 8 * ((it - 1) % STAGES));
       };
       for (int kt = 0; kt < num_kt; kt += 2) {
         run_stage(kt, it + kt, std::false_type{});
@@ -501,7 +482,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       it += num_kt;
       WgmmaWait<0>();
       fence_acc();
-      if (!(PROBE & kProbeNoMma) && lane == 0) release(empty0 + 8 * ((it - 1) % STAGES));  // the tile's last stage
+      if (!(PROBE & kProbeNoMma) && lane == 0) MbarArrive(empty0 + 8 * ((it - 1) % STAGES));  // the tile's last stage
       if (PROBE & kProbeNoEpilogue) continue;
 #pragma unroll
       for (int ch = 0; ch < L::kEpiChunks; ++ch) {
@@ -514,7 +495,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       }
     }
   }
-  if (CLUSTER > 1) ClusterSync();  // no CTA leaves while its peer may still arrive on its barriers
 #else
   __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
 #endif
@@ -553,9 +533,9 @@ ffi::Error LaunchTile(cudaStream_t stream, const SpmmXtParams& p) {
   return LastLaunchError("SpmmWgmmaXtKernel");
 }
 
-template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0, int CLUSTER = 1>
+template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0>
 ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& p) {
-  constexpr auto kernel = SpmmWgmmaXtWsKernel<T, BR, BT, STAGES, XROW, NWMAX, PROBE, CLUSTER>;
+  constexpr auto kernel = SpmmWgmmaXtWsKernel<T, BR, BT, STAGES, XROW, NWMAX, PROBE>;
   if (!Sm90aImageLoaded<kernel>())
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: needs an sm_90a build on a Hopper GPU");
   constexpr int smem = XtWsLayout<BR, BT, STAGES>::kBytes + 1024;
@@ -563,39 +543,11 @@ ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& p) {
   if (ffi::Error e = RaiseSmemLimit<kernel>(smem, "cudaFuncSetAttribute(SpmmWgmmaXtWsKernel)"); e.failure()) return e;
   CUtensorMap tma_a{}, tma_x{};
   if (!MakeTensorMap2d(&tma_a, p.values, p.rows, 2 * static_cast<uint64_t>(p.groups), BR, kKc / 2) ||
-      (XROW && !MakeTensorMap2d(&tma_x, p.xt, p.tokens, p.k, BT / CLUSTER)) ||
+      (XROW && !MakeTensorMap2d(&tma_x, p.xt, p.tokens, p.k, BT)) ||
       (!XROW && p.cols == nullptr && !MakeTensorMap2d(&tma_x, p.xt, p.k, p.tokens, 64)))
     return ffi::Error::Internal("jaxsparse_spmm_xt: cuTensorMapEncodeTiled failed for the warp-specialized tile");
   const int tiles = (p.tokens + BT - 1) / BT * (p.rows / BR);
-  if constexpr (CLUSTER == 1) {
-    kernel<<<std::min(tiles, SmCount()), kWsThreads, smem, stream>>>(p, tma_a, tma_x);
-  } else {
-    if ((p.rows / BR) % CLUSTER)
-      return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: the multicast tile needs R / BR to be even");
-    cudaLaunchConfig_t cfg{};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = CLUSTER;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.blockDim = dim3(kWsThreads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    // Persistent: as many clusters as can be resident at once (an SM left without a partner in its GPC idles).
-    static int max_clusters = 0;  // benign race: every thread computes the same value
-    if (max_clusters == 0) {
-      cfg.gridDim = dim3(CLUSTER * SmCount());
-      if (cudaOccupancyMaxActiveClusters(&max_clusters, kernel, &cfg) != cudaSuccess || max_clusters < 1) {
-        cudaGetLastError();
-        max_clusters = SmCount() / CLUSTER;
-      }
-    }
-    cfg.gridDim = dim3(std::min(tiles, CLUSTER * max_clusters));
-    if (cudaError_t st = cudaLaunchKernelEx(&cfg, kernel, p, tma_a, tma_x); st != cudaSuccess)
-      return CudaError(st, "cudaLaunchKernelEx(SpmmWgmmaXtWsKernel)");
-  }
+  kernel<<<std::min(tiles, SmCount()), kWsThreads, smem, stream>>>(p, tma_a, tma_x);
   return LastLaunchError("SpmmWgmmaXtWsKernel");
 }
 

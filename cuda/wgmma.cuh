@@ -156,35 +156,6 @@ __device__ __forceinline__ void TmaLoad2d(uint32_t dst, const void* tensor_map, 
       "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
 }
-// Thread block clusters (the 2-CTA multicast of the row kernel): this CTA's rank in its cluster, a barrier over
-// every thread of the cluster, the fence that makes mbarrier inits visible to the other CTAs, an arrival on the
-// barrier at the same shared-memory offset in CTA `rank` of the cluster, and the TMA load of a box into the same
-// offset of every CTA in `cta_mask`, each completing `bytes` on its own barrier at offset `bar`.
-__device__ __forceinline__ uint32_t ClusterCtaRank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ void ClusterSync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void FenceMbarrierInitCluster() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-__device__ __forceinline__ void MbarArriveCluster(uint32_t bar, uint32_t rank) {
-  asm volatile(
-      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar), "r"(rank)
-      : "memory");
-}
-__device__ __forceinline__ void TmaLoad2dMulticast(uint32_t dst, const void* tensor_map, int c0, int c1, uint32_t bar,
-                                                   uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, "
-      "%3}], [%4], %5;\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(c0), "r"(c1), "r"(bar), "h"(cta_mask)
-      : "memory");
-}
 // setmaxnreg: this warpgroup's registers per thread become N (raised with INC, else lowered); every warp of
 // the warpgroup executes it.
 template <int N, bool INC>
