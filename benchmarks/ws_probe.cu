@@ -25,9 +25,9 @@ namespace {
 
 using Launcher = ffi::Error (*)(cudaStream_t, const SpmmXtParams&);
 
-template <int BR, int BT, int STAGES, int NWMAX, int PROBE, bool DEFER>
+template <int BR, int BT, int STAGES, int NWMAX, int PROBE>
 ffi::Error Launch(cudaStream_t s, const SpmmXtParams& p) {
-  return LaunchWs<__nv_bfloat16, BR, BT, STAGES, true, NWMAX, PROBE, DEFER>(s, p);
+  return LaunchWs<__nv_bfloat16, BR, BT, STAGES, true, NWMAX, PROBE>(s, p);
 }
 
 struct Mode {
@@ -43,28 +43,13 @@ constexpr Mode kModes[] = {{0, "full"},
                            {kProbeNoLoad | kProbeNoMma, "epilogue only"},
                            {kProbeNoLoad | kProbeNoMma | kProbeNoEpilogue, "barriers only"}};
 
-template <int BR, int BT, int STAGES, int NWMAX, bool DEFER, size_t... I>
+template <int BR, int BT, int STAGES, int NWMAX, size_t... I>
 std::vector<Launcher> LaunchersOf(std::index_sequence<I...>) {
-  return {Launch<BR, BT, STAGES, NWMAX, kModes[I].probe, DEFER>...};
+  return {Launch<BR, BT, STAGES, NWMAX, kModes[I].probe>...};
 }
-// DEFER: the deferred epilogue (SpmmWgmmaXtWsKernel's DEFER).
-template <int BR, int BT, int STAGES, int NWMAX, bool DEFER = false>
+template <int BR, int BT, int STAGES, int NWMAX>
 std::vector<Launcher> Launchers() {
-  return LaunchersOf<BR, BT, STAGES, NWMAX, DEFER>(std::make_index_sequence<std::size(kModes)>{});
-}
-
-// Y of the full mode of `launch` into y (poisoned with 0xFF bytes first), copied to the host.
-std::vector<uint16_t> FullY(Launcher launch, SpmmXtParams p, void* y, size_t count) {
-  PROBE_CHECK(cudaMemset(y, 0xFF, count * 2));
-  p.y = y;
-  if (ffi::Error e = launch(nullptr, p); e.failure()) {
-    std::fprintf(stderr, "launch failed: %s\n", e.message().c_str());
-    std::exit(1);
-  }
-  PROBE_CHECK(cudaDeviceSynchronize());
-  std::vector<uint16_t> h(count);
-  PROBE_CHECK(cudaMemcpy(h.data(), y, count * 2, cudaMemcpyDeviceToHost));
-  return h;
+  return LaunchersOf<BR, BT, STAGES, NWMAX>(std::make_index_sequence<std::size(kModes)>{});
 }
 
 float MedianMs(Launcher launch, const SpmmXtParams& p, int reps) {
@@ -130,29 +115,7 @@ int Main() {
     };
     // The row kernel's tiles as cuda/spmm_xt.cu's Dispatch launches them (stages as there).
     const Tile tiles[] = {{"ws128x256", 128, 256, Launchers<128, 256, 4, 256>()},
-                          {"ws128x240d", 128, 240, Launchers<128, 240, 4, 240, true>()},
-                          {"ws128x256d3", 128, 256, Launchers<128, 256, 3, 256, true>()},
                           {"ws64x256", 64, 256, Launchers<64, 256, 5, 128>()}};
-    // The deferred-epilogue tiles must give the very bytes of the plain one (the same products in the same order
-    // per output), which the GPU tests check against the reference; the poison (0xFFFF, a NaN) must be gone.
-    {
-      const size_t count = static_cast<size_t>(tokens) * rows;
-      const std::vector<uint16_t> y0 = FullY(tiles[0].launchers[0], p, dy, count);
-      for (int v = 1; v <= 2; ++v) {
-        const std::vector<uint16_t> yv = FullY(tiles[v].launchers[0], p, dy, count);
-        size_t differ = 0, poison = 0;
-        for (size_t i = 0; i < count; ++i) {
-          differ += y0[i] != yv[i];
-          poison += y0[i] == 0xFFFF || yv[i] == 0xFFFF;
-        }
-        std::printf("%s  {\"K\": %d, \"N\": %d, \"tile\": \"%s\", \"mode\": \"check against ws128x256\", "
-                    "\"probe\": 0, \"ms\": 0, \"operand_bytes\": 0, \"intake_TBps\": 0, \"differing\": %zu, "
-                    "\"poisoned\": %zu}",
-                    first ? "" : ",\n", k, rows, tiles[v].name, differ, poison);
-        first = false;
-        std::fflush(stdout);
-      }
-    }
     // Bytes the SMs take in: x once per feature tile, the compressed values once per token tile.
     for (const Tile& tile : tiles) {
       const int br = tile.br, bt = tile.bt;

@@ -228,34 +228,6 @@ __device__ __forceinline__ void StageXtAccumulators(float (&acc)[NCH][NW / 2], u
   }
 }
 
-// Byte offset of tile-local feature r of token t in the deferred Y tile (DEFER): rows of `row_bytes`, 16-byte chunk
-// c of row t stored at chunk c ^ ((t / 2) % 8), so the staging stores of a warp (8 features of 4 tokens 2 apart) hit
-// distinct banks without padding.
-__device__ __forceinline__ uint32_t DeferredYOffset(int t, int r, int row_bytes) {
-  return static_cast<uint32_t>(t * row_bytes + ((((r >> 3) ^ ((t >> 1) & 7))) << 4) + (r & 7) * 2);
-}
-
-// The deferred epilogue's staging (DEFER, two warpgroups on the two 64-feature halves of a 128-feature tile, each
-// over all tokens): + bias, optional GELU, convert, into the swizzled [BT][128] tile (DeferredYOffset).
-template <typename T, int NW, int NCH>
-__device__ __forceinline__ void StageDeferredAccumulators(float (&acc)[NCH][NW / 2], unsigned char* tile,
-                                                          const SpmmXtParams& p, int row0, int r_base, int wq, int lane) {
-  const int r_lo = r_base + 16 * wq + (lane >> 2);  // tile-local features r_lo, r_lo + 8
-  const float bias_lo = BiasAt<T>(p.bias, p.bias_f32, row0 + r_lo);
-  const float bias_hi = BiasAt<T>(p.bias, p.bias_f32, row0 + r_lo + 8);
-#pragma unroll
-  for (int c = 0; c < NCH; ++c) {
-#pragma unroll
-    for (int i = 0; i < NW / 2; ++i) {
-      const int hi = (i >> 1) & 1;
-      const int t = c * NW + 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-      float v = acc[c][i] + (hi ? bias_hi : bias_lo);
-      if (p.activation == 1) v = GeluTanh(v);
-      *reinterpret_cast<T*>(tile + DeferredYOffset(t, r_lo + 8 * hi, 256)) = FromFloat<T>(v);
-    }
-  }
-}
-
 template <typename T, int BR, int BT, int STAGES, int MIN_BLOCKS>
 __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const SpmmXtParams p) {
 #ifdef JAXSPARSE_WGMMA
@@ -380,15 +352,14 @@ struct WsRegs {
 };
 
 // The Y tile is staged kEpiChunks chunks of 128 tokens at a time where the two warpgroups share every token (BR >=
-// 128), which leaves shared memory for a deeper ring.  DEFER (x rows): the whole tile is staged at once, in rows of
-// BR * 2 bytes whose 16-byte chunks are swizzled (DeferredYOffset), and stays there while the next tile runs.
-template <int BR, int BT, int STAGES, bool DEFER = false>
+// 128), which leaves shared memory for a deeper ring.
+template <int BR, int BT, int STAGES>
 struct XtWsLayout {
   static constexpr int kABytes = (BR / 64) * kAColBytes;
-  static constexpr int kBBytes = BT * 128;  // BT/64 columns of kColBytes (x^T), or BT rows of 128 bytes (x rows)
+  static constexpr int kBBytes = (BT / 64) * kColBytes;
   static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kYRowBytes = DEFER ? BR * 2 : BR * 2 + 16;
-  static constexpr int kEpiChunks = (!DEFER && BR == 128) ? BT / 128 : 1;
+  static constexpr int kYRowBytes = BR * 2 + 16;
+  static constexpr int kEpiChunks = XtWarps<BR, BT>::WR == 2 ? BT / 128 : 1;
   static constexpr int kEpiTokens = BT / kEpiChunks;
   static constexpr int kEpiOff = STAGES * kStageBytes;
   static constexpr int kMetaBytes = BR * 8;  // a stage's metadata words: [BR rows][2]
@@ -404,34 +375,12 @@ struct XtWsLayout {
 // stages, so the products run on real operands and metadata.
 enum XtProbe { kProbeNoMma = 1, kProbeNoLoad = 2, kProbeNoEpilogue = 4 };
 
-// The deferred epilogue's stores: 16-byte chunks [j0, j1) of this consumer thread (`ctid` of 256; chunk
-// ctid + 256 j of the tile, token-major) from the staged tile to y, tokens past the end skipped.
-template <typename T, int BR, int BT>
-__device__ __forceinline__ void StoreDeferredChunks(const unsigned char* ytile, const SpmmXtParams& p, int tok0,
-                                                    int row0, int ctid, int j0, int j1) {
-  constexpr int kRowChunks = BR / 8, kChunks = BT * kRowChunks;
-  for (int j = j0; j < j1; ++j) {
-    const int q = ctid + 256 * j;
-    if (q >= kChunks) break;
-    const int t = q / kRowChunks, c = q % kRowChunks;
-    if (tok0 + t < p.tokens) {
-      const uint4 v = *reinterpret_cast<const uint4*>(ytile + t * (BR * 2) + ((c ^ ((t >> 1) & 7)) << 4));
-      *reinterpret_cast<uint4*>(static_cast<T*>(p.y) + static_cast<int64_t>(tok0 + t) * p.rows + row0 + c * 8) = v;
-    }
-  }
-}
-
-// DEFER: the Y tile is staged whole (DeferredYOffset) once its products completed, and its global stores are
-// spread over the next tile's stages, issued while that stage's wgmmas run (a tile's last Y is stored at the end).
-// Without it the consumers stage and store each tile before starting the next, and the producer can run ahead by
-// the ring alone (session 10: the epilogue overlapped nothing).
-template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0, bool DEFER = false>
+template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0>
 __global__ void __launch_bounds__(kWsThreads, 1)
     SpmmWgmmaXtWsKernel(const SpmmXtParams p, const __grid_constant__ CUtensorMap tma_a,
                         const __grid_constant__ CUtensorMap tma_x) {
 #ifdef JAXSPARSE_WGMMA
-  static_assert(!DEFER || (XROW && BR == 128), "the deferred epilogue is built for the 128-feature x-rows tile");
-  using L = XtWsLayout<BR, BT, STAGES, DEFER>;
+  using L = XtWsLayout<BR, BT, STAGES>;
   using W = XtWarps<BR, BT, NWMAX>;  // over the two consumer warpgroups
   constexpr int WR = W::WR, WN = W::WN, NW = W::NW, NCH = W::NCH;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -493,14 +442,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     const int wr = WR == 2 ? cw : 0;  // feature half of this warpgroup
     const int wt = WR == 2 ? 0 : cw;  // token half
     unsigned char* ytile = smem + L::kEpiOff;
-    // DEFER: the staged tile still to be stored (pend_tok0 >= 0), and how many of each thread's chunks to store per
-    // stage of the next tile so that they are all issued within its stages.
-    constexpr int kDeferChunks = (BT * BR / 8 + 255) / 256;
-    const int defer_per_stage = (kDeferChunks + num_kt - 1) / num_kt;
-    int pend_tok0 = -1, pend_row0 = 0;
-    auto store_pending = [&](int j0, int j1) {
-      if (DEFER && pend_tok0 >= 0) StoreDeferredChunks<T, BR, BT>(ytile, p, pend_tok0, pend_row0, ctid, j0, j1);
-    };
     int it = 0;
     for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
       const int row0 = (tile % nfb) * BR, tok0 = (tile / nfb) * BT;
@@ -523,7 +464,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         FenceProxyAsyncShared();  // the producers' cp.async writes, seen through the barrier, before wgmma reads
         if (PROBE & kProbeNoMma) {
           if (lane == 0) MbarArrive(empty0 + 8 * s);
-          store_pending(kt * defer_per_stage, (kt + 1) * defer_per_stage);
           return;
         }
         meta.Load<kOdd>(reinterpret_cast<const uint32_t*>(smem + L::kMetaOff + s * L::kMetaBytes), kt);
@@ -531,7 +471,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         WgmmaFence();
         XtStageMma<T, BR, NW, NCH, XROW>(acc, smem_base + s * L::kStageBytes, wr, wt * WN / 64, meta.Operands<kOdd>());
         WgmmaCommit();
-        store_pending(kt * defer_per_stage, (kt + 1) * defer_per_stage);  // while this stage's products run
         WgmmaWait<1>();  // stage kt-1's products completed
         fence_acc();
         if (lane == 0 && kt > 0) MbarArrive(empty0 + 8 * ((it - 1) % STAGES));
@@ -545,14 +484,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       fence_acc();
       if (!(PROBE & kProbeNoMma) && lane == 0) MbarArrive(empty0 + 8 * ((it - 1) % STAGES));  // the tile's last stage
       if (PROBE & kProbeNoEpilogue) continue;
-      if constexpr (DEFER) {
-        NamedBarSync(1, 256);  // every consumer has stored its chunks of the previous tile from the staged Y
-        StageDeferredAccumulators<T, NW, NCH>(acc, ytile, p, row0, 64 * wr, wq, lane);
-        NamedBarSync(1, 256);
-        pend_tok0 = tok0;
-        pend_row0 = row0;
-        continue;
-      }
 #pragma unroll
       for (int ch = 0; ch < L::kEpiChunks; ++ch) {
         NamedBarSync(1, 256);  // the previous chunk's (or tile's) stores have read the staged Y
@@ -563,7 +494,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                                                    tok0 + ch * L::kEpiTokens, row0, ctid);
       }
     }
-    store_pending(0, kDeferChunks);  // the last tile's Y
   }
 #else
   __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
@@ -603,12 +533,12 @@ ffi::Error LaunchTile(cudaStream_t stream, const SpmmXtParams& p) {
   return LastLaunchError("SpmmWgmmaXtKernel");
 }
 
-template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0, bool DEFER = false>
+template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0>
 ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& p) {
-  constexpr auto kernel = SpmmWgmmaXtWsKernel<T, BR, BT, STAGES, XROW, NWMAX, PROBE, DEFER>;
+  constexpr auto kernel = SpmmWgmmaXtWsKernel<T, BR, BT, STAGES, XROW, NWMAX, PROBE>;
   if (!Sm90aImageLoaded<kernel>())
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: needs an sm_90a build on a Hopper GPU");
-  constexpr int smem = XtWsLayout<BR, BT, STAGES, DEFER>::kBytes + 1024;
+  constexpr int smem = XtWsLayout<BR, BT, STAGES>::kBytes + 1024;
   static_assert(smem <= 227 * 1024, "shared memory");
   if (ffi::Error e = RaiseSmemLimit<kernel>(smem, "cudaFuncSetAttribute(SpmmWgmmaXtWsKernel)"); e.failure()) return e;
   CUtensorMap tma_a{}, tma_x{};
