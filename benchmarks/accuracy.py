@@ -151,7 +151,8 @@ def hyperparameters(args: argparse.Namespace) -> dict[str, Any]:
             # only when set, so that result files written before the option still --resume and --merge
             **({"distill_hidden": args.distill_hidden} if args.distill_hidden else {}),
             **({"distill_augment": args.distill_augment} if args.distill_augment else {}),
-            **({"augment_neighbors": args.augment_neighbors} if args.augment_neighbors else {})}
+            **({"augment_neighbors": args.augment_neighbors} if args.augment_neighbors else {}),
+            **({"student_epochs": args.student_epochs} if args.student_epochs else {})}
 
 
 def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> argparse.Namespace:
@@ -166,6 +167,7 @@ def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> a
             "--distill-hidden", str(args.distill_hidden if sparsity != "dense" else 0.0),
             "--distill-augment", str(args.distill_augment if sparsity != "dense" else 0.0),
             "--augment-neighbors", str(args.augment_neighbors if sparsity != "dense" else 0),
+            "--student-epochs", str(args.student_epochs if sparsity != "dense" else 0),
             "--fade", str(args.fade), "--score", args.score,
             "--init", args.init if sparsity != "dense" else "pretrained", "--no-progress"]
     if args.refit and sparsity != "dense":
@@ -305,7 +307,9 @@ def section(payload: dict) -> str:
     oneshot = hp.get("prune") == "oneshot"
     fades = bool(hp.get("fade")) and not oneshot  # one-shot masks are set at step 0: --fade does not apply
     fade = f", each stage faded in over {hp['fade']:g} of all steps" if fades else ""
-    recipe = ", ".join([f"{hp['epochs']} epochs, " + ("one-shot" if oneshot else f"GMP to {hp['prune_end']:g}")]
+    student = hp.get("student_epochs")
+    epochs = f"{hp['epochs']} epochs" + (f" (sparse runs {student})" if student else "")
+    recipe = ", ".join([f"{epochs}, " + ("one-shot" if oneshot else f"GMP to {hp['prune_end']:g}")]
                        + (["least-squares refit"] if hp.get("refit") else [])
                        + ([f"distillation {hp['distill']:g}"] if hp.get("distill") else [])
                        + ([f"hidden-state distillation {hp['distill_hidden']:g}"] if hp.get("distill_hidden") else [])
@@ -318,7 +322,7 @@ def section(payload: dict) -> str:
     return "\n".join([
         f"### {env['device']} ({env['platform']}): {recipe}{' — quick smoke run, not a result' if hp.get('quick') else ''}",
         "",
-        f"Pretrained all-MiniLM-L6-v2{layers}, fine-tuned {hp['epochs']} epochs, batch {hp['batch_size']}, "
+        f"Pretrained all-MiniLM-L6-v2{layers}, fine-tuned {epochs}, batch {hp['batch_size']}, "
         f"{hp['max_len']} tokens, AdamW lr {hp['lr']:g} (warm-up {hp['warmup']:g}, cosine), weight decay "
         f"{hp['weight_decay']:g}, compute {hp['dtype']}, fp32 master weights; sparse runs "
         + ("are pruned one-shot to their pattern at step 0" + (
@@ -328,7 +332,9 @@ def section(payload: dict) -> str:
            "(2:4 → V:2:8 → V:2:16)") +
         f"{fade}"
         f"{compressed_note(payload)}{distill_note(payload)}"
-        f"{'; sparse runs start from the dense teacher fine-tuned with the same schedule (seed 0), so they see twice the epochs in all' if hp.get('init') == 'teacher' else ''}. "
+        + (("; sparse runs start from the dense teacher fine-tuned with the same schedule (seed 0), so they see "
+            + (f"{hp['epochs']} + {student} epochs" if student else "twice the epochs") + " in all")
+           if hp.get("init") == "teacher" else "") + ". "
         f"Test splits: {', '.join(f'{t} {n}' for t, n in payload.get('test_examples', {}).items())} examples. "
         f"Grid {done}; {payload.get('wall_seconds', 0) / 60:.1f} min wall.",
         "",
@@ -496,7 +502,8 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
     done = {(r["task"], r["sparsity"], r["seed"]) for r in runs}
     grid = [(t, s, seed) for seed in args.seed_values for t in args.tasks for s in args.sparsities
             if (t, s, seed) not in done]
-    steps_of = {t: (len(d.train) // args.batch_size) * args.epochs for t, d in data.items()}
+    steps_of = {(t, s): (len(data[t].train) // args.batch_size) * train.run_epochs(run_args(args, t, s, 0))
+                for t in args.tasks for s in args.sparsities}
     payload = {"benchmark": "accuracy", "schema": SCHEMA, "environment": env, "hyperparameters": hp,
                "grid": {"tasks": args.tasks, "sparsities": args.sparsities, "seeds": args.seed_values},
                "targets_points_below_dense": TARGETS,
@@ -515,7 +522,7 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
             payload["teachers"][task] = {"seed": 0, "test_accuracy": tm["test_accuracy"],
                                          "dev_accuracy": tm["dev_accuracy"], "seconds": time.time() - r0}
             log(f"{task} teacher (dense, seed 0): test acc {100 * tm['test_accuracy']:.2f} ({time.time() - r0:.0f} s)")
-    bar = _Progress(sum(steps_of[t] for t, _, _ in grid), not args.no_progress)
+    bar = _Progress(sum(steps_of[t, s] for t, s, _ in grid), not args.no_progress)
     last: dict[tuple[str, str], float] = {}
     try:
         for i, (task, sparsity, seed) in enumerate(grid):
@@ -567,7 +574,7 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
 # Hyper-parameters that change only sparse runs: dense baselines measured under another pruning recipe are
 # the same experiment, so --dense-from may take them into a study that differs only in these.
 SPARSE_ONLY_HYPERPARAMETERS = ("prune", "ladder", "prune_begin", "prune_end", "fade", "score", "distill",
-                               "temperature", "distill_hidden", "distill_augment", "augment_neighbors", "compress", "init", "refit", "refit_batches")
+                               "temperature", "distill_hidden", "distill_augment", "augment_neighbors", "student_epochs", "compress", "init", "refit", "refit_batches")
 
 
 def _dense_settings(hp: dict) -> dict:

@@ -46,7 +46,7 @@ MODELS = ("minilm",) + tuple(n for n in bert.PRESETS if n != "minilm")
 def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     """The sparse fine-tuning recipe options shared by ``jaxsparse-train`` and ``benchmarks/accuracy.py``:
     ``--fade``, ``--score``, ``--distill``, ``--temperature``, ``--distill-hidden``, ``--distill-augment``,
-    ``--augment-neighbors``, ``--init``, ``--refit``, ``--refit-batches``."""
+    ``--augment-neighbors``, ``--student-epochs``, ``--init``, ``--refit``, ``--refit-batches``."""
     p.add_argument("--fade", type=float, default=0.0,
                    help="GMP: before each stage, fade the weights it will prune to zero over this fraction of all "
                         "steps (0 = masks change at once; see jaxsparse.pruning.gmp_prune fade_steps)")
@@ -68,6 +68,8 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --distill-augment: replace each chosen token by one of its K nearest word pieces "
                         "(cosine of the teacher's input word embeddings, among the training set's word pieces; "
                         "token_neighbors) instead of a token drawn from the batch (0 = the batch)")
+    p.add_argument("--student-epochs", type=int, default=0,
+                   help="sparse runs train this many epochs (0 = --epochs); the dense teacher keeps --epochs")
     p.add_argument("--init", default="pretrained", choices=INITS,
                    help="where sparse runs start: the pretrained weights, or the dense teacher fine-tuned with the "
                         "same settings (prune a fine-tuned model, as oBERT's downstream pruning does)")
@@ -97,6 +99,10 @@ def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
         p.error("need --augment-neighbors >= 0")
     if args.augment_neighbors > 0 and args.distill_augment == 0:
         p.error("--augment-neighbors chooses the replacements of --distill-augment: give --distill-augment > 0")
+    if args.student_epochs < 0:
+        p.error("need --student-epochs >= 0")
+    if args.student_epochs > 0 and getattr(args, "sparsity", None) == "dense":
+        p.error("--student-epochs sets a sparse run's epochs: give a --sparsity pattern (dense runs take --epochs)")
     if args.init == "teacher" and getattr(args, "sparsity", None) == "dense":
         p.error("--init teacher starts a sparse run from a dense teacher: give a --sparsity pattern")
     if args.refit and args.prune != "oneshot":
@@ -405,6 +411,12 @@ def hidden_distill_loss(student: Sequence[jax.Array], teacher: Sequence[jax.Arra
     return jnp.mean(jnp.stack(terms))
 
 
+def run_epochs(args: argparse.Namespace) -> int:
+    """The epochs a run of ``args`` trains: ``--student-epochs`` for a sparse run that sets it, else ``--epochs``."""
+    student = int(getattr(args, "student_epochs", 0) or 0)
+    return student if student > 0 and args.sparsity != "dense" else args.epochs
+
+
 def in_step_distillation(args: argparse.Namespace) -> tuple[float, float]:
     """``(distill_hidden, distill_augment)`` of a run: the weights of the distillation terms whose dense teacher
     runs inside every training step, each 0 where it does not apply (hidden-state distillation to a dense run,
@@ -615,7 +627,8 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         log(f"refit: {n_cal} calibration batches, {time.time() - t_refit:.0f} s")
 
     steps_per_epoch = len(train) // args.batch_size
-    total = steps_per_epoch * args.epochs
+    epochs = run_epochs(args)
+    total = steps_per_epoch * epochs
     warmup = max(1, int(args.warmup * total))
     lr = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, max(total, 2), 0.0)
     base = optax.adamw(lr, weight_decay=args.weight_decay, mask=lambda p: jax.tree_util.tree_map(lambda x: x.ndim > 1, p))
@@ -673,10 +686,10 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
     drop_key = jax.random.key(args.seed + 1, impl="rbg")
     data_rng = np.random.default_rng(args.seed)
     log(data_lib.describe(task))
-    for epoch in range(args.epochs):
+    for epoch in range(epochs):
         t0, losses = time.time(), []
         batches = _batches(len(train), args.batch_size, data_rng)
-        bar = tqdm(batches, total=steps_per_epoch, desc=f"epoch {epoch + 1}/{args.epochs}",
+        bar = tqdm(batches, total=steps_per_epoch, desc=f"epoch {epoch + 1}/{epochs}",
                    file=sys.stderr) if bars else batches
         for idx in bar:
             if compress and not compressed and global_step == switch_step:
@@ -715,7 +728,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         "model": args.model, "task": args.task, "sparsity": args.sparsity, "prune": args.prune,
         "ladder": [str(s) for s in prune.schedule.ladder] if prune is not None else [],
         "stage_steps": list(prune.schedule.stage_steps) if prune is not None else [],
-        "compressed_training": compressed, "seed": args.seed, "epochs": args.epochs,
+        "compressed_training": compressed, "seed": args.seed, "epochs": epochs,
         "batch_size": args.batch_size, "lr": args.lr, "max_len": args.max_len, "dtype": args.dtype,
         "distill": distill, "temperature": temperature if distill > 0 else None, "distill_hidden": hidden,
         "distill_augment": augment, "augment_neighbors": n_neighbors,
@@ -745,7 +758,8 @@ def predict_logits(cfg: bert.BertConfig, variables: dict, batch: data_lib.Batch,
 def teacher_args(args: argparse.Namespace) -> argparse.Namespace:
     """The dense teacher's run: ``args`` with no sparsity, no pruning, no distillation."""
     return argparse.Namespace(**{**vars(args), "sparsity": "dense", "prune": "none", "distill": 0.0, "distill_hidden": 0.0,
-                                 "distill_augment": 0.0, "augment_neighbors": 0, "ladder": None, "init": "pretrained"})
+                                 "distill_augment": 0.0, "augment_neighbors": 0, "student_epochs": 0, "ladder": None,
+                                 "init": "pretrained"})
 
 
 def fit_teacher(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretrained: dict | None,

@@ -404,6 +404,18 @@ def test_distill_augment_run(tmp_path):
             train.parse_args(argv)
 
 
+def test_student_epochs_sets_the_sparse_run_alone(tmp_path):
+    """--student-epochs: the sparse run trains that many epochs, its dense teacher keeps --epochs."""
+    args, data_, cfg = _tiny_sparse_run(tmp_path, "--epochs", "1", "--distill", "0.5", "--student-epochs", "2")
+    assert train.run_epochs(args) == 2 and train.run_epochs(train.teacher_args(args)) == 1
+    metrics = train.run(args)
+    assert metrics["epochs"] == 2 and len(metrics["history"]) == 2
+    assert metrics["steps"] == 2 * metrics["teacher"]["steps"]
+    for argv in (["--student-epochs", "-1"], ["--sparsity", "dense", "--student-epochs", "2"]):
+        with pytest.raises(SystemExit):
+            train.parse_args(argv)
+
+
 def test_distill_augment_neighbors_run(tmp_path, capsys):
     args, data_, cfg = _tiny_sparse_run(tmp_path, "--distill", "0.5", "--distill-augment", "0.3",
                                         "--augment-neighbors", "4")
