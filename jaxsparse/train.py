@@ -366,7 +366,7 @@ def token_neighbors(embedding: jax.Array, input_ids: np.ndarray, attention_mask:
     lists the ``k`` other candidates with the largest cosine similarity of their rows of ``embedding
     [vocab, hidden]`` (the model's input word embeddings), most similar first. Every other row holds its own id
     ``k`` times, so such a token is never changed. Raises ``ValueError`` when there are not more than ``k``
-    candidates.
+    candidates, or when a token id lies outside the embedding's rows.
     """
     vocab = embedding.shape[0]
     ids = np.asarray(input_ids)
