@@ -477,12 +477,12 @@ def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: j
     """
     dp = axis if mesh is not None else None
     with_stats = with_masks and mask_score == "activation"
-    if (distill_hidden > 0 or distill_augment > 0) and teacher_model is None:
+    teacher_runs = distill_hidden > 0 or distill_augment > 0
+    if teacher_runs and teacher_model is None:
         raise ValueError("make_step: distill_hidden > 0 or distill_augment > 0 needs the teacher_model")
     if distill_augment > 0 and distill <= 0:
         raise ValueError("make_step: distill_augment > 0 needs distill > 0")
     mutable = ([INPUT_STATS] if with_stats else []) + ([bert.HIDDEN_STATES] if distill_hidden > 0 else [])
-    teacher_runs = distill_hidden > 0 or distill_augment > 0
 
     def step(params, opt_state, extra, batch, rng):
         variables = pruning.model_variables(params, opt_state) if with_masks else dict(extra)
@@ -575,7 +575,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
                          f"(got {None if teacher_logits is None else np.shape(teacher_logits)})")
     kd = (distill, temperature) if distill > 0 else (0.0, temperature)
     hidden, augment = in_step_distillation(args)
-    in_step = hidden > 0 or augment > 0  # teacher_in_step(args)
+    in_step = teacher_in_step(args)
     if in_step and teacher_params is None:
         raise ValueError(f"the teacher runs in every step (--distill-hidden {hidden}, --distill-augment {augment}): "
                          f"fit needs the teacher's params (teacher_params)")
