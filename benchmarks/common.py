@@ -188,6 +188,17 @@ def write_json(path: str, payload: dict) -> None:
     print(f"wrote {path}")
 
 
+def probe_document(raw: str) -> dict:
+    """The JSON a CUDA probe printed (the ``benchmarks/*_probe.sh`` scripts), with the GPU's name (unless the
+    probe wrote its own) and :func:`versions` added."""
+    with open(raw) as f:
+        doc = json.load(f)
+    if "gpu" not in doc:
+        doc["gpu"] = gpu_name()
+    doc["versions"] = versions()
+    return doc
+
+
 def table(rows: list[dict], cols: list[str]) -> str:
     widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}
     line = "  ".join(c.rjust(widths[c]) for c in cols)

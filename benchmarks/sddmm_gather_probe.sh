@@ -24,17 +24,16 @@ echo "cuBLAS: ${blas[*]}" >&2
 probe_build "$here/sddmm_gather_probe.cu" "$work/probe" "${blas[@]}" || exit 2
 "$work/probe" > "$work/probe.json"; st=$?
 python3 - "$here" "$work/probe.json" "${1:-}" <<'PY' || cat "$work/probe.json"
-import json, sys
+import sys
 here, raw, out = sys.argv[1], sys.argv[2], sys.argv[3]
 sys.path.insert(0, here)
 import common
-doc = json.load(open(raw))
+doc = common.probe_document(raw)
 for r in doc["results"]:
     d = r.pop("dense_dw_cublas_ms")
     r["dense_dw_cublas_ms"] = d if d > 0 else None
     r["speedup_vs_cublas"] = d / r["ms"] if d > 0 else None
     r["of_floor"] = r["ms"] / r["floor_ms_at_3.35TBps"]
-doc.update(gpu=common.gpu_name(), versions=common.versions())
 common.write_json(common.results_path("sddmm_gather_probe.json", out or None), doc)
 print(f"{'T':>6} {'K':>5} {'R':>5} {'split':>5} {'ok':>5} {'rel err':>9} {'ms':>8} {'cuBLAS dW':>9} {'speedup':>7} {'of floor':>8}")
 for r in doc["results"]:

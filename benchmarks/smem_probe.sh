@@ -10,12 +10,11 @@ work=$(mktemp -d)
 probe_build "$here/smem_probe.cu" "$work/smem_probe"
 "$work/smem_probe" > "$work/probe.json"
 python3 - "$here" "$work/probe.json" "${1:-}" <<'PY'
-import json, sys
+import sys
 here, raw, out = sys.argv[1], sys.argv[2], sys.argv[3]
 sys.path.insert(0, here)
 import common
-doc = json.load(open(raw))
-doc.update(gpu=common.gpu_name(), versions=common.versions())
+doc = common.probe_document(raw)
 common.write_json(common.results_path("smem_probe.json", out or None), doc)
 print(f"{'mode':>28} {'ms':>8} {'GHz':>6} {'MAC/clk/SM':>10} {'operand B/clk':>13} {'noise B/clk':>11}")
 for r in doc["results"]:

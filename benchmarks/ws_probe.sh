@@ -10,12 +10,11 @@ work=$(mktemp -d)
 probe_build "$here/ws_probe.cu" "$work/ws_probe"
 "$work/ws_probe" > "$work/probe.json"
 python3 - "$here" "$work/probe.json" "${1:-}" <<'PY'
-import json, sys
+import sys
 here, raw, out = sys.argv[1], sys.argv[2], sys.argv[3]
 sys.path.insert(0, here)
 import common
-doc = json.load(open(raw))
-doc["versions"] = common.versions()
+doc = common.probe_document(raw)  # the probe names its GPU itself
 common.write_json(common.results_path("ws_probe.json", out or None), doc)
 print(f"{'K':>5} {'N':>5} {'tile':>10} {'mode':>36} {'ms':>8} {'of full':>8} {'TB/s in':>8}")
 full = {}
