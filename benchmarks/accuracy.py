@@ -150,6 +150,7 @@ def hyperparameters(args: argparse.Namespace) -> dict[str, Any]:
             "param_dtype": "float32", "compress": args.compress, "quick": bool(args.quick),
             # only when set, so that result files written before the option still --resume and --merge
             **({"distill_hidden": args.distill_hidden} if args.distill_hidden else {}),
+            **({"distill_attention": args.distill_attention} if args.distill_attention else {}),
             **({"distill_augment": args.distill_augment} if args.distill_augment else {}),
             **({"augment_neighbors": args.augment_neighbors} if args.augment_neighbors else {}),
             **({"student_epochs": args.student_epochs} if args.student_epochs else {})}
@@ -165,6 +166,7 @@ def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> a
             "--max-eval", str(args.max_eval), "--max-len", str(args.max_len), "--dtype", args.dtype,
             "--distill", str(args.distill if sparsity != "dense" else 0.0), "--temperature", str(args.temperature),
             "--distill-hidden", str(args.distill_hidden if sparsity != "dense" else 0.0),
+            "--distill-attention", str(args.distill_attention if sparsity != "dense" else 0.0),
             "--distill-augment", str(args.distill_augment if sparsity != "dense" else 0.0),
             "--augment-neighbors", str(args.augment_neighbors if sparsity != "dense" else 0),
             "--student-epochs", str(args.student_epochs if sparsity != "dense" else 0),
@@ -283,13 +285,15 @@ def compressed_note(payload: dict) -> str:
 def distill_note(payload: dict) -> str:
     """The distillation setting of the sparse runs ("" without one)."""
     hp = payload["hyperparameters"]
-    if not hp.get("distill") and not hp.get("distill_hidden"):
+    if not hp.get("distill") and not hp.get("distill_hidden") and not hp.get("distill_attention"):
         return ""
     teachers = payload.get("teachers", {})
     accs = ", ".join(f"{t} {100 * v['test_accuracy']:.2f}" for t, v in teachers.items())
     terms = ([f"weight {hp['distill']:g} on T² KL at temperature {hp['temperature']:g}"] if hp.get("distill") else []) + (
         [f"weight {hp['distill_hidden']:g} on the mean squared difference of the encoder layers' outputs"]
-        if hp.get("distill_hidden") else [])
+        if hp.get("distill_hidden") else []) + (
+        [f"weight {hp['distill_attention']:g} on KL(teacher || student) of the attention distributions"]
+        if hp.get("distill_attention") else [])
     by = (f" by one of their {hp['augment_neighbors']} nearest word pieces (--augment-neighbors)"
           if hp.get("augment_neighbors") else "")
     augment = (f", and the same terms on a copy of each batch with {hp['distill_augment']:g} of its tokens replaced"
@@ -313,6 +317,7 @@ def section(payload: dict) -> str:
                        + (["least-squares refit"] if hp.get("refit") else [])
                        + ([f"distillation {hp['distill']:g}"] if hp.get("distill") else [])
                        + ([f"hidden-state distillation {hp['distill_hidden']:g}"] if hp.get("distill_hidden") else [])
+                       + ([f"attention distillation {hp['distill_attention']:g}"] if hp.get("distill_attention") else [])
                        + ([f"augmented distillation {hp['distill_augment']:g}"
                            + (f" ({hp['augment_neighbors']} nearest word pieces)" if hp.get("augment_neighbors") else "")]
                           if hp.get("distill_augment") else [])
@@ -514,7 +519,7 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
     cache = train.JitCache()
     teachers: dict[str, Any] = {}
     teacher_params: dict[str, Any] = {}
-    if args.distill > 0 or args.distill_hidden > 0 or args.init == "teacher":
+    if args.distill > 0 or args.distill_hidden > 0 or args.distill_attention > 0 or args.init == "teacher":
         payload["teachers"] = {}
         for task in dict.fromkeys(t for t, s, _ in grid if s != "dense"):
             r0 = time.time()
@@ -574,7 +579,7 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
 # Hyper-parameters that change only sparse runs: dense baselines measured under another pruning recipe are
 # the same experiment, so --dense-from may take them into a study that differs only in these.
 SPARSE_ONLY_HYPERPARAMETERS = ("prune", "ladder", "prune_begin", "prune_end", "fade", "score", "distill",
-                               "temperature", "distill_hidden", "distill_augment", "augment_neighbors", "student_epochs", "compress", "init", "refit", "refit_batches")
+                               "temperature", "distill_hidden", "distill_attention", "distill_augment", "augment_neighbors", "student_epochs", "compress", "init", "refit", "refit_batches")
 
 
 def _dense_settings(hp: dict) -> dict:

@@ -45,7 +45,8 @@ MODELS = ("minilm",) + tuple(n for n in bert.PRESETS if n != "minilm")
 
 def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     """The sparse fine-tuning recipe options shared by ``jaxsparse-train`` and ``benchmarks/accuracy.py``:
-    ``--fade``, ``--score``, ``--distill``, ``--temperature``, ``--distill-hidden``, ``--distill-augment``,
+    ``--fade``, ``--score``, ``--distill``, ``--temperature``, ``--distill-hidden``, ``--distill-attention``,
+    ``--distill-augment``,
     ``--augment-neighbors``, ``--student-epochs``, ``--init``, ``--refit``, ``--refit-batches``."""
     p.add_argument("--fade", type=float, default=0.0,
                    help="GMP: before each stage, fade the weights it will prune to zero over this fraction of all "
@@ -60,10 +61,15 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
                    help="hidden-state distillation weight >= 0: sparse runs add this times the mean over encoder "
                         "layers of the squared difference between their layer outputs and the dense teacher's "
                         "(per hidden unit, over real tokens; hidden_distill_loss); the teacher runs in every step")
+    p.add_argument("--distill-attention", type=float, default=0.0,
+                   help="attention distillation weight >= 0: sparse runs add this times the mean over encoder layers "
+                        "of KL(teacher || student) between their attention distributions (per head and real query "
+                        "token; attention_distill_loss); the teacher runs in every step")
     p.add_argument("--distill-augment", type=float, default=0.0,
                    help="token replacement probability in [0, 1) of a corrupted copy of every batch that sparse runs "
                         "also distil on (needs --distill; augment_tokens): the teacher runs on the copy in every step "
-                        "and the loss adds the --distill and --distill-hidden terms on it (no labels)")
+                        "and the loss adds the --distill, --distill-hidden and --distill-attention terms on it (no "
+                        "labels)")
     p.add_argument("--augment-neighbors", type=int, default=0,
                    help="with --distill-augment: replace each chosen token by one of its K nearest word pieces "
                         "(cosine of the teacher's input word embeddings, among the training set's word pieces; "
@@ -91,6 +97,10 @@ def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
         p.error("need --distill-hidden >= 0")
     if args.distill_hidden > 0 and getattr(args, "sparsity", None) == "dense":
         p.error("--distill-hidden trains a sparse student from a dense teacher: give a --sparsity pattern")
+    if not args.distill_attention >= 0.0:
+        p.error("need --distill-attention >= 0")
+    if args.distill_attention > 0 and getattr(args, "sparsity", None) == "dense":
+        p.error("--distill-attention trains a sparse student from a dense teacher: give a --sparsity pattern")
     if not 0.0 <= args.distill_augment < 1.0:
         p.error("need 0 <= --distill-augment < 1")
     if args.distill_augment > 0 and args.distill == 0:
@@ -411,19 +421,46 @@ def hidden_distill_loss(student: Sequence[jax.Array], teacher: Sequence[jax.Arra
     return jnp.mean(jnp.stack(terms))
 
 
+def attention_distill_loss(student: Sequence[jax.Array], teacher: Sequence[jax.Array],
+                           attention_mask: jax.Array) -> jax.Array:
+    """Mean over layers of ``KL(teacher || student)`` between attention distributions.
+
+    ``student`` and ``teacher`` hold each layer's attention logits ``[B, heads, T, T]``
+    (:data:`jaxsparse.models.bert.ATTENTION_LOGITS`: scores with the padding bias, before the softmax). Each
+    layer's term is the KL divergence of the two softmax distributions over keys, summed over keys and averaged
+    over heads and real query tokens (``attention_mask [B, T]``, 1 = real token); padded keys carry no weight
+    in either distribution. The teacher gets no gradient. Student and teacher must have the same number of
+    layers (>= 1) and shapes.
+    """
+    if len(student) != len(teacher) or not student:
+        raise ValueError(f"attention_distill_loss needs as many student as teacher layers (>= 1), got "
+                         f"{len(student)} and {len(teacher)}")
+    q = attention_mask.astype(jnp.float32)[:, None, :]  # [B, 1, T]: real query positions
+    denom = jnp.maximum(q.sum(), 1.0) * student[0].shape[1]
+    terms = []
+    for s, t in zip(student, teacher):
+        ls = jax.nn.log_softmax(s.astype(jnp.float32), axis=-1)
+        lt = jax.nn.log_softmax(jax.lax.stop_gradient(t).astype(jnp.float32), axis=-1)
+        kl = (jnp.exp(lt) * (lt - ls)).sum(-1)  # [B, heads, T]
+        terms.append((kl * q).sum() / denom)
+    return jnp.mean(jnp.stack(terms))
+
+
 def run_epochs(args: argparse.Namespace) -> int:
     """The epochs a run of ``args`` trains: ``--student-epochs`` for a sparse run that sets it, else ``--epochs``."""
     student = int(getattr(args, "student_epochs", 0) or 0)
     return student if student > 0 and args.sparsity != "dense" else args.epochs
 
 
-def in_step_distillation(args: argparse.Namespace) -> tuple[float, float]:
-    """``(distill_hidden, distill_augment)`` of a run: the weights of the distillation terms whose dense teacher
-    runs inside every training step, each 0 where it does not apply (hidden-state distillation to a dense run,
-    distillation on corrupted copies without ``--distill``)."""
-    hidden = float(getattr(args, "distill_hidden", 0.0)) if args.sparsity != "dense" else 0.0
+def in_step_distillation(args: argparse.Namespace) -> tuple[float, float, float]:
+    """``(distill_hidden, distill_attention, distill_augment)`` of a run: the weights of the distillation terms
+    whose dense teacher runs inside every training step, each 0 where it does not apply (hidden-state or
+    attention distillation to a dense run, distillation on corrupted copies without ``--distill``)."""
+    sparse = args.sparsity != "dense"
+    hidden = float(getattr(args, "distill_hidden", 0.0)) if sparse else 0.0
+    attention = float(getattr(args, "distill_attention", 0.0)) if sparse else 0.0
     augment = float(getattr(args, "distill_augment", 0.0)) if getattr(args, "distill", 0.0) > 0 else 0.0
-    return hidden, augment
+    return hidden, attention, augment
 
 
 def teacher_in_step(args: argparse.Namespace) -> bool:
@@ -433,8 +470,8 @@ def teacher_in_step(args: argparse.Namespace) -> bool:
 
 
 TEACHER = "teacher"
-"""Key of ``extra`` under which :func:`make_step` with ``distill_hidden > 0`` or ``distill_augment > 0`` takes
-the teacher's params."""
+"""Key of ``extra`` under which :func:`make_step` with ``distill_hidden``, ``distill_attention`` or
+``distill_augment > 0`` takes the teacher's params."""
 NEIGHBORS = "augment_neighbors"
 """Key of ``extra`` under which :func:`make_step` with ``distill_augment > 0`` may take a
 :func:`token_neighbors` table; the corrupted copy then replaces tokens by their neighbours."""
@@ -443,7 +480,7 @@ NEIGHBORS = "augment_neighbors"
 def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: jax.sharding.Mesh | None = None,
               axis: str = parallel.DATA_AXIS, donate: bool = False, distill: float = 0.0,
               temperature: float = 2.0, mask_score: str = "magnitude", distill_hidden: float = 0.0,
-              teacher_model=None, distill_augment: float = 0.0) -> Callable:
+              teacher_model=None, distill_augment: float = 0.0, distill_attention: float = 0.0) -> Callable:
     """The jitted training step ``(params, opt_state, extra, batch, rng) -> (params, opt_state, loss)``.
 
     Args:
@@ -464,12 +501,15 @@ def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: j
       distill_hidden, teacher_model: with ``distill_hidden > 0`` the dense ``teacher_model`` runs on the batch
         (no dropout) with the params in ``extra[TEACHER]``, and the loss adds ``distill_hidden`` times
         :func:`hidden_distill_loss` of the encoder layers' outputs (:data:`jaxsparse.models.bert.HIDDEN_STATES`).
+      distill_attention: with a weight ``> 0`` the teacher runs as for ``distill_hidden`` and the loss adds
+        ``distill_attention`` times :func:`attention_distill_loss` of the encoder layers' attention logits
+        (:data:`jaxsparse.models.bert.ATTENTION_LOGITS`; both models need the ``"softmax"`` attention).
       distill_augment: with a rate ``> 0`` (and ``distill > 0``) each step also distils on a copy of the batch
         corrupted by :func:`augment_tokens` (its key split from ``rng``; by the neighbours in
         ``extra[NEIGHBORS]`` when that is there, else by in-batch tokens): student and ``teacher_model`` run on
         the clean batch and the copy together (one forward of twice the batch each), and the loss adds, on the
         copy, ``distill`` times :func:`soft_distill_loss` against the teacher's logits there, plus the
-        ``distill_hidden`` term when that is on. The clean half's loss is unchanged (its soft targets are still
+        ``distill_hidden`` and ``distill_attention`` terms when those are on. The clean half's loss is unchanged (its soft targets are still
         the batch's fifth array). With the activation score the input statistics include the copy's tokens.
 
     The optimizer update runs in the named scope ``OPTIMIZER_SCOPE``, so ``jaxsparse-profile`` can
@@ -477,12 +517,18 @@ def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: j
     """
     dp = axis if mesh is not None else None
     with_stats = with_masks and mask_score == "activation"
-    teacher_runs = distill_hidden > 0 or distill_augment > 0
+    teacher_runs = distill_hidden > 0 or distill_attention > 0 or distill_augment > 0
     if teacher_runs and teacher_model is None:
-        raise ValueError("make_step: distill_hidden > 0 or distill_augment > 0 needs the teacher_model")
+        raise ValueError("make_step: distill_hidden, distill_attention or distill_augment > 0 needs the teacher_model")
     if distill_augment > 0 and distill <= 0:
         raise ValueError("make_step: distill_augment > 0 needs distill > 0")
-    mutable = ([INPUT_STATS] if with_stats else []) + ([bert.HIDDEN_STATES] if distill_hidden > 0 else [])
+    if distill_attention > 0:
+        for m in (model, teacher_model):
+            if m.config.attention_impl != "softmax":
+                raise ValueError(f"make_step: distill_attention needs attention_impl 'softmax' (the attention logits), "
+                                 f"got {m.config.attention_impl!r}")
+    sown = ([bert.HIDDEN_STATES] if distill_hidden > 0 else []) + ([bert.ATTENTION_LOGITS] if distill_attention > 0 else [])
+    mutable = ([INPUT_STATS] if with_stats else []) + sown
 
     def step(params, opt_state, extra, batch, rng):
         variables = pruning.model_variables(params, opt_state) if with_masks else dict(extra)
@@ -496,8 +542,10 @@ def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: j
             inputs = tuple(jnp.concatenate([a, b]) for a, b in zip(inputs, copy))
         if teacher_runs:
             t_logits, t_state = teacher_model.apply({"params": extra[TEACHER]}, *inputs, deterministic=True,
-                                                    mutable=[bert.HIDDEN_STATES])
-            t_hidden = t_state[bert.HIDDEN_STATES]["bert"]["layers"]
+                                                    mutable=sown)
+            t_hidden = t_state[bert.HIDDEN_STATES]["bert"]["layers"] if distill_hidden > 0 else ()
+            t_att = (bert.sown_attention_logits(t_state[bert.ATTENTION_LOGITS], teacher_model.config.num_hidden_layers)
+                     if distill_attention > 0 else ())
 
         def lf(p):
             out = model.apply({**variables, "params": p}, *inputs, deterministic=False,
@@ -506,14 +554,23 @@ def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: j
             teacher = batch[4] if distill > 0 else None
             loss = loss_fn(logits[:n], batch[3], teacher, distill, temperature)
             s_hidden = stats[bert.HIDDEN_STATES]["bert"]["layers"] if distill_hidden > 0 else ()
-            if distill_hidden > 0:
-                loss += distill_hidden * hidden_distill_loss([h[:n] for h in s_hidden], [h[:n] for h in t_hidden],
-                                                             batch[2])
+            s_att = (bert.sown_attention_logits(stats[bert.ATTENTION_LOGITS], model.config.num_hidden_layers)
+                     if distill_attention > 0 else ())
+
+            def layer_terms(half):  # the hidden-state and attention terms on rows `half` of the (stacked) batch
+                out = 0.0
+                if distill_hidden > 0:
+                    out += distill_hidden * hidden_distill_loss([h[half] for h in s_hidden], [h[half] for h in t_hidden],
+                                                                batch[2])
+                if distill_attention > 0:
+                    out += distill_attention * attention_distill_loss([a[half] for a in s_att], [a[half] for a in t_att],
+                                                                      batch[2])
+                return out
+
+            loss += layer_terms(slice(None, n))
             if distill_augment > 0:
                 loss += distill * soft_distill_loss(logits[n:], t_logits[n:], temperature)
-                if distill_hidden > 0:
-                    loss += distill_hidden * hidden_distill_loss([h[n:] for h in s_hidden],
-                                                                 [h[n:] for h in t_hidden], batch[2])
+                loss += layer_terms(slice(n, None))
             return loss, stats
 
         (loss, stats), grads = jax.value_and_grad(lf, has_aux=True)(params)
@@ -550,8 +607,8 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         when ``args.distill > 0``.
       init_params: the whole classifier's starting params (``--init teacher``: the teacher's fine-tuned
         params); ``pretrained`` is ignored then.
-      teacher_params: the dense teacher's classifier params, needed when ``args.distill_hidden > 0`` or
-        ``args.distill_augment > 0`` (the teacher then runs inside every step).
+      teacher_params: the dense teacher's classifier params, needed when :func:`teacher_in_step` (hidden-state,
+        attention or augmented-copy distillation: the teacher then runs inside every step).
 
     With ``args.refit`` (``--prune oneshot`` only) the starting params are first pruned and refit by
     :func:`jaxsparse.obs.oneshot_refit` (sequential: each kernel's input Hessian is measured on the model
@@ -574,11 +631,11 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         raise ValueError(f"--distill {distill} needs teacher logits for the {len(train)} training examples "
                          f"(got {None if teacher_logits is None else np.shape(teacher_logits)})")
     kd = (distill, temperature) if distill > 0 else (0.0, temperature)
-    hidden, augment = in_step_distillation(args)
+    hidden, attention, augment = in_step_distillation(args)
     in_step = teacher_in_step(args)
     if in_step and teacher_params is None:
-        raise ValueError(f"the teacher runs in every step (--distill-hidden {hidden}, --distill-augment {augment}): "
-                         f"fit needs the teacher's params (teacher_params)")
+        raise ValueError(f"the teacher runs in every step (--distill-hidden {hidden}, --distill-attention {attention}, "
+                         f"--distill-augment {augment}): fit needs the teacher's params (teacher_params)")
 
     def batch_of(idx):
         return _arrays(train, idx) + ((teacher_logits[idx],) if distill > 0 else ())
@@ -654,9 +711,10 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
     def make_logits(model):
         return jax.jit(lambda variables, *a: model.apply(variables, *a))
 
-    # With --distill-hidden or --distill-augment the teacher (the dense master model) runs inside the step on
-    # ``extra[TEACHER]``.
-    hd = dict(distill_hidden=hidden, teacher_model=master, distill_augment=augment) if in_step else {}
+    # With --distill-hidden, --distill-attention or --distill-augment the teacher (the dense master model) runs
+    # inside the step on ``extra[TEACHER]``.
+    hd = dict(distill_hidden=hidden, distill_attention=attention, teacher_model=master,
+              distill_augment=augment) if in_step else {}
     teacher_extra = {TEACHER: jax.tree_util.tree_map(jnp.asarray, teacher_params)} if in_step else {}
     n_neighbors = int(getattr(args, "augment_neighbors", 0)) if augment > 0 else 0
     if n_neighbors:
@@ -664,7 +722,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         emb = teacher_params["bert"]["embeddings_word_embeddings"]["embedding"]
         teacher_extra[NEIGHBORS] = jnp.asarray(token_neighbors(emb, train.input_ids, train.attention_mask, n_neighbors))
         log(f"augmentation: {n_neighbors} nearest word pieces per token ({time.time() - t_nb:.0f} s)")
-    step = cache.get("step", (model, tx_key, prune is not None, mesh, kd, hidden, augment),
+    step = cache.get("step", (model, tx_key, prune is not None, mesh, kd, hidden, attention, augment),
                      lambda: make_step(model, tx, prune is not None, mesh, distill=kd[0], temperature=kd[1],
                                        mask_score=score, **hd))
     logits_fn = cache.get("logits", master_key, lambda: make_logits(master))
@@ -696,7 +754,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
                 params, pattern, base_state = pruning.to_compressed(params, pruning.masks_of(opt_state), spec, opt_state[0])
                 opt_state, extra, compressed = base_state, {"sparsity": pattern}, True
                 model = make_model(True)
-                step = cache.get("step", (model, base_key, False, mesh, kd, hidden, augment),
+                step = cache.get("step", (model, base_key, False, mesh, kd, hidden, attention, augment),
                                  lambda: make_step(model, base, False, mesh, distill=kd[0], temperature=kd[1], **hd))
                 logits_fn = cache.get("logits", (model,), lambda: make_logits(model))
             drop_key, k_drop = jax.random.split(drop_key)
@@ -731,7 +789,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         "compressed_training": compressed, "seed": args.seed, "epochs": epochs,
         "batch_size": args.batch_size, "lr": args.lr, "max_len": args.max_len, "dtype": args.dtype,
         "distill": distill, "temperature": temperature if distill > 0 else None, "distill_hidden": hidden,
-        "distill_augment": augment, "augment_neighbors": n_neighbors,
+        "distill_attention": attention, "distill_augment": augment, "augment_neighbors": n_neighbors,
         "refit": refit, "refit_batches": n_cal if refit else None,
         "train_examples": len(train), "dev_examples": len(dev), "test_examples": len(test), "steps": global_step,
         "history": history, "dev_accuracy": history[-1]["dev_accuracy"], "test_accuracy": test_metrics["accuracy"],
@@ -758,7 +816,7 @@ def predict_logits(cfg: bert.BertConfig, variables: dict, batch: data_lib.Batch,
 def teacher_args(args: argparse.Namespace) -> argparse.Namespace:
     """The dense teacher's run: ``args`` with no sparsity, no pruning, no distillation."""
     return argparse.Namespace(**{**vars(args), "sparsity": "dense", "prune": "none", "distill": 0.0, "distill_hidden": 0.0,
-                                 "distill_augment": 0.0, "augment_neighbors": 0, "student_epochs": 0, "ladder": None,
+                                 "distill_attention": 0.0, "distill_augment": 0.0, "augment_neighbors": 0, "student_epochs": 0, "ladder": None,
                                  "init": "pretrained"})
 
 
@@ -780,9 +838,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg, pretrained = load_model(args.model)
     teacher = teacher_params = None
     init = getattr(args, "init", "pretrained")
-    hidden = getattr(args, "distill_hidden", 0.0)
-    if (args.distill > 0 or hidden > 0 or init == "teacher") and args.sparsity != "dense":
-        _stderr(f"--distill {args.distill} --distill-hidden {hidden} --init {init}: fine-tuning the dense teacher first")
+    if (args.distill > 0 or teacher_in_step(args) or init == "teacher") and args.sparsity != "dense":
+        hidden, attention, _ = in_step_distillation(args)
+        _stderr(f"--distill {args.distill} --distill-hidden {hidden} --distill-attention {attention} --init {init}: "
+                "fine-tuning the dense teacher first")
         teacher, teacher_metrics, teacher_params = fit_teacher(args, data, cfg, pretrained)
         _stderr(f"teacher: dev acc {teacher_metrics['dev_accuracy']:.4f}, test acc {teacher_metrics['test_accuracy']:.4f}")
     metrics, final = fit(args, data, cfg, pretrained, teacher_logits=teacher if args.distill > 0 else None,

@@ -267,6 +267,110 @@ def test_distill_hidden_run(tmp_path, capsys):
             train.parse_args(argv)
 
 
+def test_attention_distill_loss():
+    import jax.numpy as jnp
+
+    from jaxsparse.train import attention_distill_loss
+
+    rng = np.random.default_rng(1)
+    mask = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    bias = np.where(mask[:, None, None, :] > 0, 0.0, -1e9)  # as BertModel adds it to the scores
+    s = [jnp.asarray(rng.standard_normal((2, 3, 5, 5)) + bias, jnp.float32) for _ in range(2)]
+    t = [jnp.asarray(2.0 * rng.standard_normal((2, 3, 5, 5)) + bias, jnp.float32) for _ in range(2)]
+
+    def softmax(x):
+        e = np.exp(x - x.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    def reference(s_layers, t_layers):
+        per_layer = []
+        for a, b in zip(s_layers, t_layers):
+            ps, pt = softmax(np.asarray(a, np.float64)), softmax(np.asarray(b, np.float64))
+            kl = (pt * (np.log(np.maximum(pt, 1e-300)) - np.log(np.maximum(ps, 1e-300)))).sum(-1)  # [B, heads, T]
+            per_layer.append(kl.transpose(0, 2, 1)[mask > 0].mean())  # over real queries and heads
+        return np.mean(per_layer)
+
+    want = reference(s, t)
+    assert want > 0.05
+    assert float(attention_distill_loss(s, t, jnp.asarray(mask))) == pytest.approx(want, rel=1e-5)
+    assert float(attention_distill_loss(s, s, jnp.asarray(mask))) == pytest.approx(0.0, abs=1e-6)
+    # Padded queries do not count: changing the student's rows there leaves the loss unchanged.
+    s2 = [a.at[0, :, 3:, :3].set(50.0) for a in s]
+    assert float(attention_distill_loss(s2, t, jnp.asarray(mask))) == pytest.approx(want, rel=1e-5)
+    # Only the student gets a gradient, and it is finite despite the -1e9 padding bias.
+    gs, gt = jax.grad(lambda a, b: attention_distill_loss(a, b, jnp.asarray(mask)), argnums=(0, 1))(s, t)
+    assert all(np.isfinite(np.asarray(g)).all() and float(jnp.abs(g).sum()) > 0 for g in gs)
+    assert all(float(jnp.abs(g).sum()) == 0 for g in gt)
+    with pytest.raises(ValueError, match="as many student as teacher layers"):
+        attention_distill_loss(s[:1], t, jnp.asarray(mask))
+
+
+def test_make_step_with_attention_distillation_adds_the_attention_term():
+    """distill_attention > 0: the loss adds the weight times attention_distill_loss of the sown logits of student
+    and teacher (recomputed here exactly), on the corrupted copy too; the fused attention is refused."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    import optax
+
+    from jaxsparse.models import bert
+
+    cfg = dataclasses.replace(bert.BertConfig.preset("tiny"), hidden_dropout_prob=0.0,
+                              attention_probs_dropout_prob=0.0)  # so the exact terms can be recomputed
+    model = bert.BertForSequenceClassification(cfg, num_labels=3)
+    ids = jax.random.randint(jax.random.key(1), (4, 9), 1, cfg.vocab_size)
+    mask = np.ones((4, 9), np.int32)
+    mask[0, 6:] = 0
+    params = model.init(jax.random.key(0), ids, np.zeros_like(ids), mask)["params"]
+    other = jax.tree_util.tree_map(lambda a: a * 1.5, params)
+    t_logits = model.apply({"params": other}, ids, np.zeros_like(ids), mask)
+    batch = (ids, np.zeros_like(ids), mask, np.array([0, 1, 2, 1]), t_logits)
+    tx, key, w, a = optax.sgd(0.0), jax.random.key(3), 0.6, 3.0
+    opt = tx.init(params)
+
+    def att(p, x):
+        _, st = model.apply({"params": p}, x, np.zeros_like(ids), mask, mutable=[bert.ATTENTION_LOGITS])
+        return bert.sown_attention_logits(st[bert.ATTENTION_LOGITS], cfg.num_hidden_layers)
+
+    layers = att(params, ids)
+    heads = cfg.num_attention_heads
+    assert len(layers) == cfg.num_hidden_layers and layers[0].shape == (4, heads, 9, 9)
+    plain = train.make_step(model, tx, False, distill=w)
+    with_att = train.make_step(model, tx, False, distill=w, distill_attention=a, teacher_model=model)
+    aug = train.make_step(model, tx, False, distill=w, distill_attention=a, teacher_model=model, distill_augment=0.5)
+    aug_plain = train.make_step(model, tx, False, distill=w, teacher_model=model, distill_augment=0.5)
+    copy = train.augment_tokens(jax.random.split(key)[1], ids, jnp.asarray(mask), 0.5)
+    with jax.default_matmul_precision("float32"):
+        base = float(plain(params, opt, {}, batch, key)[2])
+        got = float(with_att(params, opt, {train.TEACHER: other}, batch, key)[2])
+        term = float(train.attention_distill_loss(layers, att(other, ids), mask))
+        got_aug = float(aug(params, opt, {train.TEACHER: other}, batch, key)[2])
+        base_aug = float(aug_plain(params, opt, {train.TEACHER: other}, batch, key)[2])
+        term_copy = float(train.attention_distill_loss(att(params, copy), att(other, copy), mask))
+        same = float(with_att(params, opt, {train.TEACHER: params}, batch, key)[2])
+    assert term > 0.01 and term_copy > 0.01
+    assert got == pytest.approx(base + a * term, rel=1e-4)
+    assert got_aug == pytest.approx(base_aug + a * (term + term_copy), rel=1e-4)
+    assert same == pytest.approx(base, rel=1e-5)  # a teacher equal to the student adds 0
+    with pytest.raises(ValueError, match="needs the teacher_model"):
+        train.make_step(model, tx, False, distill_attention=1.0)
+    fused = bert.BertForSequenceClassification(dataclasses.replace(cfg, attention_impl="fused"), num_labels=3)
+    with pytest.raises(ValueError, match="attention_impl 'softmax'"):
+        train.make_step(fused, tx, False, distill_attention=1.0, teacher_model=model)
+    with pytest.raises(ValueError, match="no attention logits were sown"):
+        bert.sown_attention_logits({}, cfg.num_hidden_layers)
+
+
+def test_distill_attention_cli():
+    args = train.parse_args(["--distill-attention", "2", "--sparsity", "64:2:8"])
+    assert args.distill_attention == 2.0 and train.in_step_distillation(args) == (0.0, 2.0, 0.0)
+    assert train.teacher_in_step(args)
+    assert train.in_step_distillation(train.teacher_args(args)) == (0.0, 0.0, 0.0)
+    for argv in (["--sparsity", "dense", "--distill-attention", "1"], ["--distill-attention", "-1"]):
+        with pytest.raises(SystemExit):
+            train.parse_args(argv)
+
+
 def test_augment_tokens_replaces_only_inner_real_tokens_from_the_batch():
     import jax.numpy as jnp
 

@@ -158,6 +158,26 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array) -
                                         implementation="cudnn" if cudnn else "xla")
 
 
+ATTENTION_LOGITS = "attention_logits"
+"""Flax collection into which :class:`BertAttention` sows its float32 attention logits ``[B, heads, T, T]``
+(scaled scores plus the padding bias, before the softmax and its dropout), for attention distillation
+(``jaxsparse.train.attention_distill_loss``). Only the ``"softmax"`` attention has them (the ``"fused"`` one
+never forms the scores). It is filled only when the collection is mutable in ``apply``; read it in layer
+order with :func:`sown_attention_logits`."""
+
+
+def sown_attention_logits(collection: dict, num_layers: int) -> list[jax.Array]:
+    """The :data:`ATTENTION_LOGITS` of a classifier's encoder layers, first layer first: ``collection`` is
+    ``state[ATTENTION_LOGITS]`` returned by ``apply(..., mutable=[ATTENTION_LOGITS])``. Raises ``ValueError``
+    when a layer sowed none (e.g. the ``"fused"`` attention)."""
+    layers = collection.get("bert", {})
+    try:
+        return [layers[f"encoder_layer_{i}"]["attention"]["logits"][0] for i in range(num_layers)]
+    except KeyError:
+        raise ValueError("no attention logits were sown: attention distillation needs attention_impl 'softmax' and "
+                         f"{ATTENTION_LOGITS!r} mutable in apply") from None
+
+
 class BertAttention(_Sparse):
     """Multi-head self-attention with its output projection, residual and LayerNorm."""
 
@@ -176,6 +196,7 @@ class BertAttention(_Sparse):
             ctx = fused_attention(q, k, v, bias).reshape(h.shape)
         else:
             logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(d) + bias
+            self.sow(ATTENTION_LOGITS, "logits", logits)
             probs = jax.nn.softmax(logits, axis=-1)
             probs = nn.Dropout(cfg.attention_probs_dropout_prob)(probs, deterministic=deterministic)
             ctx = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v).reshape(h.shape)
