@@ -263,7 +263,7 @@ def table(payload: dict) -> str:
         verdict = r["verdict"] or ("" if r["sparsity"] == "dense" or r["target"] is None else "n/a")
         if verdict and r["n"] < r["seeds"]:
             verdict += f" (partial: {r['n']}/{r['seeds']} seeds)"
-        seeds = f"{r['n']}" if r["n"] == r["seeds"] else f"{r['n']}/{r['seeds']}"
+        seeds = f"{r['n']}" if r["n"] >= r["seeds"] else f"{r['n']}/{r['seeds']}"  # a baseline may have more
         delta = "—" if r["sparsity"] == "dense" else _fmt(r["delta"], signed=True)
         lines.append(f"| {r['task']} | {r['sparsity']} | {seeds} | {acc} | {delta} | {target} | {verdict} |")
     return "\n".join(lines)
@@ -324,22 +324,26 @@ def section(payload: dict) -> str:
                        + ([f"fade {hp['fade']:g}"] if fades else [])
                        + ([f"{hp['score']} score"] if hp.get("score", "magnitude") != "magnitude" else [])
                        + (["from the fine-tuned teacher"] if hp.get("init") == "teacher" else []))
+    dense_only = set(payload["grid"]["sparsities"]) == {"dense"}  # a baseline grid: no recipe applies
+    if dense_only:
+        recipe = f"{hp['epochs']} epochs, dense runs only"
+    sparse_part = "" if dense_only else (
+        "; sparse runs "
+        + ("are pruned one-shot to their pattern at step 0" + (
+            f", after a sequential least-squares refit of the kept weights on {hp.get('refit_batches')} calibration "
+            "batches (`--refit`)" if hp.get("refit") else "") if oneshot else
+           f"use GMP from step 0 to {hp['prune_end']:g} of training through the kernel-eligible ladder "
+           "(2:4 → V:2:8 → V:2:16)")
+        + f"{fade}{compressed_note(payload)}{distill_note(payload)}"
+        + (("; sparse runs start from the dense teacher fine-tuned with the same schedule (seed 0), so they see "
+            + (f"{hp['epochs']} + {student} epochs" if student else "twice the epochs") + " in all")
+           if hp.get("init") == "teacher" else ""))
     return "\n".join([
         f"### {env['device']} ({env['platform']}): {recipe}{' — quick smoke run, not a result' if hp.get('quick') else ''}",
         "",
         f"Pretrained all-MiniLM-L6-v2{layers}, fine-tuned {epochs}, batch {hp['batch_size']}, "
         f"{hp['max_len']} tokens, AdamW lr {hp['lr']:g} (warm-up {hp['warmup']:g}, cosine), weight decay "
-        f"{hp['weight_decay']:g}, compute {hp['dtype']}, fp32 master weights; sparse runs "
-        + ("are pruned one-shot to their pattern at step 0" + (
-            f", after a sequential least-squares refit of the kept weights on {hp.get('refit_batches')} calibration "
-            "batches (`--refit`)" if hp.get("refit") else "") if oneshot else
-           f"use GMP from step 0 to {hp['prune_end']:g} of training through the kernel-eligible ladder "
-           "(2:4 → V:2:8 → V:2:16)") +
-        f"{fade}"
-        f"{compressed_note(payload)}{distill_note(payload)}"
-        + (("; sparse runs start from the dense teacher fine-tuned with the same schedule (seed 0), so they see "
-            + (f"{hp['epochs']} + {student} epochs" if student else "twice the epochs") + " in all")
-           if hp.get("init") == "teacher" else "") + ". "
+        f"{hp['weight_decay']:g}, compute {hp['dtype']}, fp32 master weights{sparse_part}. "
         f"Test splits: {', '.join(f'{t} {n}' for t, n in payload.get('test_examples', {}).items())} examples. "
         f"Grid {done}; {payload.get('wall_seconds', 0) / 60:.1f} min wall.",
         "",
@@ -608,9 +612,18 @@ def merge(paths: Sequence[Path], out_dir: Path, dense_from: Sequence[Path] = ())
     The grid is the union of the files' grids; a (task, sparsity, seed) present in two files is an error
     (the same run measured twice would hide a difference). ``dense_from``: files whose dense runs join the
     study; their hyper-parameters may differ only in ``SPARSE_ONLY_HYPERPARAMETERS`` (recorded in
-    ``dense_runs_from``).
+    ``dense_runs_from``). With ``dense_from``, the dense rows come from those files only: dense runs that
+    ``paths`` hold (e.g. from an earlier ``dense_from`` merge) are dropped, and their number is recorded in
+    ``dense_runs_replaced``.
     """
-    payloads = [json.loads(Path(p).read_text()) for p in paths] + [_dense_runs_of(p) for p in dense_from]
+    payloads = [json.loads(Path(p).read_text()) for p in paths]
+    replaced = 0
+    if dense_from:
+        for p in payloads:
+            kept = [r for r in p["runs"] if r["sparsity"] != "dense"]
+            replaced += len(p["runs"]) - len(kept)
+            p["runs"] = kept
+    payloads += [_dense_runs_of(p) for p in dense_from]
     paths = [*paths, *dense_from]
     for path, p in zip(paths, payloads):
         if p.get("benchmark") != "accuracy":
@@ -631,16 +644,18 @@ def merge(paths: Sequence[Path], out_dir: Path, dense_from: Sequence[Path] = ())
     union = lambda key: list(dict.fromkeys(x for p in payloads for x in p["grid"][key]))  # noqa: E731
     tasks, sparsities = union("tasks"), union("sparsities")
     sparsities.sort(key=lambda s: -1.0 if s == "dense" else 1.0 - fmt.VNM.parse(s).density)  # dense, then sparser
-    seed_values = sorted({x for p in payloads for x in p["grid"]["seeds"]})
+    # The study's seeds: a --dense-from baseline may have more seeds than the study, and does not widen it.
+    seed_values = sorted({x for p in payloads if not p.get("dense_only") for x in p["grid"]["seeds"]})
     seeds = len(seed_values)
+    summary = summarize(runs, tasks, sparsities, seeds)
     merged = dict(payloads[0])
     merged.update(
         grid={"tasks": tasks, "sparsities": sparsities, "seeds": seed_values},
         train_examples={k: v for p in payloads for k, v in p.get("train_examples", {}).items()},
         test_examples={k: v for p in payloads for k, v in p.get("test_examples", {}).items()},
         runs=sorted(runs, key=lambda r: (r["seed"], tasks.index(r["task"]), sparsities.index(r["sparsity"]))),
-        summary=summarize(runs, tasks, sparsities, seeds),
-        finished=len(runs) == len(tasks) * len(sparsities) * seeds,
+        summary=summary,
+        finished=all(row["n"] >= row["seeds"] for row in summary),
         stopped_early=any(p.get("stopped_early") for p in payloads),
         compilations=sum(p.get("compilations", 0) for p in payloads),
         compile_seconds=sum(p.get("compile_seconds", 0.0) for p in payloads),
@@ -652,6 +667,9 @@ def merge(paths: Sequence[Path], out_dir: Path, dense_from: Sequence[Path] = ())
         merged["teachers"] = teachers
     if dense_from:
         merged["dense_runs_from"] = [_repo_relative(p) for p in dense_from]
+        merged.pop("dense_runs_replaced", None)
+        if replaced:
+            merged["dense_runs_replaced"] = replaced
     merged.pop("jit_functions_built", None)
     _write(merged, [out_dir / "accuracy.json"])
     (out_dir / "accuracy.md").write_text(section(merged) + "\n")

@@ -176,6 +176,22 @@ def test_merge_takes_dense_baselines_from_another_recipe(acc, tmp_path):
     assert merged["hyperparameters"]["score"] == "activation" and merged["dense_runs_from"] == [str(old)]
     row = next(r for r in merged["summary"] if r["sparsity"] == "2:4")
     assert row["delta"] == pytest.approx(90.0 - 91.0)
+    # A merged study re-merged with other dense runs: those replace the dense rows it holds.
+    more = tmp_path / "more.json"
+    more.write_text(json.dumps(_payload(acc, "rt", ["dense"], {"dense": [0.8, 0.84]})))
+    again = acc.merge([out / "accuracy.json"], tmp_path / "again", dense_from=[more])
+    assert sorted((r["sparsity"], r["test_accuracy"]) for r in again["runs"]) == [
+        ("2:4", 0.9), ("2:4", 0.9), ("dense", 0.8), ("dense", 0.84)]
+    assert again["dense_runs_replaced"] == 2 and again["dense_runs_from"] == [str(more)]
+    # A baseline with more seeds than the study keeps the study's seed count (and its completeness).
+    six = tmp_path / "six.json"
+    six.write_text(json.dumps(dict(_payload(acc, "rt", ["dense"], {"dense": [0.8] * 6}),
+                                   grid={"tasks": ["rt"], "sparsities": ["dense"], "seeds": list(range(6))})))
+    wide = acc.merge([study], tmp_path / "wide", dense_from=[six])
+    assert wide["grid"]["seeds"] == [0, 1] and wide["finished"]
+    assert "| rt | dense | 6 |" in acc.table(wide) and "| rt | 2:4 | 2 |" in acc.table(wide)
+    row = next(r for r in again["summary"] if r["sparsity"] == "2:4")
+    assert row["delta"] == pytest.approx(90.0 - 82.0)
     old.write_text(json.dumps(_payload(acc, "rt", ["dense"], accs, lr=1.0)))  # dense settings differ: refused
     with pytest.raises(ValueError, match="other settings"):
         acc.merge([study], out, dense_from=[old])
