@@ -315,16 +315,7 @@ def test_make_step_with_attention_distillation_adds_the_attention_term():
 
     from jaxsparse.models import bert
 
-    cfg = dataclasses.replace(bert.BertConfig.preset("tiny"), hidden_dropout_prob=0.0,
-                              attention_probs_dropout_prob=0.0)  # so the exact terms can be recomputed
-    model = bert.BertForSequenceClassification(cfg, num_labels=3)
-    ids = jax.random.randint(jax.random.key(1), (4, 9), 1, cfg.vocab_size)
-    mask = np.ones((4, 9), np.int32)
-    mask[0, 6:] = 0
-    params = model.init(jax.random.key(0), ids, np.zeros_like(ids), mask)["params"]
-    other = jax.tree_util.tree_map(lambda a: a * 1.5, params)
-    t_logits = model.apply({"params": other}, ids, np.zeros_like(ids), mask)
-    batch = (ids, np.zeros_like(ids), mask, np.array([0, 1, 2, 1]), t_logits)
+    cfg, model, ids, mask, params, other, batch = _dropout_free_distillation_case()
     tx, key, w, a = optax.sgd(0.0), jax.random.key(3), 0.6, 3.0
     opt = tx.init(params)
 
@@ -397,18 +388,16 @@ def test_augment_tokens_replaces_only_inner_real_tokens_from_the_batch():
     assert (other != out).any()  # the key decides the copy
 
 
-def test_make_step_with_augmented_distillation_adds_the_copy_terms():
-    """distill_augment > 0: the loss is the clean loss plus distill * soft loss (and the hidden term) on the
-    augment_tokens copy, with the teacher run on the copy; a teacher equal to the student adds exactly 0."""
+def _dropout_free_distillation_case():
+    """A tiny classifier without dropout (so a step's loss terms can be recomputed exactly), a batch whose first
+    row is padded, the student's params, a different teacher's params (``other``) and the batch with that
+    teacher's logits as its fifth array: ``(cfg, model, ids, mask, params, other, batch)``."""
     import dataclasses
-
-    import jax.numpy as jnp
-    import optax
 
     from jaxsparse.models import bert
 
     cfg = dataclasses.replace(bert.BertConfig.preset("tiny"), hidden_dropout_prob=0.0,
-                              attention_probs_dropout_prob=0.0)  # so the exact terms can be recomputed
+                              attention_probs_dropout_prob=0.0)
     model = bert.BertForSequenceClassification(cfg, num_labels=3)
     ids = jax.random.randint(jax.random.key(1), (4, 9), 1, cfg.vocab_size)
     mask = np.ones((4, 9), np.int32)
@@ -416,7 +405,18 @@ def test_make_step_with_augmented_distillation_adds_the_copy_terms():
     params = model.init(jax.random.key(0), ids, np.zeros_like(ids), mask)["params"]
     other = jax.tree_util.tree_map(lambda a: a * 1.5, params)
     t_logits = model.apply({"params": other}, ids, np.zeros_like(ids), mask)
-    batch = (ids, np.zeros_like(ids), mask, np.array([0, 1, 2, 1]), t_logits)
+    return cfg, model, ids, mask, params, other, (ids, np.zeros_like(ids), mask, np.array([0, 1, 2, 1]), t_logits)
+
+
+def test_make_step_with_augmented_distillation_adds_the_copy_terms():
+    """distill_augment > 0: the loss is the clean loss plus distill * soft loss (and the hidden term) on the
+    augment_tokens copy, with the teacher run on the copy; a teacher equal to the student adds exactly 0."""
+    import jax.numpy as jnp
+    import optax
+
+    from jaxsparse.models import bert
+
+    _, model, ids, mask, params, other, batch = _dropout_free_distillation_case()
     tx, key, w, b = optax.sgd(0.0), jax.random.key(3), 0.6, 2.0
     opt = tx.init(params)
     plain = train.make_step(model, tx, False, distill=w, distill_hidden=b, teacher_model=model)
