@@ -43,16 +43,6 @@ constexpr Mode kModes[] = {{0, "full"},
                            {kProbeNoLoad | kProbeNoMma, "epilogue only"},
                            {kProbeNoLoad | kProbeNoMma | kProbeNoEpilogue, "barriers only"}};
 
-// The full kernel with odd CTAs started S microseconds late (kProbeStaggerShift): if the CTAs' identical tiles
-// keep them in lockstep, every epilogue writes Y at once while no CTA loads; a stagger of about half a tile
-// (1024x4096: ~11 us per tile; 4096x1024: ~38 us) would let one half's stores overlap the other half's loads.
-constexpr int kStaggersUs[] = {3, 6, 12, 19};
-
-template <int BR, int BT, int STAGES, int NWMAX, size_t... I>
-std::vector<Launcher> StaggeredOf(std::index_sequence<I...>) {
-  return {Launch<BR, BT, STAGES, NWMAX, (kStaggersUs[I] << kProbeStaggerShift)>...};
-}
-
 template <int BR, int BT, int STAGES, int NWMAX, size_t... I>
 std::vector<Launcher> LaunchersOf(std::index_sequence<I...>) {
   return {Launch<BR, BT, STAGES, NWMAX, kModes[I].probe>...};
@@ -136,33 +126,6 @@ int Main() {
                     "\"operand_bytes\": %.0f, \"intake_TBps\": %.3f}",
                     first ? "" : ",\n", k, rows, tile.name, kModes[i].name, kModes[i].probe, ms, bytes,
                     (kModes[i].probe & kProbeNoLoad) ? 0.0 : bytes / (ms * 1e-3) / 1e12);
-        first = false;
-        std::fflush(stdout);
-      }
-    }
-    // The staggered launches against the plain one: outputs compared byte for byte (each from a poisoned y),
-    // then timed.
-    {
-      const size_t ybytes = static_cast<size_t>(tokens) * rows * 2;
-      std::vector<uint8_t> ref(ybytes), got(ybytes);
-      const Launcher plain = Launch<128, 256, 4, 256, 0>;
-      PROBE_CHECK(cudaMemset(dy, 0xff, ybytes));
-      (void)plain(nullptr, p);
-      PROBE_CHECK(cudaMemcpy(ref.data(), dy, ybytes, cudaMemcpyDeviceToHost));
-      size_t left = 0;  // the plain kernel's values still poisoned (it must write them all)
-      for (size_t b = 0; b < ybytes; b += 2) left += (ref[b] == 0xff && ref[b + 1] == 0xff);
-      const auto staggered = StaggeredOf<128, 256, 4, 256>(std::make_index_sequence<std::size(kStaggersUs)>{});
-      for (size_t i = 0; i < staggered.size(); ++i) {
-        PROBE_CHECK(cudaMemset(dy, 0xff, ybytes));
-        (void)staggered[i](nullptr, p);
-        PROBE_CHECK(cudaMemcpy(got.data(), dy, ybytes, cudaMemcpyDeviceToHost));
-        size_t differ = 0;
-        for (size_t b = 0; b < ybytes; b += 2) differ += (got[b] != ref[b] || got[b + 1] != ref[b + 1]);
-        const float ms = MedianMs(staggered[i], p, reps);
-        std::printf("%s  {\"K\": %d, \"N\": %d, \"tile\": \"ws128x256\", \"mode\": \"full, odd CTAs %d us late\", "
-                    "\"probe\": %d, \"ms\": %.5f, \"values_differing_from_plain\": %zu, \"plain_values_left_poisoned\": %zu, "
-                    "\"intake_TBps\": 0}",
-                    first ? "" : ",\n", k, rows, kStaggersUs[i], kStaggersUs[i] << kProbeStaggerShift, ms, differ, left);
         first = false;
         std::fflush(stdout);
       }

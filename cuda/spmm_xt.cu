@@ -371,12 +371,9 @@ struct XtWsLayout {
 
 // Probe modes of the warp-specialized kernel, for benchmarks/ws_probe.cu only (the extension builds PROBE = 0):
 // each bit removes one part of the work, so the probe can time the load pipeline, the products, the epilogue and
-// the synchronization apart.  Results are wrong in every mode but 0 and the stagger.  kProbeNoLoad still loads the
-// first STAGES stages, so the products run on real operands and metadata.  PROBE >> kProbeStaggerShift = S > 0:
-// odd CTAs spin for S microseconds (at 1.755 GHz) before they start, so that the CTAs, which otherwise run
-// their identical tiles in lockstep, reach their epilogues at different times (the output is unchanged).
+// the synchronization apart.  Results are wrong in every mode but 0.  kProbeNoLoad still loads the first STAGES
+// stages, so the products run on real operands and metadata.
 enum XtProbe { kProbeNoMma = 1, kProbeNoLoad = 2, kProbeNoEpilogue = 4 };
-constexpr int kProbeStaggerShift = 4;
 
 template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0>
 __global__ void __launch_bounds__(kWsThreads, 1)
@@ -408,13 +405,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const int num_kt = (kc_total + kKc - 1) / kKc;
   const int nfb = p.rows / BR;
   const int ntiles = nfb * ((p.tokens + BT - 1) / BT);
-  if constexpr ((PROBE >> kProbeStaggerShift) > 0) {
-    if (blockIdx.x & 1) {
-      const long long until = clock64() + 1755LL * (PROBE >> kProbeStaggerShift);
-      while (clock64() < until) {
-      }
-    }
-  }
 
   if (wg == 0) {  // ------------------------------------------------ producer
     SetMaxRegisters<WsRegs<XROW>::kProducer, false>();
