@@ -800,9 +800,20 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
 
 
 def predict_logits(cfg: bert.BertConfig, variables: dict, batch: data_lib.Batch, num_labels: int, dtype,
-                   batch_size: int = 64) -> np.ndarray:
-    """Float32 logits ``[len(batch), num_labels]`` of a dense (master-mode) model, in example order, no dropout."""
-    model = bert.BertForSequenceClassification(cfg, dtype=jnp.dtype(dtype), num_labels=num_labels)
+                   batch_size: int = 64, sparsity: str | None = None) -> np.ndarray:
+    """Float32 logits ``[len(batch), num_labels]`` of a classifier, in example order, no dropout.
+
+    ``variables`` are a master-mode model's (dense kernels, with or without masks in ``"sparsity"``), or, with
+    ``sparsity`` (the pattern, e.g. ``"2:4"``), a compressed model's (``values`` in place of the sparse kernels, as
+    ``jaxsparse-train`` checkpoints a run that trained the compressed values). Raises ``ValueError`` for
+    compressed variables without ``sparsity``.
+    """
+    compressed = any(path[-1] == "values" for path, _ in _flat(variables["params"]))
+    if compressed and sparsity is None:
+        raise ValueError("predict_logits: these params are compressed (`values` in place of the sparse kernels): "
+                         "give their pattern as sparsity=")
+    model = bert.BertForSequenceClassification(cfg, sparsity=sparsity if compressed else None, compressed=compressed,
+                                               dtype=jnp.dtype(dtype), num_labels=num_labels)
     apply = jax.jit(lambda v, *a: model.apply(v, *a).astype(jnp.float32))
     n = len(batch)
     out = []

@@ -109,9 +109,27 @@ def test_distill_needs_a_sparse_run_and_teacher_logits(tmp_path, capsys):
     metrics = train.run(args)  # the teacher first, then the student
     assert metrics["distill"] == 0.5 and metrics["teacher"]["steps"] == metrics["steps"]
     assert "fine-tuning the dense teacher first" in capsys.readouterr().err
-    logits = train.predict_logits(cfg, train.load_checkpoint(tmp_path / "run" / "checkpoint"), data_.train,
-                                  data_.task.num_labels, args.dtype, 7)
+    # The student's checkpoint: compressed where the kernels trained its values (--compress auto on a GPU).
+    variables = train.load_checkpoint(tmp_path / "run" / "checkpoint")
+    logits = train.predict_logits(cfg, variables, data_.train, data_.task.num_labels, args.dtype, 7, sparsity="2:4")
     assert logits.shape == (len(data_.train), data_.task.num_labels) and np.isfinite(logits).all()
+    if metrics["compressed_training"]:
+        with pytest.raises(ValueError, match="give their pattern"):
+            train.predict_logits(cfg, variables, data_.train, data_.task.num_labels, args.dtype, 7)
+
+
+def test_predict_logits_of_a_compressed_checkpoint(tmp_path):
+    """predict_logits takes a compressed run's checkpoint (with its pattern) as well as a master-mode one."""
+    args, data_, cfg = _tiny_sparse_run(tmp_path, "--compress", "on", "--max-train", "64", "--max-eval", "16")
+    metrics = train.run(args)
+    assert metrics["compressed_training"]
+    variables = train.load_checkpoint(tmp_path / "run" / "checkpoint")
+    logits = train.predict_logits(cfg, variables, data_.test, data_.task.num_labels, args.dtype, 8, sparsity="2:4")
+    assert logits.shape == (len(data_.test), data_.task.num_labels) and np.isfinite(logits).all()
+    # The same model the run evaluated: its test accuracy, from these logits.
+    assert np.mean(logits.argmax(-1) == data_.test.labels) == pytest.approx(metrics["test_accuracy"], abs=1e-6)
+    with pytest.raises(ValueError, match="give their pattern"):
+        train.predict_logits(cfg, variables, data_.test, data_.task.num_labels, args.dtype, 8)
     with pytest.raises(SystemExit):
         train.parse_args(["--sparsity", "dense", "--distill", "0.5"])
     with pytest.raises(SystemExit):
