@@ -106,8 +106,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="only merge result files of one study (same hyper-parameters, e.g. one per task run side "
                         "by side) into <--out-dir>/accuracy.json")
     p.add_argument("--dense-from", type=Path, nargs="+", default=[], metavar="JSON",
-                   help="with --merge: take the dense runs of these result files too (their settings may differ "
-                        "only in options that change sparse runs: --score, --fade, --distill, ...)")
+                   help="with --merge: the dense runs come from these result files (their settings may differ "
+                        "only in options that change sparse runs: --score, --fade, --distill, ...); dense runs that "
+                        "the merged files hold are replaced")
     p.add_argument("--json", type=Path, nargs="*", default=None,
                    help="with --render-docs: result files (default: benchmarks/results/*/accuracy*.json, quick runs skipped)")
     p.add_argument("--docs", type=Path, default=REPO / "docs" / "results.md", help="with --render-docs: file to update")
