@@ -46,8 +46,8 @@ MODELS = ("minilm",) + tuple(n for n in bert.PRESETS if n != "minilm")
 def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     """The sparse fine-tuning recipe options shared by ``jaxsparse-train`` and ``benchmarks/accuracy.py``:
     ``--fade``, ``--score``, ``--distill``, ``--temperature``, ``--distill-hidden``, ``--distill-attention``,
-    ``--distill-augment``,
-    ``--augment-neighbors``, ``--student-epochs``, ``--init``, ``--refit``, ``--refit-batches``."""
+    ``--distill-augment``, ``--augment-neighbors``, ``--student-epochs``, ``--init``, ``--refit``,
+    ``--refit-batches``."""
     p.add_argument("--fade", type=float, default=0.0,
                    help="GMP: before each stage, fade the weights it will prune to zero over this fraction of all "
                         "steps (0 = masks change at once; see jaxsparse.pruning.gmp_prune fade_steps)")
@@ -509,8 +509,9 @@ def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: j
         ``extra[NEIGHBORS]`` when that is there, else by in-batch tokens): student and ``teacher_model`` run on
         the clean batch and the copy together (one forward of twice the batch each), and the loss adds, on the
         copy, ``distill`` times :func:`soft_distill_loss` against the teacher's logits there, plus the
-        ``distill_hidden`` and ``distill_attention`` terms when those are on. The clean half's loss is unchanged (its soft targets are still
-        the batch's fifth array). With the activation score the input statistics include the copy's tokens.
+        ``distill_hidden`` and ``distill_attention`` terms when those are on. The clean half's loss is unchanged
+        (its soft targets are still the batch's fifth array). With the activation score the input statistics
+        include the copy's tokens.
 
     The optimizer update runs in the named scope ``OPTIMIZER_SCOPE``, so ``jaxsparse-profile`` can
     attribute its kernels.
@@ -527,7 +528,8 @@ def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: j
             if m.config.attention_impl != "softmax":
                 raise ValueError(f"make_step: distill_attention needs attention_impl 'softmax' (the attention logits), "
                                  f"got {m.config.attention_impl!r}")
-    sown = ([bert.HIDDEN_STATES] if distill_hidden > 0 else []) + ([bert.ATTENTION_LOGITS] if distill_attention > 0 else [])
+    sown = ([bert.HIDDEN_STATES] if distill_hidden > 0 else []) + (
+        [bert.ATTENTION_LOGITS] if distill_attention > 0 else [])
     mutable = ([INPUT_STATS] if with_stats else []) + sown
 
     def step(params, opt_state, extra, batch, rng):
@@ -560,11 +562,11 @@ def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: j
             def layer_terms(half):  # the hidden-state and attention terms on rows `half` of the (stacked) batch
                 out = 0.0
                 if distill_hidden > 0:
-                    out += distill_hidden * hidden_distill_loss([h[half] for h in s_hidden], [h[half] for h in t_hidden],
-                                                                batch[2])
+                    out += distill_hidden * hidden_distill_loss(
+                        [h[half] for h in s_hidden], [h[half] for h in t_hidden], batch[2])
                 if distill_attention > 0:
-                    out += distill_attention * attention_distill_loss([a[half] for a in s_att], [a[half] for a in t_att],
-                                                                      batch[2])
+                    out += distill_attention * attention_distill_loss(
+                        [a[half] for a in s_att], [a[half] for a in t_att], batch[2])
                 return out
 
             loss += layer_terms(slice(None, n))
