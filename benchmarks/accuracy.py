@@ -314,20 +314,21 @@ def section(payload: dict) -> str:
     fade = f", each stage faded in over {hp['fade']:g} of all steps" if fades else ""
     student = hp.get("student_epochs")
     epochs = f"{hp['epochs']} epochs" + (f" (sparse runs {student})" if student else "")
-    recipe = ", ".join([f"{epochs}, " + ("one-shot" if oneshot else f"GMP to {hp['prune_end']:g}")]
-                       + (["least-squares refit"] if hp.get("refit") else [])
-                       + ([f"distillation {hp['distill']:g}"] if hp.get("distill") else [])
-                       + ([f"hidden-state distillation {hp['distill_hidden']:g}"] if hp.get("distill_hidden") else [])
-                       + ([f"attention distillation {hp['distill_attention']:g}"] if hp.get("distill_attention") else [])
-                       + ([f"augmented distillation {hp['distill_augment']:g}"
-                           + (f" ({hp['augment_neighbors']} nearest word pieces)" if hp.get("augment_neighbors") else "")]
-                          if hp.get("distill_augment") else [])
-                       + ([f"fade {hp['fade']:g}"] if fades else [])
-                       + ([f"{hp['score']} score"] if hp.get("score", "magnitude") != "magnitude" else [])
-                       + (["from the fine-tuned teacher"] if hp.get("init") == "teacher" else []))
     dense_only = set(payload["grid"]["sparsities"]) == {"dense"}  # a baseline grid: no recipe applies
     if dense_only:
         recipe = f"{hp['epochs']} epochs, dense runs only"
+    else:
+        recipe = ", ".join([f"{epochs}, " + ("one-shot" if oneshot else f"GMP to {hp['prune_end']:g}")]
+                           + (["least-squares refit"] if hp.get("refit") else [])
+                           + ([f"distillation {hp['distill']:g}"] if hp.get("distill") else [])
+                           + ([f"hidden-state distillation {hp['distill_hidden']:g}"] if hp.get("distill_hidden") else [])
+                           + ([f"attention distillation {hp['distill_attention']:g}"] if hp.get("distill_attention") else [])
+                           + ([f"augmented distillation {hp['distill_augment']:g}"
+                               + (f" ({hp['augment_neighbors']} nearest word pieces)" if hp.get("augment_neighbors") else "")]
+                              if hp.get("distill_augment") else [])
+                           + ([f"fade {hp['fade']:g}"] if fades else [])
+                           + ([f"{hp['score']} score"] if hp.get("score", "magnitude") != "magnitude" else [])
+                           + (["from the fine-tuned teacher"] if hp.get("init") == "teacher" else []))
     sparse_part = "" if dense_only else (
         "; sparse runs "
         + ("are pruned one-shot to their pattern at step 0" + (
