@@ -29,28 +29,43 @@ template <int BR, int BT, int STAGES, int NWMAX, int PROBE>
 ffi::Error Launch(cudaStream_t s, const SpmmXtParams& p) {
   return LaunchWs<__nv_bfloat16, BR, BT, STAGES, true, NWMAX, PROBE>(s, p);
 }
+template <int STAGES, int PROBE>
+ffi::Error LaunchPingPong(cudaStream_t s, const SpmmXtParams& p) {
+  return LaunchPp<__nv_bfloat16, STAGES, PROBE>(s, p);
+}
 
 struct Mode {
   int probe;
   const char* name;
 };
 
-// The probe modes timed, as PROBE bit sets (cuda/spmm_xt.cu, XtProbe).
+// The probe modes, as PROBE bit sets (cuda/spmm_xt.cu, XtProbe).
 constexpr Mode kModes[] = {{0, "full"},
                            {kProbeNoEpilogue, "no epilogue"},
                            {kProbeNoMma | kProbeNoEpilogue, "loads only"},
                            {kProbeNoLoad | kProbeNoEpilogue, "products only"},
                            {kProbeNoLoad | kProbeNoMma, "epilogue only"},
                            {kProbeNoLoad | kProbeNoMma | kProbeNoEpilogue, "barriers only"}};
+const char* ModeName(int probe) {
+  for (const Mode& m : kModes)
+    if (m.probe == probe) return m.name;
+  return "?";
+}
 
-template <int BR, int BT, int STAGES, int NWMAX, size_t... I>
-std::vector<Launcher> LaunchersOf(std::index_sequence<I...>) {
-  return {Launch<BR, BT, STAGES, NWMAX, kModes[I].probe>...};
+struct Timed {
+  int probe;
+  Launcher launch;
+};
+// The tile in the probe modes PROBES (the first must be 0, the full kernel, whose output is checked).
+template <int BR, int BT, int STAGES, int NWMAX, int... PROBES>
+std::vector<Timed> Launchers() {
+  return {Timed{PROBES, Launch<BR, BT, STAGES, NWMAX, PROBES>}...};
 }
-template <int BR, int BT, int STAGES, int NWMAX>
-std::vector<Launcher> Launchers() {
-  return LaunchersOf<BR, BT, STAGES, NWMAX>(std::make_index_sequence<std::size(kModes)>{});
+template <int STAGES, int... PROBES>
+std::vector<Timed> PingPongLaunchers() {
+  return {Timed{PROBES, LaunchPingPong<STAGES, PROBES>}...};
 }
+constexpr int kNoEpi = kProbeNoEpilogue, kEpiOnly = kProbeNoLoad | kProbeNoMma;
 
 float MedianMs(Launcher launch, const SpmmXtParams& p, int reps) {
   cudaStream_t s = nullptr;
@@ -111,21 +126,55 @@ int Main() {
     struct Tile {
       const char* name;
       int br, bt;
-      std::vector<Launcher> launchers;
+      std::vector<Timed> launchers;
     };
-    // The row kernel's tiles as cuda/spmm_xt.cu's Dispatch launches them (stages as there).
-    const Tile tiles[] = {{"ws128x256", 128, 256, Launchers<128, 256, 4, 256>()},
-                          {"ws64x256", 64, 256, Launchers<64, 256, 5, 128>()}};
+    // The row kernel's tiles as cuda/spmm_xt.cu's Dispatch launched them through session 14 (stages as there), then
+    // the ping-pong kernel (SpmmWgmmaXtPpKernel, 128x128 per consumer warpgroup) at three ring depths.
+    constexpr int kAll[] = {0, kNoEpi, kProbeNoMma | kNoEpi, kProbeNoLoad | kNoEpi, kEpiOnly, kEpiOnly | kNoEpi};
+    const Tile tiles[] = {
+        {"ws128x256", 128, 256, Launchers<128, 256, 4, 256, kAll[0], kAll[1], kAll[2], kAll[3], kAll[4], kAll[5]>()},
+        {"pp128x128s6", 128, 128, PingPongLaunchers<6, 0, kNoEpi, kEpiOnly>()},
+        {"pp128x128s8", 128, 128, PingPongLaunchers<8, kAll[0], kAll[1], kAll[2], kAll[3], kAll[4], kAll[5]>()},
+        {"pp128x128s9", 128, 128, PingPongLaunchers<9, 0, kNoEpi>()},
+        {"ws64x256", 64, 256, Launchers<64, 256, 5, 128, 0, kNoEpi, kEpiOnly>()}};
+    // Correctness: every tile's full kernel against the first one's output, byte for byte, each from a y poisoned
+    // with 0xff, at all tokens and at a tail (tokens - 24: 16-token remainder of the last 256-token tile; the
+    // rows past it must stay poisoned).
+    const size_t ybytes = static_cast<size_t>(tokens) * rows * 2;
+    std::vector<unsigned char> ref(ybytes), got(ybytes);
+    long long mismatches[std::size(tiles)] = {}, poisoned[std::size(tiles)] = {};
+    for (const int t : {tokens, tokens - 24}) {
+      p.tokens = t;
+      for (size_t i = 0; i < std::size(tiles); ++i) {
+        PROBE_CHECK(cudaMemset(dy, 0xff, ybytes));
+        if (ffi::Error e = tiles[i].launchers[0].launch(nullptr, p); e.failure()) {
+          std::fprintf(stderr, "launch failed: %s\n", e.message().c_str());
+          return 1;
+        }
+        PROBE_CHECK(cudaDeviceSynchronize());
+        PROBE_CHECK(cudaMemcpy((i == 0 ? ref : got).data(), dy, ybytes, cudaMemcpyDeviceToHost));
+        const size_t valid = static_cast<size_t>(t) * rows * 2;
+        for (size_t b = 0; b + 1 < ybytes; b += 2) {
+          const unsigned char* v = (i == 0 ? ref : got).data() + b;
+          if (b < valid && v[0] == 0xff && v[1] == 0xff) ++poisoned[i];  // 0xffff is a NaN: never a product here
+          if (b >= valid && !(v[0] == 0xff && v[1] == 0xff)) ++poisoned[i];  // written past the tail
+          if (i > 0 && (v[0] != ref[b] || v[1] != ref[b + 1])) ++mismatches[i];
+        }
+      }
+    }
+    p.tokens = tokens;
     // Bytes the SMs take in: x once per feature tile, the compressed values once per token tile.
-    for (const Tile& tile : tiles) {
+    for (size_t ti = 0; ti < std::size(tiles); ++ti) {
+      const Tile& tile = tiles[ti];
       const int br = tile.br, bt = tile.bt;
       const double bytes = 2.0 * tokens * k * (rows / br) + 2.0 * rows * (2.0 * groups) * ((tokens + bt - 1) / bt);
-      for (size_t i = 0; i < tile.launchers.size(); ++i) {
-        const float ms = MedianMs(tile.launchers[i], p, reps);
+      for (const Timed& timed : tile.launchers) {
+        const float ms = MedianMs(timed.launch, p, reps);
         std::printf("%s  {\"K\": %d, \"N\": %d, \"tile\": \"%s\", \"mode\": \"%s\", \"probe\": %d, \"ms\": %.5f, "
-                    "\"operand_bytes\": %.0f, \"intake_TBps\": %.3f}",
-                    first ? "" : ",\n", k, rows, tile.name, kModes[i].name, kModes[i].probe, ms, bytes,
-                    (kModes[i].probe & kProbeNoLoad) ? 0.0 : bytes / (ms * 1e-3) / 1e12);
+                    "\"operand_bytes\": %.0f, \"intake_TBps\": %.3f, \"mismatches_vs_first\": %lld, "
+                    "\"bad_poison\": %lld}",
+                    first ? "" : ",\n", k, rows, tile.name, ModeName(timed.probe), timed.probe, ms, bytes,
+                    (timed.probe & kProbeNoLoad) ? 0.0 : bytes / (ms * 1e-3) / 1e12, mismatches[ti], poisoned[ti]);
         first = false;
         std::fflush(stdout);
       }

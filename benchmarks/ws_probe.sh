@@ -16,11 +16,11 @@ sys.path.insert(0, here)
 import common
 doc = common.probe_document(raw)  # the probe names its GPU itself
 common.write_json(common.results_path("ws_probe.json", out or None), doc)
-print(f"{'K':>5} {'N':>5} {'tile':>10} {'mode':>36} {'ms':>8} {'of full':>8} {'TB/s in':>8}")
+print(f"{'K':>5} {'N':>5} {'tile':>20} {'mode':>14} {'ms':>8} {'of full':>8} {'TB/s in':>8} {'differ':>7} {'poison':>7}")
 full = {}
 for r in doc["results"]:
     key = (r["K"], r["N"], r["tile"])
     full.setdefault(key, r["ms"])
-    print(f"{r['K']:>5} {r['N']:>5} {r['tile']:>10} {r['mode']:>36} {r['ms']:8.4f} {r['ms'] / full[key]:8.2f} "
-          f"{r['intake_TBps']:8.2f}")
+    print(f"{r['K']:>5} {r['N']:>5} {r['tile']:>20} {r['mode']:>14} {r['ms']:8.4f} {r['ms'] / full[key]:8.2f} "
+          f"{r['intake_TBps']:8.2f} {r['mismatches_vs_first']:>7} {r['bad_poison']:>7}")
 PY
