@@ -352,9 +352,9 @@ struct WsRegs {
 };
 
 // The Y tile is staged kEpiChunks chunks of 128 tokens at a time where the two warpgroups share every token (BR >=
-// 128), which leaves shared memory for a deeper ring.
-// The ping-pong kernel stores Y from registers (Y_BUF false) and gives that room to the ring.
-template <int BR, int BT, int STAGES, bool Y_BUF = true>
+// 128), which leaves shared memory for a deeper ring.  DIRECT (Y stored from registers, StoreAccDirect): no Y buffer,
+// and each slot's metadata region holds two stages' words, its own and the next stage's (XtMeta prefetch).
+template <int BR, int BT, int STAGES, bool DIRECT = false>
 struct XtWsLayout {
   static constexpr int kABytes = (BR / 64) * kAColBytes;
   static constexpr int kBBytes = (BT / 64) * kColBytes;
@@ -363,177 +363,22 @@ struct XtWsLayout {
   static constexpr int kEpiChunks = XtWarps<BR, BT>::WR == 2 ? BT / 128 : 1;
   static constexpr int kEpiTokens = BT / kEpiChunks;
   static constexpr int kEpiOff = STAGES * kStageBytes;
-  static constexpr int kMetaBytes = BR * 8;  // a stage's metadata words: [BR rows][2]
-  static constexpr int kMetaOff = kEpiOff + (Y_BUF ? kEpiTokens * kYRowBytes : 0);
+  static constexpr int kStageMetaBytes = BR * 8;  // a stage's metadata words: [BR rows][2]
+  static constexpr int kMetaBytes = (DIRECT ? 2 : 1) * kStageMetaBytes;
+  static constexpr int kMetaOff = kEpiOff + (DIRECT ? 0 : kEpiTokens * kYRowBytes);
   static constexpr int kBarOff = kMetaOff + STAGES * kMetaBytes;  // full[STAGES] then empty[STAGES], 8 bytes each
   static constexpr int kBytes = kBarOff + 2 * STAGES * 8;
   static_assert(kStageBytes % 1024 == 0 && kBarOff % 8 == 0, "alignment");
 };
-
-// Probe modes of the warp-specialized kernel, for benchmarks/ws_probe.cu only (the extension builds PROBE = 0):
-// each bit removes one part of the work, so the probe can time the load pipeline, the products, the epilogue and
-// the synchronization apart.  Results are wrong in every mode but 0.  kProbeNoLoad still loads the first STAGES
-// stages, so the products run on real operands and metadata.
-enum XtProbe { kProbeNoMma = 1, kProbeNoLoad = 2, kProbeNoEpilogue = 4 };
-
-// The producer warpgroup of the warp-specialized kernels (thread `tid` of 128): fills the STAGES-deep ring with the
-// stages of this CTA's tiles in order (tiles strided over the grid, features fastest), each slot once the
-// consumers released it (empty barrier), announcing each on its full barrier.
-template <typename T, int BR, int BT, int STAGES, bool XROW, int PROBE, typename L>
-__device__ __forceinline__ void XtWsProduce(const SpmmXtParams& p, const CUtensorMap* tma_a, const CUtensorMap* tma_x,
-                                            uint32_t smem_base, uint32_t full0, uint32_t empty0, int tid) {
-#ifdef JAXSPARSE_WGMMA
-  const bool x_by_tma = XROW || p.cols == nullptr;  // M = 4: Xc is x^T (or x) itself
-  const int kc_total = 4 * p.groups;
-  const int num_kt = (kc_total + kKc - 1) / kKc;
-  const int nfb = p.rows / BR;
-  const int ntiles = nfb * ((p.tokens + BT - 1) / BT);
-  int it = 0;
-  for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
-    const int row0 = (tile % nfb) * BR, tok0 = (tile / nfb) * BT;
-    const uint8_t* tcols = p.cols != nullptr ? p.cols + static_cast<int64_t>(row0 / p.v) * kc_total : nullptr;
-    for (int kt = 0; kt < num_kt; ++kt, ++it) {
-      const int s = it % STAGES;
-      const uint32_t stage = smem_base + s * L::kStageBytes, full = full0 + 8 * s;
-      if (it >= STAGES) MbarWait(empty0 + 8 * s, ((it / STAGES) & 1) ^ 1);
-      if ((PROBE & kProbeNoLoad) && it >= STAGES) {  // the ring keeps the first STAGES stages' data
-        if (tid == 0) MbarArrive(full);
-        CpAsyncMbarArrive(full);
-        continue;
-      }
-      if (tid == 0) {
-        MbarArriveExpectTx(full, L::kABytes + (x_by_tma ? L::kBBytes : 0));
-        TmaLoad2d(stage, tma_a, kt * (kKc / 2), row0, full);
-        if (XROW)  // x [T, K]: BT rows of the stage's 64 k
-          TmaLoad2d(stage + L::kABytes, tma_x, kt * kKc, tok0, full);
-        else if (x_by_tma)
-#pragma unroll
-          for (int c = 0; c < BT / 64; ++c) TmaLoad2d(stage + L::kABytes + c * kColBytes, tma_x, tok0 + 64 * c, kt * kKc, full);
-      }
-      LoadStageMetaWords<BR, 128>(smem_base + L::kMetaOff + s * L::kMetaBytes, p, row0, kt, tid);
-      if (!x_by_tma) LoadXtStage<T, BR, BT, 128, false>(stage, kt * kKc, tid, p, row0, tok0, tcols);
-      CpAsyncMbarArrive(full);
-    }
-  }
-  CpAsyncWait<0>();
-#endif
-}
-
-template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0>
-__global__ void __launch_bounds__(kWsThreads, 1)
-    SpmmWgmmaXtWsKernel(const SpmmXtParams p, const __grid_constant__ CUtensorMap tma_a,
-                        const __grid_constant__ CUtensorMap tma_x) {
-#ifdef JAXSPARSE_WGMMA
-  using L = XtWsLayout<BR, BT, STAGES>;
-  using W = XtWarps<BR, BT, NWMAX>;  // over the two consumer warpgroups
-  constexpr int WR = W::WR, WN = W::WN, NW = W::NW, NCH = W::NCH;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const AlignedSmem aligned = AlignSmem1024(smem_raw);
-  unsigned char* smem = aligned.ptr;
-  const uint32_t smem_base = aligned.addr;
-  const uint32_t full0 = smem_base + L::kBarOff, empty0 = full0 + STAGES * 8;
-
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
-  if (tid == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      // Thread 0's expect_tx arrival, plus every producer thread's cp.async arrival (metadata words, and Xc when
-      // it is gathered).
-      MbarInit(full0 + 8 * s, 129);
-      MbarInit(empty0 + 8 * s, 8);  // every consumer warp done with the stage
-    }
-  }
-  __syncthreads();
-
-  const int kc_total = 4 * p.groups;
-  const int num_kt = (kc_total + kKc - 1) / kKc;
-  const int nfb = p.rows / BR;
-  const int ntiles = nfb * ((p.tokens + BT - 1) / BT);
-
-  if (wg == 0) {  // ------------------------------------------------ producer
-    SetMaxRegisters<WsRegs<XROW>::kProducer, false>();
-    XtWsProduce<T, BR, BT, STAGES, XROW, PROBE, L>(p, &tma_a, &tma_x, smem_base, full0, empty0, tid);
-  } else {  // ------------------------------------------------------ consumers
-    SetMaxRegisters<WsRegs<XROW>::kConsumer, true>();
-    const int cw = wg - 1, wq = warp & 3, ctid = tid - 128;
-    const int wr = WR == 2 ? cw : 0;  // feature half of this warpgroup
-    const int wt = WR == 2 ? 0 : cw;  // token half
-    unsigned char* ytile = smem + L::kEpiOff;
-    int it = 0;
-    for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
-      const int row0 = (tile % nfb) * BR, tok0 = (tile / nfb) * BT;
-      float acc[NCH][NW / 2];
-#pragma unroll
-      for (int c = 0; c < NCH; ++c)
-#pragma unroll
-        for (int i = 0; i < NW / 2; ++i) acc[c][i] = 0.f;
-      XtMeta meta(wr, wq, lane, p.groups / 8);
-      auto fence_acc = [&] {
-#pragma unroll
-        for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
-      };
-      // Stage kt (parity `odd`, ring slot it % STAGES); once stage kt-1's products completed, its ring slot goes
-      // back to the producer.
-      auto run_stage = [&](int kt, int it, auto odd) {
-        constexpr bool kOdd = decltype(odd)::value;
-        const int s = it % STAGES;
-        MbarWait(full0 + 8 * s, (it / STAGES) & 1);
-        FenceProxyAsyncShared();  // the producers' cp.async writes, seen through the barrier, before wgmma reads
-        if (PROBE & kProbeNoMma) {
-          if (lane == 0) MbarArrive(empty0 + 8 * s);
-          return;
-        }
-        meta.Load<kOdd>(reinterpret_cast<const uint32_t*>(smem + L::kMetaOff + s * L::kMetaBytes), kt);
-        fence_acc();
-        WgmmaFence();
-        XtStageMma<T, BR, NW, NCH, XROW>(acc, smem_base + s * L::kStageBytes, wr, wt * WN / 64, meta.Operands<kOdd>());
-        WgmmaCommit();
-        WgmmaWait<1>();  // stage kt-1's products completed
-        fence_acc();
-        if (lane == 0 && kt > 0) MbarArrive(empty0 + 8 * ((it - 1) % STAGES));
-      };
-      for (int kt = 0; kt < num_kt; kt += 2) {
-        run_stage(kt, it + kt, std::false_type{});
-        if (kt + 1 < num_kt) run_stage(kt + 1, it + kt + 1, std::true_type{});
-      }
-      it += num_kt;
-      WgmmaWait<0>();
-      fence_acc();
-      if (!(PROBE & kProbeNoMma) && lane == 0) MbarArrive(empty0 + 8 * ((it - 1) % STAGES));  // the tile's last stage
-      if (PROBE & kProbeNoEpilogue) continue;
-#pragma unroll
-      for (int ch = 0; ch < L::kEpiChunks; ++ch) {
-        NamedBarSync(1, 256);  // the previous chunk's (or tile's) stores have read the staged Y
-        StageXtAccumulators<T, NW, NCH, (L::kEpiChunks > 1 ? L::kEpiTokens : 0)>(acc, ytile, L::kYRowBytes, p, row0,
-                                                                                 64 * wr, wt * WN, wq, lane, ch);
-        NamedBarSync(1, 256);
-        StoreStagedTile<T, L::kEpiTokens, BR, 256>(ytile, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows,
-                                                   tok0 + ch * L::kEpiTokens, row0, ctid);
-      }
-    }
-  }
-#else
-  __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
-#endif
-}
-
-// ---------------------------------------------------------------- ping-pong version (x rows)
-//
-// The warp-specialized kernel above runs both consumer warpgroups on one 128 x 256 tile, so both stage and store Y
-// at once and nothing overlaps the epilogue (0.056 of 0.175 ms at 1024x4096; docs/kernel-notes.md, sessions 10-15).
-// Here each consumer warpgroup owns whole 128-feature x 128-token tiles, taking every other tile of the CTA, and
-// the two take turns: a warpgroup starts its tile's main loop once the other has issued the products of the tile
-// before, so one runs its main loop while the other finishes its products and writes its Y from registers.  One
-// ring, filled in tile order by the producer (XtWsProduce); each stage is released by the 4 warps of the warpgroup
-// that read it.  The turn also keeps the mbarrier phases sound: a warpgroup never waits on a ring slot more than
-// one phase ahead of the last completed one.  No Y buffer, so the ring is 8 stages of 24 KB.
 
 // Writes one warpgroup's 64 x NW accumulators (+ bias, optional GELU) to y [T, R] from registers.  The wgmma
 // accumulator gives lane l (quad row q = l / 4 = 4a + b, column c = l % 4) features f0 + q and f0 + q + 8 (f0 = 16 x
 // its warp) at tokens 2c and 2c + 1 of every 8-token column, while y holds features contiguously.  So the 4 lanes b =
 // 0..3 of one (a, c) trade their values in two shuffles (lanes 8 apart: the 8-feature half; 4 apart: the token)
 // until lane b holds features f0 + 8 (b / 2) + 4a + 0..3 at token 2c + b % 2, and one 8-byte store instruction of a
-// warp writes 8 tokens x 32 contiguous bytes: whole 32-byte sectors, with no shared-memory round trip.  `r_base` is
-// the block's first tile-local feature, `tok_base` its first token; tokens past p.tokens are skipped.
+// warp writes 8 tokens x 32 contiguous bytes: whole 32-byte sectors, with no shared-memory round trip and no barrier
+// between the warpgroups.  `r_base` is the block's first tile-local feature, `tok_base` its first token; tokens past
+// p.tokens are skipped.  (Session 15: the same time as staging the tile, and it frees the Y buffer's shared memory.)
 template <typename T, int NW>
 __device__ __forceinline__ void StoreAccDirect(const float (&acc)[NW / 2], const SpmmXtParams& p, int row0, int r_base,
                                                int tok_base, int wq, int lane) {
@@ -568,19 +413,20 @@ __device__ __forceinline__ void StoreAccDirect(const float (&acc)[NW / 2], const
   }
 }
 
-__device__ __forceinline__ void NamedBarArrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
+// Probe modes of the warp-specialized kernel, for benchmarks/ws_probe.cu only (the extension builds PROBE = 0):
+// each bit removes one part of the work, so the probe can time the load pipeline, the products, the epilogue and
+// the synchronization apart.  Results are wrong in every mode but 0.  kProbeNoLoad still loads the first STAGES
+// stages, so the products run on real operands and metadata.
+enum XtProbe { kProbeNoMma = 1, kProbeNoLoad = 2, kProbeNoEpilogue = 4 };
 
-constexpr int kPpBR = 128, kPpBT = 128;
-
-template <typename T, int STAGES, int PROBE = 0>
+template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0, bool DIRECT = false>
 __global__ void __launch_bounds__(kWsThreads, 1)
-    SpmmWgmmaXtPpKernel(const SpmmXtParams p, const __grid_constant__ CUtensorMap tma_a,
+    SpmmWgmmaXtWsKernel(const SpmmXtParams p, const __grid_constant__ CUtensorMap tma_a,
                         const __grid_constant__ CUtensorMap tma_x) {
 #ifdef JAXSPARSE_WGMMA
-  constexpr int BR = kPpBR, BT = kPpBT, NW = BT;
-  using L = XtWsLayout<BR, BT, STAGES, false>;
+  using L = XtWsLayout<BR, BT, STAGES, DIRECT>;
+  using W = XtWarps<BR, BT, NWMAX>;  // over the two consumer warpgroups
+  constexpr int WR = W::WR, WN = W::WN, NW = W::NW, NCH = W::NCH;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const AlignedSmem aligned = AlignSmem1024(smem_raw);
   unsigned char* smem = aligned.ptr;
@@ -588,70 +434,122 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const uint32_t full0 = smem_base + L::kBarOff, empty0 = full0 + STAGES * 8;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+  const bool x_by_tma = XROW || p.cols == nullptr;  // M = 4: Xc is x^T (or x) itself
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      MbarInit(full0 + 8 * s, 129);  // thread 0's expect_tx arrival + every producer thread's cp.async arrival
-      MbarInit(empty0 + 8 * s, 4);   // the 4 warps of the warpgroup that read the stage
+      // Thread 0's expect_tx arrival, plus every producer thread's cp.async arrival (metadata words, and Xc when
+      // it is gathered).
+      MbarInit(full0 + 8 * s, 129);
+      MbarInit(empty0 + 8 * s, 8);  // every consumer warp done with the stage
     }
   }
   __syncthreads();
 
-  const int num_kt = (4 * p.groups + kKc - 1) / kKc;
+  const int kc_total = 4 * p.groups;
+  const int num_kt = (kc_total + kKc - 1) / kKc;
   const int nfb = p.rows / BR;
   const int ntiles = nfb * ((p.tokens + BT - 1) / BT);
 
   if (wg == 0) {  // ------------------------------------------------ producer
-    SetMaxRegisters<WsRegs<true>::kProducer, false>();
-    XtWsProduce<T, BR, BT, STAGES, true, PROBE, L>(p, &tma_a, &tma_x, smem_base, full0, empty0, tid);
-    return;
-  }
-  // ---------------------------------------------------------------- consumers
-  SetMaxRegisters<WsRegs<true>::kConsumer, true>();
-  const int cw = wg - 1, wq = warp & 3;
-  // Named barriers 2 + w: "warpgroup w's turn" (arrived by the other warpgroup, waited for by w).
-  for (int i = cw, tile = blockIdx.x + cw * gridDim.x; tile < ntiles; i += 2, tile += 2 * gridDim.x) {
-    const int row0 = (tile % nfb) * BR, tok0 = (tile / nfb) * BT;
-    if (i > 0) NamedBarSync(2 + cw, 256);  // the other warpgroup has issued the products of tile i - 1
-    float acc0[1][NW / 2], acc1[1][NW / 2];  // feature blocks 0 and 1 of the tile
+    SetMaxRegisters<WsRegs<XROW>::kProducer, false>();
+    int it = 0;
+    for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+      const int row0 = (tile % nfb) * BR, tok0 = (tile / nfb) * BT;
+      const uint8_t* tcols = p.cols != nullptr ? p.cols + static_cast<int64_t>(row0 / p.v) * kc_total : nullptr;
+      for (int kt = 0; kt < num_kt; ++kt, ++it) {
+        const int s = it % STAGES;
+        const uint32_t stage = smem_base + s * L::kStageBytes, full = full0 + 8 * s;
+        if (it >= STAGES) MbarWait(empty0 + 8 * s, ((it / STAGES) & 1) ^ 1);
+        if ((PROBE & kProbeNoLoad) && it >= STAGES) {  // the ring keeps the first STAGES stages' data
+          if (tid == 0) MbarArrive(full);
+          CpAsyncMbarArrive(full);
+          continue;
+        }
+        if (tid == 0) {
+          MbarArriveExpectTx(full, L::kABytes + (x_by_tma ? L::kBBytes : 0));
+          TmaLoad2d(stage, &tma_a, kt * (kKc / 2), row0, full);
+          if (XROW)  // x [T, K]: BT rows of the stage's 64 k
+            TmaLoad2d(stage + L::kABytes, &tma_x, kt * kKc, tok0, full);
+          else if (x_by_tma)
 #pragma unroll
-    for (int e = 0; e < NW / 2; ++e) acc0[0][e] = acc1[0][e] = 0.f;
-    XtMeta meta0(0, wq, lane, p.groups / 8), meta1(1, wq, lane, p.groups / 8);
-    auto fence_acc = [&] {
-      WgmmaFenceOperands(acc0[0]);
-      WgmmaFenceOperands(acc1[0]);
-    };
-    const int it0 = i * num_kt;  // this tile's first stage in the ring's sequence
-    auto run_stage = [&](int kt, auto odd) {
-      constexpr bool kOdd = decltype(odd)::value;
-      const int it = it0 + kt, s = it % STAGES;
-      MbarWait(full0 + 8 * s, (it / STAGES) & 1);  // A and x came by TMA (async proxy, as wgmma reads): no fence
-      if (PROBE & kProbeNoMma) {
-        if (lane == 0) MbarArrive(empty0 + 8 * s);
-        return;
+            for (int c = 0; c < BT / 64; ++c) TmaLoad2d(stage + L::kABytes + c * kColBytes, &tma_x, tok0 + 64 * c, kt * kKc, full);
+        }
+        LoadStageMetaWords<BR, 128>(smem_base + L::kMetaOff + s * L::kMetaBytes, p, row0, kt, tid);
+        if (DIRECT && kt + 1 < num_kt)  // the next stage's words too, so that the consumers fetch them early
+          LoadStageMetaWords<BR, 128>(smem_base + L::kMetaOff + s * L::kMetaBytes + L::kStageMetaBytes, p, row0, kt + 1,
+                                      tid);
+        if (!x_by_tma) LoadXtStage<T, BR, BT, 128, false>(stage, kt * kKc, tid, p, row0, tok0, tcols);
+        CpAsyncMbarArrive(full);
       }
-      const uint32_t* words = reinterpret_cast<const uint32_t*>(smem + L::kMetaOff + s * L::kMetaBytes);
-      meta0.Load<kOdd>(words, kt);
-      meta1.Load<kOdd>(words, kt);
-      fence_acc();
-      WgmmaFence();
-      XtStageMma<T, BR, NW, 1, true>(acc0, smem_base + s * L::kStageBytes, 0, 0, meta0.Operands<kOdd>());
-      XtStageMma<T, BR, NW, 1, true>(acc1, smem_base + s * L::kStageBytes, 1, 0, meta1.Operands<kOdd>());
-      WgmmaCommit();
-      WgmmaWait<1>();  // stage kt-1's products completed
-      fence_acc();
-      if (lane == 0 && kt > 0) MbarArrive(empty0 + 8 * ((it - 1) % STAGES));
-    };
-    for (int kt = 0; kt < num_kt; kt += 2) {
-      run_stage(kt, std::false_type{});
-      if (kt + 1 < num_kt) run_stage(kt + 1, std::true_type{});
     }
-    if (tile + gridDim.x < ntiles) NamedBarArrive(2 + (cw ^ 1), 256);  // the other warpgroup's turn
-    WgmmaWait<0>();
-    fence_acc();
-    if (!(PROBE & kProbeNoMma) && lane == 0) MbarArrive(empty0 + 8 * ((it0 + num_kt - 1) % STAGES));
-    if (PROBE & kProbeNoEpilogue) continue;
-    StoreAccDirect<T, NW>(acc0[0], p, row0, 0, tok0, wq, lane);
-    StoreAccDirect<T, NW>(acc1[0], p, row0, 64, tok0, wq, lane);
+    CpAsyncWait<0>();
+  } else {  // ------------------------------------------------------ consumers
+    SetMaxRegisters<WsRegs<XROW>::kConsumer, true>();
+    const int cw = wg - 1, wq = warp & 3, ctid = tid - 128;
+    const int wr = WR == 2 ? cw : 0;  // feature half of this warpgroup
+    const int wt = WR == 2 ? 0 : cw;  // token half
+    unsigned char* ytile = smem + L::kEpiOff;
+    int it = 0;
+    for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+      const int row0 = (tile % nfb) * BR, tok0 = (tile / nfb) * BT;
+      float acc[NCH][NW / 2];
+#pragma unroll
+      for (int c = 0; c < NCH; ++c)
+#pragma unroll
+        for (int i = 0; i < NW / 2; ++i) acc[c][i] = 0.f;
+      XtMeta meta(wr, wq, lane, p.groups / 8);
+      auto fence_acc = [&] {
+#pragma unroll
+        for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
+      };
+      // Stage kt (parity `odd`, ring slot it % STAGES); once stage kt-1's products completed, its ring slot goes
+      // back to the producer.
+      auto run_stage = [&](int kt, int it, auto odd) {
+        constexpr bool kOdd = decltype(odd)::value;
+        const int s = it % STAGES;
+        MbarWait(full0 + 8 * s, (it / STAGES) & 1);
+        FenceProxyAsyncShared();  // the producers' cp.async writes, seen through the barrier, before wgmma reads
+        if (PROBE & kProbeNoMma) {
+          if (lane == 0) MbarArrive(empty0 + 8 * s);
+          return;
+        }
+        const uint32_t* words = reinterpret_cast<const uint32_t*>(smem + L::kMetaOff + s * L::kMetaBytes);
+        // DIRECT: the previous stage fetched these words, in the shadow of its products (but a tile's first).
+        if (!DIRECT || kt == 0) meta.Load<kOdd>(words, kt);
+        fence_acc();
+        WgmmaFence();
+        XtStageMma<T, BR, NW, NCH, XROW>(acc, smem_base + s * L::kStageBytes, wr, wt * WN / 64, meta.Operands<kOdd>());
+        WgmmaCommit();
+        WgmmaWait<1>();  // stage kt-1's products completed
+        fence_acc();
+        // Its metadata array is free (kSparseMetaRule): the next stage's words, off the issue path of its products.
+        if (DIRECT && kt + 1 < num_kt) meta.Load<!kOdd>(words + L::kStageMetaBytes / 4, kt + 1);
+        if (lane == 0 && kt > 0) MbarArrive(empty0 + 8 * ((it - 1) % STAGES));
+      };
+      for (int kt = 0; kt < num_kt; kt += 2) {
+        run_stage(kt, it + kt, std::false_type{});
+        if (kt + 1 < num_kt) run_stage(kt + 1, it + kt + 1, std::true_type{});
+      }
+      it += num_kt;
+      WgmmaWait<0>();
+      fence_acc();
+      if (!(PROBE & kProbeNoMma) && lane == 0) MbarArrive(empty0 + 8 * ((it - 1) % STAGES));  // the tile's last stage
+      if (PROBE & kProbeNoEpilogue) continue;
+      if constexpr (DIRECT) {
+#pragma unroll
+        for (int c = 0; c < NCH; ++c) StoreAccDirect<T, NW>(acc[c], p, row0, 64 * wr, tok0 + wt * WN + c * NW, wq, lane);
+        continue;
+      }
+#pragma unroll
+      for (int ch = 0; ch < L::kEpiChunks; ++ch) {
+        NamedBarSync(1, 256);  // the previous chunk's (or tile's) stores have read the staged Y
+        StageXtAccumulators<T, NW, NCH, (L::kEpiChunks > 1 ? L::kEpiTokens : 0)>(acc, ytile, L::kYRowBytes, p, row0,
+                                                                                 64 * wr, wt * WN, wq, lane, ch);
+        NamedBarSync(1, 256);
+        StoreStagedTile<T, L::kEpiTokens, BR, 256>(ytile, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows,
+                                                   tok0 + ch * L::kEpiTokens, row0, ctid);
+      }
+    }
   }
 #else
   __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
@@ -691,12 +589,12 @@ ffi::Error LaunchTile(cudaStream_t stream, const SpmmXtParams& p) {
   return LastLaunchError("SpmmWgmmaXtKernel");
 }
 
-template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0>
+template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0, bool DIRECT = false>
 ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& p) {
-  constexpr auto kernel = SpmmWgmmaXtWsKernel<T, BR, BT, STAGES, XROW, NWMAX, PROBE>;
+  constexpr auto kernel = SpmmWgmmaXtWsKernel<T, BR, BT, STAGES, XROW, NWMAX, PROBE, DIRECT>;
   if (!Sm90aImageLoaded<kernel>())
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: needs an sm_90a build on a Hopper GPU");
-  constexpr int smem = XtWsLayout<BR, BT, STAGES>::kBytes + 1024;
+  constexpr int smem = XtWsLayout<BR, BT, STAGES, DIRECT>::kBytes + 1024;
   static_assert(smem <= 227 * 1024, "shared memory");
   if (ffi::Error e = RaiseSmemLimit<kernel>(smem, "cudaFuncSetAttribute(SpmmWgmmaXtWsKernel)"); e.failure()) return e;
   CUtensorMap tma_a{}, tma_x{};
@@ -707,23 +605,6 @@ ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& p) {
   const int tiles = (p.tokens + BT - 1) / BT * (p.rows / BR);
   kernel<<<std::min(tiles, SmCount()), kWsThreads, smem, stream>>>(p, tma_a, tma_x);
   return LastLaunchError("SpmmWgmmaXtWsKernel");
-}
-
-template <typename T, int STAGES, int PROBE = 0>
-ffi::Error LaunchPp(cudaStream_t stream, const SpmmXtParams& p) {
-  constexpr auto kernel = SpmmWgmmaXtPpKernel<T, STAGES, PROBE>;
-  if (!Sm90aImageLoaded<kernel>())
-    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: needs an sm_90a build on a Hopper GPU");
-  constexpr int smem = XtWsLayout<kPpBR, kPpBT, STAGES, false>::kBytes + 1024;
-  static_assert(smem <= 227 * 1024, "shared memory");
-  if (ffi::Error e = RaiseSmemLimit<kernel>(smem, "cudaFuncSetAttribute(SpmmWgmmaXtPpKernel)"); e.failure()) return e;
-  CUtensorMap tma_a{}, tma_x{};
-  if (!MakeTensorMap2d(&tma_a, p.values, p.rows, 2 * static_cast<uint64_t>(p.groups), kPpBR, kKc / 2) ||
-      !MakeTensorMap2d(&tma_x, p.xt, p.tokens, p.k, kPpBT))
-    return ffi::Error::Internal("jaxsparse_spmm_xt: cuTensorMapEncodeTiled failed for the ping-pong tile");
-  const int tiles = (p.tokens + kPpBT - 1) / kPpBT * (p.rows / kPpBR);
-  kernel<<<std::min(tiles, SmCount()), kWsThreads, smem, stream>>>(p, tma_a, tma_x);
-  return LastLaunchError("SpmmWgmmaXtPpKernel");
 }
 
 // Auto tile, from the H100 measurements in docs/kernel-notes.md (sessions 5, 6 and 9).  x [T, K] and 2:4 (no
@@ -745,7 +626,7 @@ ffi::Error Dispatch(cudaStream_t stream, SpmmXtParams p, int tile, bool x_rows) 
   if ((tile == kTile128x256 || tile == kTile128x128 || tile == kTileWs128x256) && !can128)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: 128-feature tiles need R % 128 == 0 and V >= 128");
   if (x_rows) {  // x [T, K] as it is (M = 4): only the TMA kernel reads it
-    if (tile == kTileWs128x256) return LaunchWs<T, 128, 256, 4, true, 256>(stream, p);
+    if (tile == kTileWs128x256) return LaunchWs<T, 128, 256, 5, true, 256, 0, true>(stream, p);
     if (tile == kTileWs64x256) return LaunchWs<T, 64, 256, 5, true>(stream, p);
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x [T, K] (x_rows 1) takes tile auto, ws128x256 or ws64x256");
   }

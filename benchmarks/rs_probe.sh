@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Builds benchmarks/rs_probe.cu (nvcc, sm_90a) and runs it on the GPU: the row kernel's main loop with A from shared
+# memory or from registers, on 128x256 and 256x128 tiles.  Writes benchmarks/results/<gpu>/rs_probe.json (or $1)
+# and prints the table.
+#   bash benchmarks/rs_probe.sh [out.json]
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+. "$here/probe_build.sh"
+work=$(mktemp -d)
+probe_build "$here/rs_probe.cu" "$work/rs_probe"
+"$work/rs_probe" > "$work/probe.json"
+python3 - "$here" "$work/probe.json" "${1:-}" <<'PY'
+import sys
+here, raw, out = sys.argv[1], sys.argv[2], sys.argv[3]
+sys.path.insert(0, here)
+import common
+doc = common.probe_document(raw)
+common.write_json(common.results_path("rs_probe.json", out or None), doc)
+print(f"{'K':>5} {'N':>5} {'tile':>22} {'stages':>6} {'full ms':>8} {'no epi':>8} {'differ':>7}")
+for r in doc["results"]:
+    ne = "-" if r["no_epilogue_ms"] is None else f"{r['no_epilogue_ms']:8.4f}"
+    print(f"{r['K']:>5} {r['N']:>5} {r['tile']:>22} {r['stages']:>6} {r['full_ms']:8.4f} {ne:>8} "
+          f"{r['mismatches_vs_extension']:>7}")
+PY
