@@ -24,6 +24,48 @@
 namespace jaxsparse {
 namespace {
 
+// Writes one warpgroup's 64 x NW accumulators (+ bias, optional GELU) to y [T, R] from registers.  The wgmma
+// accumulator gives lane l (quad row q = l / 4 = 4a + b, column c = l % 4) features f0 + q and f0 + q + 8 (f0 = 16 x
+// its warp) at tokens 2c and 2c + 1 of every 8-token column, while y holds features contiguously.  So the 4 lanes b =
+// 0..3 of one (a, c) trade their values in two shuffles (lanes 8 apart: the 8-feature half; 4 apart: the token)
+// until lane b holds features f0 + 8 (b / 2) + 4a + 0..3 at token 2c + b % 2, and one 8-byte store instruction of a
+// warp writes 8 tokens x 32 contiguous bytes: whole 32-byte sectors, with no shared-memory round trip.  `r_base` is
+// the block's first tile-local feature, `tok_base` its first token; tokens past p.tokens are skipped.  (Measured in
+// session 15 at the same time as the extension's staged epilogue; the extension does not use it.)
+template <typename T, int NW>
+__device__ __forceinline__ void StoreAccDirect(const float (&acc)[NW / 2], const SpmmXtParams& p, int row0, int r_base,
+                                               int tok_base, int wq, int lane) {
+  const int q = lane >> 2, b = q & 3;
+  const bool bh = b & 2, bt = b & 1;
+  const float bias_lo = BiasAt<T>(p.bias, p.bias_f32, row0 + r_base + 16 * wq + q);
+  const float bias_hi = BiasAt<T>(p.bias, p.bias_f32, row0 + r_base + 16 * wq + q + 8);
+  const int tok = tok_base + 2 * (lane & 3) + (b & 1);
+  const int64_t step = 8 * static_cast<int64_t>(p.rows);  // 8 tokens of y
+  T* ptr = static_cast<T*>(p.y) + static_cast<int64_t>(tok) * p.rows + row0 + r_base + 16 * wq + 8 * (b >> 1) +
+           4 * (lane >> 4);
+#pragma unroll
+  for (int j = 0; j < NW / 8; ++j) {
+    float v[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {  // e = 2 x (high 8 features) + token
+      v[e] = acc[4 * j + e] + ((e & 2) ? bias_hi : bias_lo);
+      if (p.activation == 1) v[e] = GeluTanh(v[e]);
+    }
+    const uint32_t lo = PackPair<T>(v[0], v[1]), hi = PackPair<T>(v[2], v[3]);  // (token 0, token 1)
+    // Feature row b's word of this lane's half, and row b ^ 2's.
+    const uint32_t keep = bh ? hi : lo;
+    const uint32_t got = __shfl_xor_sync(0xffffffffu, bh ? lo : hi, 8);
+    // (row b, row b ^ 2) at this lane's token, and at the other one, for lane b ^ 1.
+    const uint32_t mine = __byte_perm(keep, got, bt ? 0x7632 : 0x5410);
+    const uint32_t other = __byte_perm(keep, got, bt ? 0x5410 : 0x7632);
+    const uint32_t got2 = __shfl_xor_sync(0xffffffffu, other, 4);  // (row b ^ 1, row b ^ 3) at this lane's token
+    const uint32_t x = bt ? got2 : mine, y = bt ? mine : got2;
+    const uint2 out = make_uint2(__byte_perm(x, y, bh ? 0x7632 : 0x5410),   // rows 0, 1
+                                 __byte_perm(x, y, bh ? 0x5410 : 0x7632));  // rows 2, 3
+    if (tok + 8 * j < p.tokens) *reinterpret_cast<uint2*>(ptr + j * step) = out;
+  }
+}
+
 __device__ __forceinline__ void NamedBarArrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }

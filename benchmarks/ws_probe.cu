@@ -27,9 +27,9 @@ namespace {
 
 using Launcher = ffi::Error (*)(cudaStream_t, const SpmmXtParams&);
 
-template <int BR, int BT, int STAGES, int NWMAX, bool DIRECT, int PROBE>
+template <int BR, int BT, int STAGES, int NWMAX, int PROBE>
 ffi::Error Launch(cudaStream_t s, const SpmmXtParams& p) {
-  return LaunchWs<__nv_bfloat16, BR, BT, STAGES, true, NWMAX, PROBE, DIRECT>(s, p);
+  return LaunchWs<__nv_bfloat16, BR, BT, STAGES, true, NWMAX, PROBE>(s, p);
 }
 struct Mode {
   int probe;
@@ -54,9 +54,9 @@ struct Timed {
   Launcher launch;
 };
 // The tile in the probe modes PROBES (the first must be 0, the full kernel, whose output is checked).
-template <int BR, int BT, int STAGES, int NWMAX, bool DIRECT, int... PROBES>
+template <int BR, int BT, int STAGES, int NWMAX, int... PROBES>
 std::vector<Timed> Launchers() {
-  return {Timed{PROBES, Launch<BR, BT, STAGES, NWMAX, DIRECT, PROBES>}...};
+  return {Timed{PROBES, Launch<BR, BT, STAGES, NWMAX, PROBES>}...};
 }
 constexpr int kNoEpi = kProbeNoEpilogue, kEpiOnly = kProbeNoLoad | kProbeNoMma;
 
@@ -121,17 +121,13 @@ int Main() {
       int br, bt;
       std::vector<Timed> launchers;
     };
-    // The row kernel's tiles as cuda/spmm_xt.cu's Dispatch launches them (stages and epilogue as there), then the
-    // 128x256 tile as it ran through session 14 (4 stages, Y staged in shared memory, each stage's metadata read
-    // right before its products).  Session 15's other variants (deferred stores, a ping-pong kernel) are in git
-    // history (3928b21).
+    // The row kernel's tiles as cuda/spmm_xt.cu's Dispatch launches them (stages as there).  Session 15's variants
+    // (Y stored from registers, deferred stores, a ping-pong kernel, 5 stages with the metadata fetched a stage
+    // early) are in git history (3928b21 and the commit after it).
     constexpr int kAll[] = {0, kNoEpi, kProbeNoMma | kNoEpi, kProbeNoLoad | kNoEpi, kEpiOnly, kEpiOnly | kNoEpi};
     const Tile tiles[] = {
-        {"ws128x256", 128, 256,
-         Launchers<128, 256, 5, 256, true, kAll[0], kAll[1], kAll[2], kAll[3], kAll[4], kAll[5]>()},
-        {"ws128x256 s14", 128, 256,
-         Launchers<128, 256, 4, 256, false, kAll[0], kAll[1], kAll[2], kAll[3], kAll[4], kAll[5]>()},
-        {"ws64x256", 64, 256, Launchers<64, 256, 5, 128, false, kAll[0], kAll[1], kAll[4]>()}};
+        {"ws128x256", 128, 256, Launchers<128, 256, 4, 256, kAll[0], kAll[1], kAll[2], kAll[3], kAll[4], kAll[5]>()},
+        {"ws64x256", 64, 256, Launchers<64, 256, 5, 128, kAll[0], kAll[1], kAll[4]>()}};
     // Correctness: every tile's full kernel against the first one's output, byte for byte, each from a y poisoned
     // with 0xff, at all tokens and at a tail (tokens - 24: 16-token remainder of the last 256-token tile; the
     // rows past it must stay poisoned).

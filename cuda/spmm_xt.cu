@@ -352,9 +352,8 @@ struct WsRegs {
 };
 
 // The Y tile is staged kEpiChunks chunks of 128 tokens at a time where the two warpgroups share every token (BR >=
-// 128), which leaves shared memory for a deeper ring.  DIRECT (Y stored from registers, StoreAccDirect): no Y buffer,
-// and each slot's metadata region holds two stages' words, its own and the next stage's (XtMeta prefetch).
-template <int BR, int BT, int STAGES, bool DIRECT = false>
+// 128), which leaves shared memory for a deeper ring.
+template <int BR, int BT, int STAGES>
 struct XtWsLayout {
   static constexpr int kABytes = (BR / 64) * kAColBytes;
   static constexpr int kBBytes = (BT / 64) * kColBytes;
@@ -363,55 +362,12 @@ struct XtWsLayout {
   static constexpr int kEpiChunks = XtWarps<BR, BT>::WR == 2 ? BT / 128 : 1;
   static constexpr int kEpiTokens = BT / kEpiChunks;
   static constexpr int kEpiOff = STAGES * kStageBytes;
-  static constexpr int kStageMetaBytes = BR * 8;  // a stage's metadata words: [BR rows][2]
-  static constexpr int kMetaBytes = (DIRECT ? 2 : 1) * kStageMetaBytes;
-  static constexpr int kMetaOff = kEpiOff + (DIRECT ? 0 : kEpiTokens * kYRowBytes);
+  static constexpr int kMetaBytes = BR * 8;  // a stage's metadata words: [BR rows][2]
+  static constexpr int kMetaOff = kEpiOff + kEpiTokens * kYRowBytes;
   static constexpr int kBarOff = kMetaOff + STAGES * kMetaBytes;  // full[STAGES] then empty[STAGES], 8 bytes each
   static constexpr int kBytes = kBarOff + 2 * STAGES * 8;
   static_assert(kStageBytes % 1024 == 0 && kBarOff % 8 == 0, "alignment");
 };
-
-// Writes one warpgroup's 64 x NW accumulators (+ bias, optional GELU) to y [T, R] from registers.  The wgmma
-// accumulator gives lane l (quad row q = l / 4 = 4a + b, column c = l % 4) features f0 + q and f0 + q + 8 (f0 = 16 x
-// its warp) at tokens 2c and 2c + 1 of every 8-token column, while y holds features contiguously.  So the 4 lanes b =
-// 0..3 of one (a, c) trade their values in two shuffles (lanes 8 apart: the 8-feature half; 4 apart: the token)
-// until lane b holds features f0 + 8 (b / 2) + 4a + 0..3 at token 2c + b % 2, and one 8-byte store instruction of a
-// warp writes 8 tokens x 32 contiguous bytes: whole 32-byte sectors, with no shared-memory round trip and no barrier
-// between the warpgroups.  `r_base` is the block's first tile-local feature, `tok_base` its first token; tokens past
-// p.tokens are skipped.  (Session 15: the same time as staging the tile, and it frees the Y buffer's shared memory.)
-template <typename T, int NW>
-__device__ __forceinline__ void StoreAccDirect(const float (&acc)[NW / 2], const SpmmXtParams& p, int row0, int r_base,
-                                               int tok_base, int wq, int lane) {
-  const int q = lane >> 2, b = q & 3;
-  const bool bh = b & 2, bt = b & 1;
-  const float bias_lo = BiasAt<T>(p.bias, p.bias_f32, row0 + r_base + 16 * wq + q);
-  const float bias_hi = BiasAt<T>(p.bias, p.bias_f32, row0 + r_base + 16 * wq + q + 8);
-  const int tok = tok_base + 2 * (lane & 3) + (b & 1);
-  const int64_t step = 8 * static_cast<int64_t>(p.rows);  // 8 tokens of y
-  T* ptr = static_cast<T*>(p.y) + static_cast<int64_t>(tok) * p.rows + row0 + r_base + 16 * wq + 8 * (b >> 1) +
-           4 * (lane >> 4);
-#pragma unroll
-  for (int j = 0; j < NW / 8; ++j) {
-    float v[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {  // e = 2 x (high 8 features) + token
-      v[e] = acc[4 * j + e] + ((e & 2) ? bias_hi : bias_lo);
-      if (p.activation == 1) v[e] = GeluTanh(v[e]);
-    }
-    const uint32_t lo = PackPair<T>(v[0], v[1]), hi = PackPair<T>(v[2], v[3]);  // (token 0, token 1)
-    // Feature row b's word of this lane's half, and row b ^ 2's.
-    const uint32_t keep = bh ? hi : lo;
-    const uint32_t got = __shfl_xor_sync(0xffffffffu, bh ? lo : hi, 8);
-    // (row b, row b ^ 2) at this lane's token, and at the other one, for lane b ^ 1.
-    const uint32_t mine = __byte_perm(keep, got, bt ? 0x7632 : 0x5410);
-    const uint32_t other = __byte_perm(keep, got, bt ? 0x5410 : 0x7632);
-    const uint32_t got2 = __shfl_xor_sync(0xffffffffu, other, 4);  // (row b ^ 1, row b ^ 3) at this lane's token
-    const uint32_t x = bt ? got2 : mine, y = bt ? mine : got2;
-    const uint2 out = make_uint2(__byte_perm(x, y, bh ? 0x7632 : 0x5410),   // rows 0, 1
-                                 __byte_perm(x, y, bh ? 0x5410 : 0x7632));  // rows 2, 3
-    if (tok + 8 * j < p.tokens) *reinterpret_cast<uint2*>(ptr + j * step) = out;
-  }
-}
 
 // Probe modes of the warp-specialized kernel, for benchmarks/ws_probe.cu only (the extension builds PROBE = 0):
 // each bit removes one part of the work, so the probe can time the load pipeline, the products, the epilogue and
@@ -419,12 +375,12 @@ __device__ __forceinline__ void StoreAccDirect(const float (&acc)[NW / 2], const
 // stages, so the products run on real operands and metadata.
 enum XtProbe { kProbeNoMma = 1, kProbeNoLoad = 2, kProbeNoEpilogue = 4 };
 
-template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0, bool DIRECT = false>
+template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0>
 __global__ void __launch_bounds__(kWsThreads, 1)
     SpmmWgmmaXtWsKernel(const SpmmXtParams p, const __grid_constant__ CUtensorMap tma_a,
                         const __grid_constant__ CUtensorMap tma_x) {
 #ifdef JAXSPARSE_WGMMA
-  using L = XtWsLayout<BR, BT, STAGES, DIRECT>;
+  using L = XtWsLayout<BR, BT, STAGES>;
   using W = XtWarps<BR, BT, NWMAX>;  // over the two consumer warpgroups
   constexpr int WR = W::WR, WN = W::WN, NW = W::NW, NCH = W::NCH;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -475,9 +431,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
             for (int c = 0; c < BT / 64; ++c) TmaLoad2d(stage + L::kABytes + c * kColBytes, &tma_x, tok0 + 64 * c, kt * kKc, full);
         }
         LoadStageMetaWords<BR, 128>(smem_base + L::kMetaOff + s * L::kMetaBytes, p, row0, kt, tid);
-        if (DIRECT && kt + 1 < num_kt)  // the next stage's words too, so that the consumers fetch them early
-          LoadStageMetaWords<BR, 128>(smem_base + L::kMetaOff + s * L::kMetaBytes + L::kStageMetaBytes, p, row0, kt + 1,
-                                      tid);
         if (!x_by_tma) LoadXtStage<T, BR, BT, 128, false>(stage, kt * kKc, tid, p, row0, tok0, tcols);
         CpAsyncMbarArrive(full);
       }
@@ -513,17 +466,13 @@ __global__ void __launch_bounds__(kWsThreads, 1)
           if (lane == 0) MbarArrive(empty0 + 8 * s);
           return;
         }
-        const uint32_t* words = reinterpret_cast<const uint32_t*>(smem + L::kMetaOff + s * L::kMetaBytes);
-        // DIRECT: the previous stage fetched these words, in the shadow of its products (but a tile's first).
-        if (!DIRECT || kt == 0) meta.Load<kOdd>(words, kt);
+        meta.Load<kOdd>(reinterpret_cast<const uint32_t*>(smem + L::kMetaOff + s * L::kMetaBytes), kt);
         fence_acc();
         WgmmaFence();
         XtStageMma<T, BR, NW, NCH, XROW>(acc, smem_base + s * L::kStageBytes, wr, wt * WN / 64, meta.Operands<kOdd>());
         WgmmaCommit();
         WgmmaWait<1>();  // stage kt-1's products completed
         fence_acc();
-        // Its metadata array is free (kSparseMetaRule): the next stage's words, off the issue path of its products.
-        if (DIRECT && kt + 1 < num_kt) meta.Load<!kOdd>(words + L::kStageMetaBytes / 4, kt + 1);
         if (lane == 0 && kt > 0) MbarArrive(empty0 + 8 * ((it - 1) % STAGES));
       };
       for (int kt = 0; kt < num_kt; kt += 2) {
@@ -535,11 +484,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       fence_acc();
       if (!(PROBE & kProbeNoMma) && lane == 0) MbarArrive(empty0 + 8 * ((it - 1) % STAGES));  // the tile's last stage
       if (PROBE & kProbeNoEpilogue) continue;
-      if constexpr (DIRECT) {
-#pragma unroll
-        for (int c = 0; c < NCH; ++c) StoreAccDirect<T, NW>(acc[c], p, row0, 64 * wr, tok0 + wt * WN + c * NW, wq, lane);
-        continue;
-      }
 #pragma unroll
       for (int ch = 0; ch < L::kEpiChunks; ++ch) {
         NamedBarSync(1, 256);  // the previous chunk's (or tile's) stores have read the staged Y
@@ -589,12 +533,12 @@ ffi::Error LaunchTile(cudaStream_t stream, const SpmmXtParams& p) {
   return LastLaunchError("SpmmWgmmaXtKernel");
 }
 
-template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0, bool DIRECT = false>
+template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0>
 ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& p) {
-  constexpr auto kernel = SpmmWgmmaXtWsKernel<T, BR, BT, STAGES, XROW, NWMAX, PROBE, DIRECT>;
+  constexpr auto kernel = SpmmWgmmaXtWsKernel<T, BR, BT, STAGES, XROW, NWMAX, PROBE>;
   if (!Sm90aImageLoaded<kernel>())
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: needs an sm_90a build on a Hopper GPU");
-  constexpr int smem = XtWsLayout<BR, BT, STAGES, DIRECT>::kBytes + 1024;
+  constexpr int smem = XtWsLayout<BR, BT, STAGES>::kBytes + 1024;
   static_assert(smem <= 227 * 1024, "shared memory");
   if (ffi::Error e = RaiseSmemLimit<kernel>(smem, "cudaFuncSetAttribute(SpmmWgmmaXtWsKernel)"); e.failure()) return e;
   CUtensorMap tma_a{}, tma_x{};
@@ -626,7 +570,7 @@ ffi::Error Dispatch(cudaStream_t stream, SpmmXtParams p, int tile, bool x_rows) 
   if ((tile == kTile128x256 || tile == kTile128x128 || tile == kTileWs128x256) && !can128)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: 128-feature tiles need R % 128 == 0 and V >= 128");
   if (x_rows) {  // x [T, K] as it is (M = 4): only the TMA kernel reads it
-    if (tile == kTileWs128x256) return LaunchWs<T, 128, 256, 5, true, 256, 0, true>(stream, p);
+    if (tile == kTileWs128x256) return LaunchWs<T, 128, 256, 4, true, 256>(stream, p);
     if (tile == kTileWs64x256) return LaunchWs<T, 64, 256, 5, true>(stream, p);
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x [T, K] (x_rows 1) takes tile auto, ws128x256 or ws64x256");
   }
