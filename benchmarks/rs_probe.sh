@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds benchmarks/rs_probe.cu (nvcc, sm_90a) and runs it on the GPU: the row kernel's main loop with A from shared
-# memory or from registers, on 128x256 and 256x128 tiles.  Writes benchmarks/results/<gpu>/rs_probe.json (or $1)
-# and prints the table.
+# Builds benchmarks/rs_probe.cu (nvcc, sm_90a) and runs it on the GPU: the row kernel's main loop stripped down (A
+# from shared memory or registers, 128x256 or 256x128 tiles, stage-ordered metadata, ping-pong), each SS variant
+# checked byte for byte against the extension's kernel.  Writes benchmarks/results/<gpu>/rs_probe.json (or $1) and
+# prints the table.
 #   bash benchmarks/rs_probe.sh [out.json]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

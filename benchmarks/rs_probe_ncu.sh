@@ -23,8 +23,8 @@ run() {
   RS_PROBE_ONLY="$2" ncu --metrics "$metrics" -k regex:"$3" --launch-skip "$4" --launch-count 1 "$work/rs_probe" 2>&1 |
     grep -E "^\s+(gpu__|dram__|lts__|l1tex__|sm__)|Kernel<" | head -16
 }
-run "rs256x128 s8 full" rs256x128 RsProbeKernel 0
-run "rs256x128 s8 no epilogue" rs256x128 RsProbeKernel 60
-run "ss128x256 s4 full" ss128x256 RsProbeKernel 1
-run "ss128x256 s4 no epilogue" ss128x256 RsProbeKernel 61
+run "rs256x128 s8 full" rs256x128 StrippedKernel 0
+run "rs256x128 s8 no epilogue" rs256x128 StrippedKernel 60
+run "ss128x256 s4 full" ss128x256 StrippedKernel 1
+run "ss128x256 s4 no epilogue" ss128x256 StrippedKernel 61
 run "extension ws128x256 full" nothing SpmmWgmmaXtWsKernel 2

@@ -13,7 +13,7 @@
 // Built as its own program (it includes the kernel's source), so none of the probe instantiations reach the
 // extension.
 #include "../cuda/spmm_xt.cu"
-#include "probe_timing.cuh"
+#include "probe_problem.cuh"
 
 #include <cstdio>
 #include <cstdlib>
@@ -25,7 +25,8 @@
 namespace jaxsparse {
 namespace {
 
-using Launcher = ffi::Error (*)(cudaStream_t, const SpmmXtParams&);
+using probe_problem::Launcher;
+using probe_problem::MedianMs;
 
 template <int BR, int BT, int STAGES, int NWMAX, int PROBE>
 ffi::Error Launch(cudaStream_t s, const SpmmXtParams& p) {
@@ -60,62 +61,19 @@ std::vector<Timed> Launchers() {
 }
 constexpr int kNoEpi = kProbeNoEpilogue, kEpiOnly = kProbeNoLoad | kProbeNoMma;
 
-float MedianMs(Launcher launch, const SpmmXtParams& p, int reps) {
-  cudaStream_t s = nullptr;
-  return probe_timing::MedianEventMs(
-      [&] {  // warm-up launches are checked; the timed ones are the same launches
-        if (ffi::Error e = launch(s, p); e.failure()) {
-          std::fprintf(stderr, "launch failed: %s\n", e.message().c_str());
-          std::exit(1);
-        }
-      },
-      [&] { (void)launch(s, p); }, reps);
-}
-
 int Main() {
   const int tokens = 16384, reps = 50;
   const int shapes[][2] = {{1024, 4096}, {4096, 1024}};  // (K, R)
   cudaDeviceProp prop;
   PROBE_CHECK(cudaGetDeviceProperties(&prop, 0));
-  int clock_khz = 0;
-  cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0);
   std::mt19937 rng(0);
   std::printf("{\"gpu\": \"%s\", \"sms\": %d, \"tokens\": %d, \"reps\": %d, \"spec\": \"2:4\", \"results\": [\n",
               prop.name, prop.multiProcessorCount, tokens, reps);
   bool first = true;
   for (const auto& shape : shapes) {
     const int k = shape[0], rows = shape[1], groups = k / 4;
-    std::vector<uint16_t> hx(static_cast<size_t>(tokens) * k), hv(static_cast<size_t>(rows) * 2 * groups);
-    std::vector<uint32_t> hm(static_cast<size_t>(rows) * groups / 8);
-    std::uniform_int_distribution<int> bits(0x3c00, 0x3f80);  // bf16 values in [1, 2) and thereabouts
-    for (auto& v : hx) v = static_cast<uint16_t>(bits(rng));
-    for (auto& v : hv) v = static_cast<uint16_t>(bits(rng));
-    const uint32_t pairs[6] = {0x4, 0x8, 0xc, 0x9, 0xd, 0xe};  // (i0, i1) with i0 < i1, i1 << 2 | i0
-    for (auto& w : hm) {
-      w = 0;
-      for (int g = 0; g < 8; ++g) w |= pairs[rng() % 6] << (4 * g);
-    }
-    void *dx, *dv, *dm, *dy;
-    PROBE_CHECK(cudaMalloc(&dx, hx.size() * 2));
-    PROBE_CHECK(cudaMalloc(&dv, hv.size() * 2));
-    PROBE_CHECK(cudaMalloc(&dm, hm.size() * 4));
-    PROBE_CHECK(cudaMalloc(&dy, static_cast<size_t>(tokens) * rows * 2));
-    PROBE_CHECK(cudaMemcpy(dx, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice));
-    PROBE_CHECK(cudaMemcpy(dv, hv.data(), hv.size() * 2, cudaMemcpyHostToDevice));
-    PROBE_CHECK(cudaMemcpy(dm, hm.data(), hm.size() * 4, cudaMemcpyHostToDevice));
-    SpmmXtParams p{};
-    p.xt = dx;
-    p.values = dv;
-    p.meta = static_cast<const uint32_t*>(dm);
-    p.cols = nullptr;
-    p.bias = nullptr;
-    p.y = dy;
-    p.tokens = tokens;
-    p.k = k;
-    p.rows = rows;
-    p.groups = groups;
-    p.v = 1;
-    p.m = 4;
+    probe_problem::RowProblem problem(tokens, k, rows, rng);
+    SpmmXtParams p = problem.Params(problem.Device(probe_problem::Random24Metadata(problem.MetaWords(), rng)));
     struct Tile {
       const char* name;
       int br, bt;
@@ -123,7 +81,7 @@ int Main() {
     };
     // The row kernel's tiles as cuda/spmm_xt.cu's Dispatch launches them (stages as there).  Session 15's variants
     // (Y stored from registers, deferred stores, a ping-pong kernel, 5 stages with the metadata fetched a stage
-    // early) are in git history (3928b21 and the commit after it).
+    // early) are in git history (3928b21, 5f4a2b6).
     constexpr int kAll[] = {0, kNoEpi, kProbeNoMma | kNoEpi, kProbeNoLoad | kNoEpi, kEpiOnly, kEpiOnly | kNoEpi};
     const Tile tiles[] = {
         {"ws128x256", 128, 256, Launchers<128, 256, 4, 256, kAll[0], kAll[1], kAll[2], kAll[3], kAll[4], kAll[5]>()},
@@ -131,21 +89,14 @@ int Main() {
     // Correctness: every tile's full kernel against the first one's output, byte for byte, each from a y poisoned
     // with 0xff, at all tokens and at a tail (tokens - 24: 16-token remainder of the last 256-token tile; the
     // rows past it must stay poisoned).
-    const size_t ybytes = static_cast<size_t>(tokens) * rows * 2;
-    std::vector<unsigned char> ref(ybytes), got(ybytes);
+    std::vector<unsigned char> ref, got;
     long long mismatches[std::size(tiles)] = {}, poisoned[std::size(tiles)] = {};
     for (const int t : {tokens, tokens - 24}) {
       p.tokens = t;
       for (size_t i = 0; i < std::size(tiles); ++i) {
-        PROBE_CHECK(cudaMemset(dy, 0xff, ybytes));
-        if (ffi::Error e = tiles[i].launchers[0].launch(nullptr, p); e.failure()) {
-          std::fprintf(stderr, "launch failed: %s\n", e.message().c_str());
-          return 1;
-        }
-        PROBE_CHECK(cudaDeviceSynchronize());
-        PROBE_CHECK(cudaMemcpy((i == 0 ? ref : got).data(), dy, ybytes, cudaMemcpyDeviceToHost));
+        problem.RunPoisoned(tiles[i].launchers[0].launch, p, i == 0 ? ref : got);
         const size_t valid = static_cast<size_t>(t) * rows * 2;
-        for (size_t b = 0; b + 1 < ybytes; b += 2) {
+        for (size_t b = 0; b + 1 < problem.ybytes; b += 2) {
           const unsigned char* v = (i == 0 ? ref : got).data() + b;
           if (b < valid && v[0] == 0xff && v[1] == 0xff) ++poisoned[i];  // 0xffff is a NaN: never a product here
           if (b >= valid && !(v[0] == 0xff && v[1] == 0xff)) ++poisoned[i];  // written past the tail
@@ -170,10 +121,6 @@ int Main() {
         std::fflush(stdout);
       }
     }
-    cudaFree(dx);
-    cudaFree(dv);
-    cudaFree(dm);
-    cudaFree(dy);
   }
   std::printf("\n]}\n");
   return 0;
