@@ -15,8 +15,10 @@
 //   * ping-pong (PP): each consumer warpgroup owns whole 128 x 128 tiles (two m64n128 blocks), taking every other
 //     tile of the CTA in turn with the other (named barriers 2 + w: "warpgroup w's turn"), so one warpgroup's Y
 //     stores can overlap the other's main loop.
-// Every SS variant computes real products and is checked byte for byte against the extension's ws128x256 kernel run
-// on the same metadata (from a y poisoned with 0xff).
+// Every variant is also timed with no epilogue; with its stores sent to a corner of y that each CTA rewrites
+// (L2-resident: the stores without Y's DRAM writes); with the producer holding a tile's loads until the stores of
+// the tile before were performed; and "dry" (the epilogue's work without its stores).  Every SS variant computes real products and is checked byte
+// for byte against the extension's ws128x256 kernel run on the same metadata (from a y poisoned with 0xff).
 //   bash benchmarks/rs_probe.sh      # nvcc (sm_90a), runs it, writes benchmarks/results/<gpu>/rs_probe.json
 //   RS_PROBE_ONLY=<text>             # runs only the variants whose name contains it
 #include "../cuda/spmm_xt.cu"
@@ -42,7 +44,9 @@ using probe_problem::MedianMs;
 // warp writes 8 tokens x 32 contiguous bytes: whole 32-byte sectors, with no shared-memory round trip.  `r_base` is
 // the block's first tile-local feature, `tok_base` its first token; tokens past p.tokens are skipped.  (Measured in
 // session 15 at the same time as the extension's staged epilogue; the extension does not use it.)
-template <typename T, int NW>
+// DRY: everything but the stores (a store only where the packed values hit a pattern that never occurs, so the
+// compiler keeps the work that makes them).
+template <typename T, int NW, bool DRY = false>
 __device__ __forceinline__ void StoreAccDirect(const float (&acc)[NW / 2], const SpmmXtParams& p, int row0, int r_base,
                                                int tok_base, int wq, int lane) {
   const int q = lane >> 2, b = q & 3;
@@ -72,7 +76,8 @@ __device__ __forceinline__ void StoreAccDirect(const float (&acc)[NW / 2], const
     const uint32_t x = bt ? got2 : mine, y = bt ? mine : got2;
     const uint2 out = make_uint2(__byte_perm(x, y, bh ? 0x7632 : 0x5410),   // rows 0, 1
                                  __byte_perm(x, y, bh ? 0x5410 : 0x7632));  // rows 2, 3
-    if (tok + 8 * j < p.tokens) *reinterpret_cast<uint2*>(ptr + j * step) = out;
+    const bool store = DRY ? (out.x ^ out.y) == 0x7fffffffu - static_cast<uint32_t>(p.activation) : tok + 8 * j < p.tokens;
+    if (store) *reinterpret_cast<uint2*>(ptr + j * step) = out;
   }
 }
 
@@ -89,6 +94,14 @@ __device__ __forceinline__ void BulkLoad(uint32_t dst, const void* src, int byte
                : "memory");
 }
 
+// What StrippedKernel does with its finished tiles: nothing, store them to y, or store them into a corner of y that
+// each CTA rewrites (BT tokens x BR features, about 8 MB over the grid: it stays in L2 and reaches DRAM at most once,
+// so the stores cost the SMs and L2 what they cost, without Y's 128 MB of DRAM writes).
+// kEpiStoreHeld: stores to y, but the producer loads nothing of a tile until the consumers' stores of the tile before
+// were performed (a fence, then a barrier), so the stores never share the SM's path to L2 with the loads.
+// kEpiDry: the epilogue's work without its stores.
+enum StrippedEpilogue { kEpiNone = 0, kEpiStore = 1, kEpiSink = 2, kEpiStoreHeld = 3, kEpiDry = 4 };
+
 template <int BR, int BT, bool RS, bool META>
 struct StrippedLayout {
   static constexpr int kABytes = RS ? 0 : (BR / 64) * kAColBytes;  // A's stage: BR rows x 32 stored values
@@ -97,7 +110,7 @@ struct StrippedLayout {
   static constexpr int kStageBytes = kABytes + kBBytes + kMBytes;
 };
 
-template <int BR, int BT, int STAGES, bool RS, bool META, bool PP, bool EPI>
+template <int BR, int BT, int STAGES, bool RS, bool META, bool PP, int EPI>
 __global__ void __launch_bounds__(kWsThreads, 1)
     StrippedKernel(const SpmmXtParams p, const __grid_constant__ CUtensorMap tma_a,
                    const __grid_constant__ CUtensorMap tma_x) {
@@ -108,16 +121,19 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   static_assert(NB * NW / 2 == 128, "128 accumulators per thread");
   static_assert(L::kStageBytes % 1024 == 0, "swizzle atoms stay 1024-byte aligned");
   static_assert(!(RS && (META || PP)), "RS runs on the constant metadata, cooperatively");
+  static_assert(!(PP && EPI == kEpiStoreHeld), "held stores are for the cooperative tiles");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const AlignedSmem aligned = AlignSmem1024(smem_raw);
   const uint32_t smem_base = aligned.addr;
   const uint32_t full0 = smem_base + STAGES * L::kStageBytes, empty0 = full0 + 8 * STAGES;
+  const uint32_t stored = empty0 + 8 * STAGES;  // kEpiStoreHeld: a tile's stores performed
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       MbarInit(full0 + 8 * s, 1);
       MbarInit(empty0 + 8 * s, PP ? 4 : 8);  // the warps that read the stage
     }
+    MbarInit(stored, 8);
   }
   __syncthreads();
   const int num_kt = (4 * p.groups + kKc - 1) / kKc, nfb = p.rows / BR;
@@ -125,9 +141,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   if (wg == 0) {  // ------------------------------------------------ producer: one thread
     SetMaxRegisters<40, false>();
     if (tid != 0) return;
-    int it = 0;
-    for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+    int it = 0, j = 0;
+    for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x, ++j) {
       const int row0 = (tile % nfb) * BR, tok0 = (tile / nfb) * BT;
+      if (EPI == kEpiStoreHeld && j > 0) MbarWait(stored, (j - 1) & 1);  // tile j - 1's stores performed
       for (int kt = 0; kt < num_kt; ++kt, ++it) {
         const int s = it % STAGES;
         const uint32_t stage = smem_base + s * L::kStageBytes, full = full0 + 8 * s;
@@ -212,19 +229,32 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     WgmmaWait<0>();
     fence_acc();
     if (lane == 0) MbarArrive(empty0 + 8 * ((it0 + num_kt - 1) % STAGES));
-    if (EPI)
+    if (EPI == kEpiStore || EPI == kEpiStoreHeld)
 #pragma unroll
       for (int b = 0; b < NB; ++b) StoreAccDirect<T, NW>(acc[b], p, row0, 64 * block(b), tok0, wq, lane);
+    if (EPI == kEpiStoreHeld) {
+      asm volatile("fence.acq_rel.gpu;\n" ::: "memory");  // this thread's stores performed
+      __syncwarp();
+      if (lane == 0) MbarArrive(stored);
+    }
+    if (EPI == kEpiDry)
+#pragma unroll
+      for (int b = 0; b < NB; ++b) StoreAccDirect<T, NW, true>(acc[b], p, row0, 64 * block(b), tok0, wq, lane);
+    if (EPI == kEpiSink) {  // the same stores into this CTA's own BT x BR corner of y, again and again
+      const int tok_sink = (blockIdx.x % (p.tokens / BT)) * BT;
+#pragma unroll
+      for (int b = 0; b < NB; ++b) StoreAccDirect<T, NW>(acc[b], p, 0, 64 * block(b), tok_sink, wq, lane);
+    }
   }
 #else
   __trap();
 #endif
 }
 
-template <int BR, int BT, int STAGES, bool RS, bool META, bool PP, bool EPI>
+template <int BR, int BT, int STAGES, bool RS, bool META, bool PP, int EPI>
 ffi::Error LaunchStripped(cudaStream_t stream, const SpmmXtParams& p) {
   constexpr auto kernel = StrippedKernel<BR, BT, STAGES, RS, META, PP, EPI>;
-  constexpr int smem = STAGES * StrippedLayout<BR, BT, RS, META>::kStageBytes + 16 * STAGES + 1024;
+  constexpr int smem = STAGES * StrippedLayout<BR, BT, RS, META>::kStageBytes + 16 * STAGES + 8 + 1024;
   static_assert(smem <= 227 * 1024, "shared memory");
   if (ffi::Error e = RaiseSmemLimit<kernel>(smem, "cudaFuncSetAttribute(StrippedKernel)"); e.failure()) return e;
   CUtensorMap tma_a{}, tma_x{};
@@ -240,12 +270,15 @@ struct Variant {
   const char* name;
   int stages;
   bool rs, meta;
-  Launcher full, no_epilogue;
+  Launcher full, no_epilogue, sink, held, dry;  // held: null for ping-pong
 };
 template <int BR, int BT, int STAGES, bool RS, bool META = false, bool PP = false>
 Variant Make(const char* name) {
-  return {name, STAGES, RS, META, LaunchStripped<BR, BT, STAGES, RS, META, PP, true>,
-          LaunchStripped<BR, BT, STAGES, RS, META, PP, false>};
+  Launcher held = nullptr;
+  if constexpr (!PP) held = LaunchStripped<BR, BT, STAGES, RS, META, false, kEpiStoreHeld>;
+  return {name, STAGES, RS, META, LaunchStripped<BR, BT, STAGES, RS, META, PP, kEpiStore>,
+          LaunchStripped<BR, BT, STAGES, RS, META, PP, kEpiNone>, LaunchStripped<BR, BT, STAGES, RS, META, PP, kEpiSink>,
+          held, LaunchStripped<BR, BT, STAGES, RS, META, PP, kEpiDry>};
 }
 
 int Main() {
@@ -294,7 +327,9 @@ int Main() {
     for (const auto* ref : {&ref_constant, &ref_random})
       for (size_t b = 0; b + 1 < ref->size(); b += 2) ref_poisoned += (*ref)[b] == 0xff && (*ref)[b + 1] == 0xff;
     std::printf("%s  {\"K\": %d, \"N\": %d, \"tile\": \"ws128x256 (extension)\", \"stages\": 4, \"rs\": false, "
-                "\"full_ms\": %.5f, \"no_epilogue_ms\": null, \"mismatches_vs_extension\": 0, \"poisoned\": %lld}",
+                "\"full_ms\": %.5f, \"no_epilogue_ms\": null, \"l2_sink_ms\": null, \"held_ms\": null, \"dry_ms\": null, "
+                "\"mismatches_vs_extension\": 0, "
+                "\"poisoned\": %lld}",
                 first ? "" : ",\n", k, rows, MedianMs(ref_launch, problem.Params(d_random), reps), ref_poisoned);
     first = false;
     for (const Variant& v : variants) {
@@ -308,10 +343,13 @@ int Main() {
         mismatches = 0;
         for (size_t b = 0; b < got.size(); ++b) mismatches += got[b] != want[b];
       }
-      const float full = MedianMs(v.full, p, reps), no_epi = MedianMs(v.no_epilogue, p, reps);
+      const float full = MedianMs(v.full, p, reps), no_epi = MedianMs(v.no_epilogue, p, reps),
+                  sink = MedianMs(v.sink, p, reps), held = v.held ? MedianMs(v.held, p, reps) : -1.f,
+                  dry = MedianMs(v.dry, p, reps);
       std::printf(",\n  {\"K\": %d, \"N\": %d, \"tile\": \"%s\", \"stages\": %d, \"rs\": %s, \"full_ms\": %.5f, "
-                  "\"no_epilogue_ms\": %.5f, \"mismatches_vs_extension\": %lld}",
-                  k, rows, v.name, v.stages, v.rs ? "true" : "false", full, no_epi, mismatches);
+                  "\"no_epilogue_ms\": %.5f, \"l2_sink_ms\": %.5f, \"held_ms\": %.5f, \"dry_ms\": %.5f, "
+                  "\"mismatches_vs_extension\": %lld}",
+                  k, rows, v.name, v.stages, v.rs ? "true" : "false", full, no_epi, sink, held, dry, mismatches);
       std::fflush(stdout);
     }
   }
