@@ -17,8 +17,9 @@
 //     stores can overlap the other's main loop.
 // Every variant is also timed with no epilogue; with its stores sent to a corner of y that each CTA rewrites
 // (L2-resident: the stores without Y's DRAM writes); with the producer holding a tile's loads until the stores of
-// the tile before were performed; and "dry" (the epilogue's work without its stores).  Every SS variant computes real products and is checked byte
-// for byte against the extension's ws128x256 kernel run on the same metadata (from a y poisoned with 0xff).
+// the tile before were performed; and "dry" (the epilogue's work without its stores).  Every SS variant computes
+// real products and is checked byte for byte against the extension's ws128x256 kernel run on the same metadata
+// (from a y poisoned with 0xff).
 //   bash benchmarks/rs_probe.sh      # nvcc (sm_90a), runs it, writes benchmarks/results/<gpu>/rs_probe.json
 //   RS_PROBE_ONLY=<text>             # runs only the variants whose name contains it
 #include "../cuda/spmm_xt.cu"
@@ -76,7 +77,8 @@ __device__ __forceinline__ void StoreAccDirect(const float (&acc)[NW / 2], const
     const uint32_t x = bt ? got2 : mine, y = bt ? mine : got2;
     const uint2 out = make_uint2(__byte_perm(x, y, bh ? 0x7632 : 0x5410),   // rows 0, 1
                                  __byte_perm(x, y, bh ? 0x5410 : 0x7632));  // rows 2, 3
-    const bool store = DRY ? (out.x ^ out.y) == 0x7fffffffu - static_cast<uint32_t>(p.activation) : tok + 8 * j < p.tokens;
+    const bool store =
+        DRY ? (out.x ^ out.y) == 0x7fffffffu - static_cast<uint32_t>(p.activation) : tok + 8 * j < p.tokens;
     if (store) *reinterpret_cast<uint2*>(ptr + j * step) = out;
   }
 }
@@ -276,9 +278,15 @@ template <int BR, int BT, int STAGES, bool RS, bool META = false, bool PP = fals
 Variant Make(const char* name) {
   Launcher held = nullptr;
   if constexpr (!PP) held = LaunchStripped<BR, BT, STAGES, RS, META, false, kEpiStoreHeld>;
-  return {name, STAGES, RS, META, LaunchStripped<BR, BT, STAGES, RS, META, PP, kEpiStore>,
-          LaunchStripped<BR, BT, STAGES, RS, META, PP, kEpiNone>, LaunchStripped<BR, BT, STAGES, RS, META, PP, kEpiSink>,
-          held, LaunchStripped<BR, BT, STAGES, RS, META, PP, kEpiDry>};
+  return {name,
+          STAGES,
+          RS,
+          META,
+          LaunchStripped<BR, BT, STAGES, RS, META, PP, kEpiStore>,
+          LaunchStripped<BR, BT, STAGES, RS, META, PP, kEpiNone>,
+          LaunchStripped<BR, BT, STAGES, RS, META, PP, kEpiSink>,
+          held,
+          LaunchStripped<BR, BT, STAGES, RS, META, PP, kEpiDry>};
 }
 
 int Main() {
@@ -327,9 +335,8 @@ int Main() {
     for (const auto* ref : {&ref_constant, &ref_random})
       for (size_t b = 0; b + 1 < ref->size(); b += 2) ref_poisoned += (*ref)[b] == 0xff && (*ref)[b + 1] == 0xff;
     std::printf("%s  {\"K\": %d, \"N\": %d, \"tile\": \"ws128x256 (extension)\", \"stages\": 4, \"rs\": false, "
-                "\"full_ms\": %.5f, \"no_epilogue_ms\": null, \"l2_sink_ms\": null, \"held_ms\": null, \"dry_ms\": null, "
-                "\"mismatches_vs_extension\": 0, "
-                "\"poisoned\": %lld}",
+                "\"full_ms\": %.5f, \"no_epilogue_ms\": null, \"l2_sink_ms\": null, \"held_ms\": null, "
+                "\"dry_ms\": null, \"mismatches_vs_extension\": 0, \"poisoned\": %lld}",
                 first ? "" : ",\n", k, rows, MedianMs(ref_launch, problem.Params(d_random), reps), ref_poisoned);
     first = false;
     for (const Variant& v : variants) {

@@ -17,12 +17,13 @@ sys.path.insert(0, here)
 import common
 doc = common.probe_document(raw)
 common.write_json(common.results_path("rs_probe.json", out or None), doc)
-print(f"{'K':>5} {'N':>5} {'tile':>22} {'stages':>6} {'full ms':>8} {'no epi':>8} {'L2 sink':>8} {'held':>8} {'dry':>8} {'differ':>7}")
+print(f"{'K':>5} {'N':>5} {'tile':>22} {'stages':>6} {'full ms':>8} {'no epi':>8} {'L2 sink':>8} {'held':>8} "
+      f"{'dry':>8} {'differ':>7}")
 for r in doc["results"]:
     ne = "-" if r["no_epilogue_ms"] is None else f"{r['no_epilogue_ms']:8.4f}"
     sk = "-" if r.get("l2_sink_ms") is None else f"{r['l2_sink_ms']:8.4f}"
     hd = "-" if r.get("held_ms") is None or r["held_ms"] < 0 else f"{r['held_ms']:8.4f}"
     dr = "-" if r.get("dry_ms") is None else f"{r['dry_ms']:8.4f}"
-    print(f"{r['K']:>5} {r['N']:>5} {r['tile']:>22} {r['stages']:>6} {r['full_ms']:8.4f} {ne:>8} {sk:>8} {hd:>8} {dr:>8} "
-          f"{r['mismatches_vs_extension']:>7}")
+    print(f"{r['K']:>5} {r['N']:>5} {r['tile']:>22} {r['stages']:>6} {r['full_ms']:8.4f} {ne:>8} {sk:>8} {hd:>8} "
+          f"{dr:>8} {r['mismatches_vs_extension']:>7}")
 PY

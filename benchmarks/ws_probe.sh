@@ -16,7 +16,8 @@ sys.path.insert(0, here)
 import common
 doc = common.probe_document(raw)  # the probe names its GPU itself
 common.write_json(common.results_path("ws_probe.json", out or None), doc)
-print(f"{'K':>5} {'N':>5} {'tile':>20} {'mode':>14} {'ms':>8} {'of full':>8} {'TB/s in':>8} {'differ':>7} {'poison':>7}")
+print(f"{'K':>5} {'N':>5} {'tile':>20} {'mode':>14} {'ms':>8} {'of full':>8} {'TB/s in':>8} {'differ':>7} "
+      f"{'poison':>7}")
 full = {}
 for r in doc["results"]:
     key = (r["K"], r["N"], r["tile"])
