@@ -154,7 +154,8 @@ def hyperparameters(args: argparse.Namespace) -> dict[str, Any]:
             **({"distill_attention": args.distill_attention} if args.distill_attention else {}),
             **({"distill_augment": args.distill_augment} if args.distill_augment else {}),
             **({"augment_neighbors": args.augment_neighbors} if args.augment_neighbors else {}),
-            **({"student_epochs": args.student_epochs} if args.student_epochs else {})}
+            **({"student_epochs": args.student_epochs} if args.student_epochs else {}),
+            **({"student_lr": args.student_lr} if args.student_lr else {})}
 
 
 def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> argparse.Namespace:
@@ -171,6 +172,7 @@ def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> a
             "--distill-augment", str(args.distill_augment if sparsity != "dense" else 0.0),
             "--augment-neighbors", str(args.augment_neighbors if sparsity != "dense" else 0),
             "--student-epochs", str(args.student_epochs if sparsity != "dense" else 0),
+            "--student-lr", str(args.student_lr if sparsity != "dense" else 0.0),
             "--fade", str(args.fade), "--score", args.score,
             "--init", args.init if sparsity != "dense" else "pretrained", "--no-progress"]
     if args.refit and sparsity != "dense":
@@ -328,6 +330,7 @@ def section(payload: dict) -> str:
                               if hp.get("distill_augment") else [])
                            + ([f"fade {hp['fade']:g}"] if fades else [])
                            + ([f"{hp['score']} score"] if hp.get("score", "magnitude") != "magnitude" else [])
+                           + ([f"student lr {hp['student_lr']:g}"] if hp.get("student_lr") else [])
                            + (["from the fine-tuned teacher"] if hp.get("init") == "teacher" else []))
     sparse_part = "" if dense_only else (
         "; sparse runs "
@@ -344,7 +347,9 @@ def section(payload: dict) -> str:
         f"### {env['device']} ({env['platform']}): {recipe}{' — quick smoke run, not a result' if hp.get('quick') else ''}",
         "",
         f"Pretrained all-MiniLM-L6-v2{layers}, fine-tuned {epochs}, batch {hp['batch_size']}, "
-        f"{hp['max_len']} tokens, AdamW lr {hp['lr']:g} (warm-up {hp['warmup']:g}, cosine), weight decay "
+        f"{hp['max_len']} tokens, AdamW lr {hp['lr']:g}"
+        + (f" (sparse runs {hp['student_lr']:g})" if hp.get("student_lr") else "")
+        + f" (warm-up {hp['warmup']:g}, cosine), weight decay "
         f"{hp['weight_decay']:g}, compute {hp['dtype']}, fp32 master weights{sparse_part}. "
         f"Test splits: {', '.join(f'{t} {n}' for t, n in payload.get('test_examples', {}).items())} examples. "
         f"Grid {done}; {payload.get('wall_seconds', 0) / 60:.1f} min wall.",
@@ -585,7 +590,7 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
 # Hyper-parameters that change only sparse runs: dense baselines measured under another pruning recipe are
 # the same experiment, so --dense-from may take them into a study that differs only in these.
 SPARSE_ONLY_HYPERPARAMETERS = ("prune", "ladder", "prune_begin", "prune_end", "fade", "score", "distill",
-                               "temperature", "distill_hidden", "distill_attention", "distill_augment", "augment_neighbors", "student_epochs", "compress", "init", "refit", "refit_batches")
+                               "temperature", "distill_hidden", "distill_attention", "distill_augment", "augment_neighbors", "student_epochs", "student_lr", "compress", "init", "refit", "refit_batches")
 
 
 def _dense_settings(hp: dict) -> dict:

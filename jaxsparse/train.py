@@ -46,7 +46,7 @@ MODELS = ("minilm",) + tuple(n for n in bert.PRESETS if n != "minilm")
 def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     """The sparse fine-tuning recipe options shared by ``jaxsparse-train`` and ``benchmarks/accuracy.py``:
     ``--fade``, ``--score``, ``--distill``, ``--temperature``, ``--distill-hidden``, ``--distill-attention``,
-    ``--distill-augment``, ``--augment-neighbors``, ``--student-epochs``, ``--init``, ``--refit``,
+    ``--distill-augment``, ``--augment-neighbors``, ``--student-epochs``, ``--student-lr``, ``--init``, ``--refit``,
     ``--refit-batches``."""
     p.add_argument("--fade", type=float, default=0.0,
                    help="GMP: before each stage, fade the weights it will prune to zero over this fraction of all "
@@ -76,6 +76,8 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
                         "token_neighbors) instead of a token drawn from the batch (0 = the batch)")
     p.add_argument("--student-epochs", type=int, default=0,
                    help="sparse runs train this many epochs (0 = --epochs); the dense teacher keeps --epochs")
+    p.add_argument("--student-lr", type=float, default=0.0,
+                   help="sparse runs' peak learning rate (0 = --lr); the dense teacher keeps --lr")
     p.add_argument("--init", default="pretrained", choices=INITS,
                    help="where sparse runs start: the pretrained weights, or the dense teacher fine-tuned with the "
                         "same settings (prune a fine-tuned model, as oBERT's downstream pruning does)")
@@ -113,6 +115,10 @@ def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
         p.error("need --student-epochs >= 0")
     if args.student_epochs > 0 and getattr(args, "sparsity", None) == "dense":
         p.error("--student-epochs sets a sparse run's epochs: give a --sparsity pattern (dense runs take --epochs)")
+    if not args.student_lr >= 0.0:
+        p.error("need --student-lr >= 0")
+    if args.student_lr > 0 and getattr(args, "sparsity", None) == "dense":
+        p.error("--student-lr sets a sparse run's learning rate: give a --sparsity pattern (dense runs take --lr)")
     if args.init == "teacher" and getattr(args, "sparsity", None) == "dense":
         p.error("--init teacher starts a sparse run from a dense teacher: give a --sparsity pattern")
     if args.refit and args.prune != "oneshot":
@@ -452,6 +458,12 @@ def run_epochs(args: argparse.Namespace) -> int:
     return student if student > 0 and args.sparsity != "dense" else args.epochs
 
 
+def run_lr(args: argparse.Namespace) -> float:
+    """The peak learning rate of a run of ``args``: ``--student-lr`` for a sparse run that sets it, else ``--lr``."""
+    student = float(getattr(args, "student_lr", 0.0) or 0.0)
+    return student if student > 0 and args.sparsity != "dense" else args.lr
+
+
 def in_step_distillation(args: argparse.Namespace) -> tuple[float, float, float]:
     """``(distill_hidden, distill_attention, distill_augment)`` of a run: the weights of the distillation terms
     whose dense teacher runs inside every training step, each 0 where it does not apply (hidden-state or
@@ -689,9 +701,10 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
     epochs = run_epochs(args)
     total = steps_per_epoch * epochs
     warmup = max(1, int(args.warmup * total))
-    lr = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, max(total, 2), 0.0)
+    peak_lr = run_lr(args)
+    lr = optax.warmup_cosine_decay_schedule(0.0, peak_lr, warmup, max(total, 2), 0.0)
     base = optax.adamw(lr, weight_decay=args.weight_decay, mask=lambda p: jax.tree_util.tree_map(lambda x: x.ndim > 1, p))
-    base_key = (args.lr, args.weight_decay, warmup, max(total, 2))
+    base_key = (peak_lr, args.weight_decay, warmup, max(total, 2))
     prune = None
     score = getattr(args, "score", "magnitude")
     fade_steps = int(getattr(args, "fade", 0.0) * total)
@@ -789,7 +802,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         "ladder": [str(s) for s in prune.schedule.ladder] if prune is not None else [],
         "stage_steps": list(prune.schedule.stage_steps) if prune is not None else [],
         "compressed_training": compressed, "seed": args.seed, "epochs": epochs,
-        "batch_size": args.batch_size, "lr": args.lr, "max_len": args.max_len, "dtype": args.dtype,
+        "batch_size": args.batch_size, "lr": peak_lr, "max_len": args.max_len, "dtype": args.dtype,
         "distill": distill, "temperature": temperature if distill > 0 else None, "distill_hidden": hidden,
         "distill_attention": attention, "distill_augment": augment, "augment_neighbors": n_neighbors,
         "refit": refit, "refit_batches": n_cal if refit else None,
@@ -829,7 +842,7 @@ def predict_logits(cfg: bert.BertConfig, variables: dict, batch: data_lib.Batch,
 def teacher_args(args: argparse.Namespace) -> argparse.Namespace:
     """The dense teacher's run: ``args`` with no sparsity, no pruning, no distillation."""
     return argparse.Namespace(**{**vars(args), "sparsity": "dense", "prune": "none", "distill": 0.0, "distill_hidden": 0.0,
-                                 "distill_attention": 0.0, "distill_augment": 0.0, "augment_neighbors": 0, "student_epochs": 0, "ladder": None,
+                                 "distill_attention": 0.0, "distill_augment": 0.0, "augment_neighbors": 0, "student_epochs": 0, "student_lr": 0.0, "ladder": None,
                                  "init": "pretrained"})
 
 
@@ -862,7 +875,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          teacher_params=teacher_params if teacher_in_step(args) else None)
     metrics["init"] = init
     if teacher is not None:
-        metrics["teacher"] = {k: teacher_metrics[k] for k in ("dev_accuracy", "test_accuracy", "steps")}
+        metrics["teacher"] = {k: teacher_metrics[k] for k in ("dev_accuracy", "test_accuracy", "steps", "lr")}
     metrics["seconds"] = time.time() - t_start
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     save_checkpoint(out / "checkpoint", final)

@@ -528,14 +528,19 @@ def test_distill_augment_run(tmp_path):
             train.parse_args(argv)
 
 
-def test_student_epochs_sets_the_sparse_run_alone(tmp_path):
-    """--student-epochs: the sparse run trains that many epochs, its dense teacher keeps --epochs."""
-    args, data_, cfg = _tiny_sparse_run(tmp_path, "--epochs", "1", "--distill", "0.5", "--student-epochs", "2")
+def test_student_epochs_and_lr_set_the_sparse_run_alone(tmp_path):
+    """--student-epochs and --student-lr: the sparse run trains that many epochs at that peak learning rate, its
+    dense teacher keeps --epochs and --lr."""
+    args, data_, cfg = _tiny_sparse_run(tmp_path, "--epochs", "1", "--distill", "0.5", "--student-epochs", "2",
+                                        "--lr", "1e-4", "--student-lr", "3e-4")
     assert train.run_epochs(args) == 2 and train.run_epochs(train.teacher_args(args)) == 1
+    assert train.run_lr(args) == 3e-4 and train.run_lr(train.teacher_args(args)) == 1e-4
     metrics = train.run(args)
     assert metrics["epochs"] == 2 and len(metrics["history"]) == 2
     assert metrics["steps"] == 2 * metrics["teacher"]["steps"]
-    for argv in (["--student-epochs", "-1"], ["--sparsity", "dense", "--student-epochs", "2"]):
+    assert metrics["lr"] == 3e-4 and metrics["teacher"]["lr"] == 1e-4
+    for argv in (["--student-epochs", "-1"], ["--sparsity", "dense", "--student-epochs", "2"],
+                 ["--student-lr", "-1e-4"], ["--sparsity", "dense", "--student-lr", "2e-4"]):
         with pytest.raises(SystemExit):
             train.parse_args(argv)
 
