@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 5: the learning-rate sweep of session 16 (docs/results.md, "Session 16's plan"), run on the GPU machine:
+#   SPARSE="trec:2e-4:0 trec:4e-4:0" DENSE="trec:2e-4:0,1,2" OUT=/tmp/out bash benchmarks/accuracy_lr_sweep.sh
+# copies each process's accuracy.json and log to $OUT and prints dev and test accuracy per run.
+# SPARSE="task:lr:seed ..."  64:2:8 runs of session 14's recipe with --student-lr lr (teacher at --lr 1e-4)
+# DENSE="task:lr:seeds ..."   dense runs at --lr lr, seeds comma-separated, one process each
+set -u
+: "${OUT:?set OUT to the folder for the result files}"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 JAXSPARSE_DATA_DIR=$PWD/.devdata PYTHONPATH=$PWD JAXSPARSE_COMMIT=${COMMIT:-unknown}
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+t0=$(date +%s); el() { echo "$(( $(date +%s) - t0 ))s"; }
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+mkdir -p /tmp/teachers /tmp/acc
+pids=()
+for spec in ${SPARSE:-}; do
+  IFS=: read task lr seed <<< "$spec"
+  d=/tmp/acc/sparse_${task}_lr${lr}_s$seed; mkdir -p $d
+  timeout ${LIMIT:-570} python3 benchmarks/accuracy.py --tasks $task --sparsities 64:2:8 --seed-list $seed --epochs 6 \
+    --prune-end 0.33 --fade 0.15 --distill 0.9 --refit-batches 32 --temperature 2 --score activation \
+    --init teacher --prune oneshot --refit --distill-hidden 5 --distill-attention 1 --distill-augment 0.3 \
+    --augment-neighbors 8 --student-epochs 24 --student-lr $lr --teacher-dir /tmp/teachers \
+    --out-dir $d --no-progress > $d/log.txt 2>&1 &
+  pids+=($!)
+done
+for spec in ${DENSE:-}; do
+  IFS=: read task lr seeds <<< "$spec"
+  d=/tmp/acc/dense_${task}_lr${lr}_s${seeds//,/}; mkdir -p $d
+  timeout ${LIMIT:-570} python3 benchmarks/accuracy.py --tasks $task --sparsities dense --seed-list $seeds --epochs 6 \
+    --lr $lr --out-dir $d --no-progress > $d/log.txt 2>&1 &
+  pids+=($!)
+done
+for p in "${pids[@]}"; do wait $p; st=$?; echo "pid $p rc $st at $(el)"; done
+for d in /tmp/acc/*; do
+  n=$(basename $d); echo "== $n"; tail -2 $d/log.txt
+  [ -f $d/accuracy.json ] && cp $d/accuracy.json $OUT/$n.json
+  cp $d/log.txt $OUT/$n.log
+done
+python3 - <<'PY'
+import json, glob, os
+for f in sorted(glob.glob(os.environ["OUT"] + "/*.json")):
+    d = json.load(open(f)); hp = d["hyperparameters"]
+    for r in d["runs"]:
+        print(f"{r['task']:5s} {r['sparsity']:7s} lr {r.get('lr', hp.get('student_lr') or hp['lr']):g} seed {r['seed']}  "
+              f"dev {100*r['dev_accuracy']:.2f}  test {100*r['test_accuracy']:.2f}  {r['seconds']:.0f} s")
+PY
