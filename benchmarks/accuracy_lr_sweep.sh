@@ -35,6 +35,7 @@ for d in /tmp/acc/*; do
   [ -f $d/accuracy.json ] && cp $d/accuracy.json $OUT/$n.json
   cp $d/log.txt $OUT/$n.log
 done
+tar czf $OUT/accuracy_lr_sweep.tgz -C $OUT $(cd $OUT && ls *.json *.log)  # one file: the device returns few
 python3 - <<'PY'
 import json, glob, os
 for f in sorted(glob.glob(os.environ["OUT"] + "/*.json")):
