@@ -41,6 +41,7 @@ import json, glob, os
 for f in sorted(glob.glob(os.environ["OUT"] + "/*.json")):
     d = json.load(open(f)); hp = d["hyperparameters"]
     for r in d["runs"]:
-        print(f"{r['task']:5s} {r['sparsity']:7s} lr {r.get('lr', hp.get('student_lr') or hp['lr']):g} seed {r['seed']}  "
+        lr = hp.get("student_lr") if r["sparsity"] != "dense" and hp.get("student_lr") else hp["lr"]
+        print(f"{r['task']:5s} {r['sparsity']:7s} lr {lr:g} seed {r['seed']}  "
               f"dev {100*r['dev_accuracy']:.2f}  test {100*r['test_accuracy']:.2f}  {r['seconds']:.0f} s")
 PY

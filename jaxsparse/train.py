@@ -452,16 +452,20 @@ def attention_distill_loss(student: Sequence[jax.Array], teacher: Sequence[jax.A
     return jnp.mean(jnp.stack(terms))
 
 
+def _student_setting(args: argparse.Namespace, name: str):
+    """``args.student_<name>`` for a sparse run that sets it (> 0), else ``args.<name>``: the ``--student-*`` rule."""
+    student = getattr(args, f"student_{name}", 0) or 0
+    return student if student > 0 and args.sparsity != "dense" else getattr(args, name)
+
+
 def run_epochs(args: argparse.Namespace) -> int:
     """The epochs a run of ``args`` trains: ``--student-epochs`` for a sparse run that sets it, else ``--epochs``."""
-    student = int(getattr(args, "student_epochs", 0) or 0)
-    return student if student > 0 and args.sparsity != "dense" else args.epochs
+    return int(_student_setting(args, "epochs"))
 
 
 def run_lr(args: argparse.Namespace) -> float:
     """The peak learning rate of a run of ``args``: ``--student-lr`` for a sparse run that sets it, else ``--lr``."""
-    student = float(getattr(args, "student_lr", 0.0) or 0.0)
-    return student if student > 0 and args.sparsity != "dense" else args.lr
+    return float(_student_setting(args, "lr"))
 
 
 def in_step_distillation(args: argparse.Namespace) -> tuple[float, float, float]:
