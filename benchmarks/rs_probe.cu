@@ -15,6 +15,11 @@
 //   * ping-pong (PP): each consumer warpgroup owns whole 128 x 128 tiles (two m64n128 blocks), taking every other
 //     tile of the CTA in turn with the other (named barriers 2 + w: "warpgroup w's turn"), so one warpgroup's Y
 //     stores can overlap the other's main loop.
+//   * staggered (session 17): cooperative tiles, warpgroup 1 started STAGES - 1 stages behind warpgroup 0, so that
+//     each warpgroup's epilogue could run while the other still has products to issue;
+//   * the epilogue's 8-token columns taken in batches of 4 or 8 (all packs, then all first shuffles, ...), and with
+//     the GELU code compiled out (session 17).
+// RS_PROBE_TRACE=1 also prints CTA 0's per-tile timeline of each warpgroup (products, epilogue, lag) in cycles.
 // Every variant is also timed with no epilogue; with its stores sent to a corner of y that each CTA rewrites
 // (L2-resident: the stores without Y's DRAM writes); with the producer holding a tile's loads until the stores of
 // the tile before were performed; and "dry" (the epilogue's work without its stores).  Every SS variant computes
@@ -25,6 +30,7 @@
 #include "../cuda/spmm_xt.cu"
 #include "probe_problem.cuh"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -47,9 +53,14 @@ using probe_problem::MedianMs;
 // session 15 at the same time as the extension's staged epilogue; the extension does not use it.)
 // DRY: everything but the stores (a store only where the packed values hit a pattern that never occurs, so the
 // compiler keeps the work that makes them).
-template <typename T, int NW, bool DRY = false>
+// BATCH: how many of the 8-token columns go through each step together (all their packs, then all their first
+// shuffles, ...), so that the shuffles' latencies overlap instead of chaining column after column (session 17: the
+// epilogue without stores took ~3900 cycles a tile, about 3x its instruction count at one per cycle).
+// GELU false: the activation's code is compiled out (only p.activation == 0 is then right).
+template <typename T, int NW, bool DRY = false, int BATCH = 1, bool GELU = true>
 __device__ __forceinline__ void StoreAccDirect(const float (&acc)[NW / 2], const SpmmXtParams& p, int row0, int r_base,
                                                int tok_base, int wq, int lane) {
+  static_assert((NW / 8) % BATCH == 0, "whole batches of 8-token columns");
   const int q = lane >> 2, b = q & 3;
   const bool bh = b & 2, bt = b & 1;
   const float bias_lo = BiasAt<T>(p.bias, p.bias_f32, row0 + r_base + 16 * wq + q);
@@ -58,28 +69,43 @@ __device__ __forceinline__ void StoreAccDirect(const float (&acc)[NW / 2], const
   const int64_t step = 8 * static_cast<int64_t>(p.rows);  // 8 tokens of y
   T* ptr = static_cast<T*>(p.y) + static_cast<int64_t>(tok) * p.rows + row0 + r_base + 16 * wq + 8 * (b >> 1) +
            4 * (lane >> 4);
+  const uint32_t sel_mine = bt ? 0x7632 : 0x5410, sel_other = bt ? 0x5410 : 0x7632;
+  const uint32_t sel_x = bh ? 0x7632 : 0x5410, sel_y = bh ? 0x5410 : 0x7632;
 #pragma unroll
-  for (int j = 0; j < NW / 8; ++j) {
-    float v[4];
+  for (int j0 = 0; j0 < NW / 8; j0 += BATCH) {
+    uint32_t keep[BATCH], send[BATCH];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {  // e = 2 x (high 8 features) + token
-      v[e] = acc[4 * j + e] + ((e & 2) ? bias_hi : bias_lo);
-      if (p.activation == 1) v[e] = GeluTanh(v[e]);
+    for (int u = 0; u < BATCH; ++u) {
+      const int j = j0 + u;
+      float v[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {  // e = 2 x (high 8 features) + token
+        v[e] = acc[4 * j + e] + ((e & 2) ? bias_hi : bias_lo);
+        if (GELU && p.activation == 1) v[e] = GeluTanh(v[e]);
+      }
+      const uint32_t lo = PackPair<T>(v[0], v[1]), hi = PackPair<T>(v[2], v[3]);  // (token 0, token 1)
+      keep[u] = bh ? hi : lo;  // feature row b's word of this lane's half
+      send[u] = bh ? lo : hi;  // and row b ^ 2's, for lane b ^ 2
     }
-    const uint32_t lo = PackPair<T>(v[0], v[1]), hi = PackPair<T>(v[2], v[3]);  // (token 0, token 1)
-    // Feature row b's word of this lane's half, and row b ^ 2's.
-    const uint32_t keep = bh ? hi : lo;
-    const uint32_t got = __shfl_xor_sync(0xffffffffu, bh ? lo : hi, 8);
-    // (row b, row b ^ 2) at this lane's token, and at the other one, for lane b ^ 1.
-    const uint32_t mine = __byte_perm(keep, got, bt ? 0x7632 : 0x5410);
-    const uint32_t other = __byte_perm(keep, got, bt ? 0x5410 : 0x7632);
-    const uint32_t got2 = __shfl_xor_sync(0xffffffffu, other, 4);  // (row b ^ 1, row b ^ 3) at this lane's token
-    const uint32_t x = bt ? got2 : mine, y = bt ? mine : got2;
-    const uint2 out = make_uint2(__byte_perm(x, y, bh ? 0x7632 : 0x5410),   // rows 0, 1
-                                 __byte_perm(x, y, bh ? 0x5410 : 0x7632));  // rows 2, 3
-    const bool store =
-        DRY ? (out.x ^ out.y) == 0x7fffffffu - static_cast<uint32_t>(p.activation) : tok + 8 * j < p.tokens;
-    if (store) *reinterpret_cast<uint2*>(ptr + j * step) = out;
+    uint32_t mine[BATCH], other[BATCH];
+#pragma unroll
+    for (int u = 0; u < BATCH; ++u) {
+      const uint32_t got = __shfl_xor_sync(0xffffffffu, send[u], 8);
+      // (row b, row b ^ 2) at this lane's token, and at the other one, for lane b ^ 1.
+      mine[u] = __byte_perm(keep[u], got, sel_mine);
+      other[u] = __byte_perm(keep[u], got, sel_other);
+    }
+#pragma unroll
+    for (int u = 0; u < BATCH; ++u) {
+      const int j = j0 + u;
+      const uint32_t got2 = __shfl_xor_sync(0xffffffffu, other[u], 4);  // (row b ^ 1, row b ^ 3) at this lane's token
+      const uint32_t x = bt ? got2 : mine[u], y = bt ? mine[u] : got2;
+      const uint2 out = make_uint2(__byte_perm(x, y, sel_x),   // rows 0, 1
+                                   __byte_perm(x, y, sel_y));  // rows 2, 3
+      const bool store =
+          DRY ? (out.x ^ out.y) == 0x7fffffffu - static_cast<uint32_t>(p.activation) : tok + 8 * j < p.tokens;
+      if (store) *reinterpret_cast<uint2*>(ptr + j * step) = out;
+    }
   }
 }
 
@@ -105,6 +131,14 @@ __device__ __forceinline__ void BulkLoad(uint32_t dst, const void* src, int byte
 // kEpiNone reads one accumulator per block (a compare that never stores): with no reader at all, ptxas dropped products
 // whose results were dead (session 16: 2 wgmma instructions in the RS 256x128 loop where a stage needs 4, and times
 // twice the tensor cores' peak), so session 15's no-epilogue times of the RS variants were not the main loop's.
+// CTA 0's timeline, for RS_PROBE_TRACE: per consumer warpgroup and tile (up to kTraceTiles), clock64 at the tile's
+// start, when its products are done and when its epilogue is done (written by the warpgroup's first thread).
+constexpr int kTraceTiles = 64;
+__device__ unsigned long long g_trace[2][kTraceTiles][3];
+__device__ __forceinline__ void Trace(int cw, int i, int what, int tid) {
+  if (blockIdx.x == 0 && (tid & 127) == 0 && i < kTraceTiles) g_trace[cw][i][what] = clock64();
+}
+
 enum StrippedEpilogue { kEpiNone = 0, kEpiStore = 1, kEpiSink = 2, kEpiStoreHeld = 3, kEpiDry = 4 };
 
 template <int BR, int BT, bool RS, bool META>
@@ -115,23 +149,34 @@ struct StrippedLayout {
   static constexpr int kStageBytes = kABytes + kBBytes + kMBytes;
 };
 
-template <int BR, int BT, int STAGES, bool RS, bool META, bool PP, int EPI>
+// How the two consumer warpgroups share the CTA's tiles: cooperatively (both on every tile, one 64-feature half each,
+// in step), ping-pong (each warpgroup owns every other tile, m64n128 blocks), or staggered (cooperative, but warp
+// group 1 starts its first tile only after warpgroup 0 has consumed STAGES - 1 stages of it; the ring is released
+// per warp, so warpgroup 0 stays that many stages ahead for good, and each warpgroup's epilogue runs while the other
+// still has stages of products left: the tensor cores are fed by one warpgroup during part of each epilogue).
+enum StrippedSchedule { kCoop = 0, kPingPong = 1, kStagger = 2 };
+
+template <int BR, int BT, int STAGES, bool RS, bool META, int SCHED, int EPI, int EB>
 __global__ void __launch_bounds__(kWsThreads, 1)
     StrippedKernel(const SpmmXtParams p, const __grid_constant__ CUtensorMap tma_a,
                    const __grid_constant__ CUtensorMap tma_x) {
 #ifdef JAXSPARSE_WGMMA
   using T = __nv_bfloat16;
   using L = StrippedLayout<BR, BT, RS, META>;
+  constexpr bool PP = SCHED == kPingPong, STAG = SCHED == kStagger;
+  constexpr int kBatch = EB % 100;     // EB: the epilogue's batch of 8-token columns,
+  constexpr bool kGelu = EB < 100;     // + 100 with the GELU code compiled out
   constexpr int NB = PP ? BR / 64 : BR / 128, NW = BT;  // feature blocks per consumer warpgroup; tokens per wgmma
   static_assert(NB * NW / 2 == 128, "128 accumulators per thread");
   static_assert(L::kStageBytes % 1024 == 0, "swizzle atoms stay 1024-byte aligned");
   static_assert(!(RS && (META || PP)), "RS runs on the constant metadata, cooperatively");
-  static_assert(!(PP && EPI == kEpiStoreHeld), "held stores are for the cooperative tiles");
+  static_assert(!(SCHED != kCoop && EPI == kEpiStoreHeld), "held stores are for the cooperative tiles");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const AlignedSmem aligned = AlignSmem1024(smem_raw);
   const uint32_t smem_base = aligned.addr;
   const uint32_t full0 = smem_base + STAGES * L::kStageBytes, empty0 = full0 + 8 * STAGES;
   const uint32_t stored = empty0 + 8 * STAGES;  // kEpiStoreHeld: a tile's stores performed
+  const uint32_t lead = stored + 8;             // kStagger: warpgroup 0 is STAGES - 1 stages ahead
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -139,6 +184,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       MbarInit(empty0 + 8 * s, PP ? 4 : 8);  // the warps that read the stage
     }
     MbarInit(stored, 8);
+    MbarInit(lead, 1);
   }
   __syncthreads();
   const int num_kt = (4 * p.groups + kKc - 1) / kKc, nfb = p.rows / BR;
@@ -172,8 +218,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   auto block = [&](int b) { return PP ? b : cw * NB + b; };  // tile-local 64-feature block of this thread's b
   int i = PP ? cw : 0;  // the tile's place in the CTA's sequence
   const int first = blockIdx.x + (PP ? cw * gridDim.x : 0), stride = (PP ? 2 : 1) * gridDim.x;
+  const int lead_kt = (num_kt < STAGES ? num_kt : STAGES) - 1;  // kStagger: the stage after which warpgroup 1 may start
+  if (STAG && cw == 1 && first < ntiles) MbarWait(lead, 0);
   for (int tile = first; tile < ntiles; tile += stride, i += PP ? 2 : 1) {
     const int row0 = (tile % nfb) * BR, tok0 = (tile / nfb) * BT;
+    Trace(cw, i, 0, tid);
     if (PP && i > 0) NamedBarSync(2 + cw, 256);  // the other warpgroup has issued the products of tile i - 1
     float acc[NB][NW / 2];
 #pragma unroll
@@ -225,6 +274,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       WgmmaWait<1>();
       fence_acc();
       if (lane == 0 && kt > 0) MbarArrive(empty0 + 8 * ((it - 1) % STAGES));
+      if (STAG && it == lead_kt && tid == 128) MbarArrive(lead);  // warpgroup 0's first tile
     };
     for (int kt = 0; kt < num_kt; kt += 2) {
       run_stage(kt, std::false_type{});
@@ -234,9 +284,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     WgmmaWait<0>();
     fence_acc();
     if (lane == 0) MbarArrive(empty0 + 8 * ((it0 + num_kt - 1) % STAGES));
+    Trace(cw, i, 1, tid);
     if (EPI == kEpiStore || EPI == kEpiStoreHeld)
 #pragma unroll
-      for (int b = 0; b < NB; ++b) StoreAccDirect<T, NW>(acc[b], p, row0, 64 * block(b), tok0, wq, lane);
+      for (int b = 0; b < NB; ++b) StoreAccDirect<T, NW, false, kBatch, kGelu>(acc[b], p, row0, 64 * block(b), tok0, wq, lane);
     if (EPI == kEpiStoreHeld) {
       asm volatile("fence.acq_rel.gpu;\n" ::: "memory");  // this thread's stores performed
       __syncwarp();
@@ -250,22 +301,23 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     }
     if (EPI == kEpiDry)
 #pragma unroll
-      for (int b = 0; b < NB; ++b) StoreAccDirect<T, NW, true>(acc[b], p, row0, 64 * block(b), tok0, wq, lane);
+      for (int b = 0; b < NB; ++b) StoreAccDirect<T, NW, true, kBatch, kGelu>(acc[b], p, row0, 64 * block(b), tok0, wq, lane);
     if (EPI == kEpiSink) {  // the same stores into this CTA's own BT x BR corner of y, again and again
       const int tok_sink = (blockIdx.x % (p.tokens / BT)) * BT;
 #pragma unroll
-      for (int b = 0; b < NB; ++b) StoreAccDirect<T, NW>(acc[b], p, 0, 64 * block(b), tok_sink, wq, lane);
+      for (int b = 0; b < NB; ++b) StoreAccDirect<T, NW, false, kBatch, kGelu>(acc[b], p, 0, 64 * block(b), tok_sink, wq, lane);
     }
+    Trace(cw, i, 2, tid);
   }
 #else
   __trap();
 #endif
 }
 
-template <int BR, int BT, int STAGES, bool RS, bool META, bool PP, int EPI>
+template <int BR, int BT, int STAGES, bool RS, bool META, int SCHED, int EPI, int EB>
 ffi::Error LaunchStripped(cudaStream_t stream, const SpmmXtParams& p) {
-  constexpr auto kernel = StrippedKernel<BR, BT, STAGES, RS, META, PP, EPI>;
-  constexpr int smem = STAGES * StrippedLayout<BR, BT, RS, META>::kStageBytes + 16 * STAGES + 8 + 1024;
+  constexpr auto kernel = StrippedKernel<BR, BT, STAGES, RS, META, SCHED, EPI, EB>;
+  constexpr int smem = STAGES * StrippedLayout<BR, BT, RS, META>::kStageBytes + 16 * STAGES + 16 + 1024;
   static_assert(smem <= 227 * 1024, "shared memory");
   if (ffi::Error e = RaiseSmemLimit<kernel>(smem, "cudaFuncSetAttribute(StrippedKernel)"); e.failure()) return e;
   CUtensorMap tma_a{}, tma_x{};
@@ -283,19 +335,53 @@ struct Variant {
   bool rs, meta;
   Launcher full, no_epilogue, sink, held, dry;  // held: null for ping-pong
 };
-template <int BR, int BT, int STAGES, bool RS, bool META = false, bool PP = false>
+template <int BR, int BT, int STAGES, bool RS, bool META = false, int SCHED = kCoop, int EB = 1>
 Variant Make(const char* name) {
   Launcher held = nullptr;
-  if constexpr (!PP) held = LaunchStripped<BR, BT, STAGES, RS, META, false, kEpiStoreHeld>;
+  if constexpr (SCHED == kCoop) held = LaunchStripped<BR, BT, STAGES, RS, META, kCoop, kEpiStoreHeld, EB>;
   return {name,
           STAGES,
           RS,
           META,
-          LaunchStripped<BR, BT, STAGES, RS, META, PP, kEpiStore>,
-          LaunchStripped<BR, BT, STAGES, RS, META, PP, kEpiNone>,
-          LaunchStripped<BR, BT, STAGES, RS, META, PP, kEpiSink>,
+          LaunchStripped<BR, BT, STAGES, RS, META, SCHED, kEpiStore, EB>,
+          LaunchStripped<BR, BT, STAGES, RS, META, SCHED, kEpiNone, EB>,
+          LaunchStripped<BR, BT, STAGES, RS, META, SCHED, kEpiSink, EB>,
           held,
-          LaunchStripped<BR, BT, STAGES, RS, META, PP, kEpiDry>};
+          LaunchStripped<BR, BT, STAGES, RS, META, SCHED, kEpiDry, EB>};
+}
+
+// RS_PROBE_TRACE: runs the variant's full and dry kernels once more each and prints CTA 0's median per-tile
+// timeline to stderr (cycles): each warpgroup's products and epilogue, the tile period, and how far warpgroup 1's
+// products end after warpgroup 0's (the lag a staggered schedule keeps).
+void PrintTrace(const Variant& v, const SpmmXtParams& p, int k, int rows) {
+  for (const Launcher launch : {v.full, v.dry}) {
+    static unsigned long long zero[2][kTraceTiles][3];
+    PROBE_CHECK(cudaMemcpyToSymbol(g_trace, zero, sizeof(zero)));
+    if (launch(nullptr, p).failure()) std::abort();
+    PROBE_CHECK(cudaDeviceSynchronize());
+    unsigned long long t[2][kTraceTiles][3];
+    PROBE_CHECK(cudaMemcpyFromSymbol(t, g_trace, sizeof(t)));
+    std::vector<double> prod[2], epi[2], period, lag;
+    for (int i = 1; i + 1 < kTraceTiles; ++i) {
+      if (t[0][i + 1][0] == 0 || t[1][i + 1][0] == 0) break;
+      for (int w = 0; w < 2; ++w) {
+        prod[w].push_back(static_cast<double>(t[w][i][1] - t[w][i][0]));
+        epi[w].push_back(static_cast<double>(t[w][i][2] - t[w][i][1]));
+      }
+      period.push_back(static_cast<double>(t[0][i + 1][0] - t[0][i][0]));
+      lag.push_back(static_cast<double>(t[1][i][1]) - static_cast<double>(t[0][i][1]));
+    }
+    auto med = [](std::vector<double> x) {
+      if (x.empty()) return -1.0;
+      std::sort(x.begin(), x.end());
+      return x[x.size() / 2];
+    };
+    std::fprintf(stderr,
+                 "TRACE %d x %d %s %d stages %s: tiles %zu, period %.0f, products %.0f / %.0f, epilogue %.0f / %.0f, "
+                 "lag %.0f cycles\n",
+                 k, rows, v.name, v.stages, launch == v.full ? "full" : "dry", period.size(), med(period), med(prod[0]),
+                 med(prod[1]), med(epi[0]), med(epi[1]), med(lag));
+  }
 }
 
 int Main() {
@@ -316,8 +402,17 @@ int Main() {
                               Make<256, 128, 12, true>("rs256x128"),
                               Make<128, 256, 4, false, true>("meta-bulk coop128x256"),
                               Make<128, 256, 5, false, true>("meta-bulk coop128x256"),
-                              Make<128, 128, 6, false, true, true>("meta-bulk pp128x128"),
-                              Make<128, 128, 8, false, true, true>("meta-bulk pp128x128")};
+                              Make<128, 128, 6, false, true, kPingPong>("meta-bulk pp128x128"),
+                              Make<128, 128, 8, false, true, kPingPong>("meta-bulk pp128x128"),
+                              Make<128, 256, 4, false, false, kStagger>("stagger ss128x256"),
+                              Make<128, 256, 5, false, false, kStagger>("stagger ss128x256"),
+                              Make<256, 128, 6, false, false, kStagger>("stagger ss256x128"),
+                              Make<128, 256, 5, false, true, kStagger>("stagger meta-bulk coop128x256"),
+                              Make<128, 256, 4, false, false, kCoop, 4>("batch4 ss128x256"),
+                              Make<128, 256, 4, false, false, kCoop, 8>("batch8 ss128x256"),
+                              Make<128, 256, 5, false, true, kCoop, 8>("batch8 meta-bulk coop128x256"),
+                              Make<128, 256, 4, false, false, kCoop, 101>("nogelu batch1 ss128x256"),
+                              Make<128, 256, 4, false, false, kCoop, 108>("nogelu batch8 ss128x256")};
   const char* only = std::getenv("RS_PROBE_ONLY");
   bool first = true;
   for (const auto& shape : shapes) {
@@ -359,6 +454,7 @@ int Main() {
         mismatches = 0;
         for (size_t b = 0; b < got.size(); ++b) mismatches += got[b] != want[b];
       }
+      if (std::getenv("RS_PROBE_TRACE") != nullptr) PrintTrace(v, p, k, rows);
       const float full = MedianMs(v.full, p, reps), no_epi = MedianMs(v.no_epilogue, p, reps),
                   sink = MedianMs(v.sink, p, reps), held = v.held ? MedianMs(v.held, p, reps) : -1.f,
                   dry = MedianMs(v.dry, p, reps);

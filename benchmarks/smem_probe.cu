@@ -39,7 +39,9 @@ struct Out {
 };
 
 // kSparse: 0 dense (SS), 1 sparse with A from shared memory (SS), 2 sparse with A from registers (RS).
-template <int kSparse, bool kMma, bool kNoise>
+// kWgs: how many of the two consumer warpgroups issue products (1: warps 4-7 leave at once, so one warpgroup's
+// products run alone, as in a staggered schedule while the other warpgroup is in its epilogue).
+template <int kSparse, bool kMma, bool kNoise, int kWgs = 2>
 __global__ void __launch_bounds__(kThreads, 1) RateKernel(int iters, int noise_only_loads, Out* out) {
 #ifdef JAXSPARSE_WGMMA
   using namespace jaxsparse;
@@ -56,7 +58,7 @@ __global__ void __launch_bounds__(kThreads, 1) RateKernel(int iters, int noise_o
   __syncthreads();
 
   if (warp < 8) {
-    if (!kMma) return;
+    if (!kMma || warp >= 4 * kWgs) return;
     float acc[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
@@ -125,9 +127,9 @@ __global__ void __launch_bounds__(kThreads, 1) RateKernel(int iters, int noise_o
 #endif
 }
 
-template <int kSparse, bool kMma, bool kNoise>
+template <int kSparse, bool kMma, bool kNoise, int kWgs = 2>
 void Run(const char* name, int sms, int iters, bool first) {
-  auto kernel = RateKernel<kSparse, kMma, kNoise>;
+  auto kernel = RateKernel<kSparse, kMma, kNoise, kWgs>;
   PROBE_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   Out* d_out;
   PROBE_CHECK(cudaMalloc(&d_out, sms * sizeof(Out)));
@@ -142,10 +144,10 @@ void Run(const char* name, int sms, int iters, bool first) {
   double cyc = 0;
   for (const Out& o : h) {
     if (kMma) {
-      const double per_iter_macs = 2.0 * 64 * kN * 64;  // both warpgroups
+      const double per_iter_macs = kWgs * 64.0 * kN * 64;  // every issuing warpgroup
       mac.push_back(per_iter_macs * iters / o.mma_cycles);
       // Operand bytes per iteration and warpgroup: A (shared only: 8 KB dense, 4 KB sparse SS) + B 32 KB.
-      opb.push_back(2.0 * (kSparse == 2 ? 32768.0 : kSparse == 1 ? 36864.0 : 40960.0) * iters / o.mma_cycles);
+      opb.push_back(kWgs * (kSparse == 2 ? 32768.0 : kSparse == 1 ? 36864.0 : 40960.0) * iters / o.mma_cycles);
       cyc += static_cast<double>(o.mma_cycles) / sms;
     }
     if (kNoise) {
@@ -179,6 +181,9 @@ int main() {
   probe::Run<0, true, true>("dense + noise", sms, iters, false);
   probe::Run<1, true, true>("sparse + noise", sms, iters, false);
   probe::Run<2, true, true>("sparse RS + noise", sms, iters, false);
+  probe::Run<0, true, false, 1>("dense, one warpgroup", sms, iters, false);
+  probe::Run<1, true, false, 1>("sparse, one warpgroup", sms, iters, false);
+  probe::Run<1, true, true, 1>("sparse, one warpgroup + noise", sms, iters, false);
   std::printf("\n]}\n");
   return 0;
 }
