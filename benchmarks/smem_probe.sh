@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# Builds benchmarks/smem_probe.cu (nvcc, sm_90a) and runs it on the GPU: dense and sparse wgmma rates per SM (two
-# consumer warpgroups, or one alone),
-# alone and with warps streaming shared-memory loads beside them.  Writes
+# Builds benchmarks/smem_probe.cu (nvcc, sm_90a) and runs it on the GPU: dense and sparse wgmma rates per SM from
+# two consumer warpgroups or from one, alone and with warps streaming shared-memory loads beside them.  Writes
 # benchmarks/results/<gpu>/smem_probe.json (or $1) and prints the table.
 #   bash benchmarks/smem_probe.sh [out.json]
 set -euo pipefail
