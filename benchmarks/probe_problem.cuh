@@ -16,6 +16,14 @@ namespace probe_problem {
 
 using Launcher = ffi::Error (*)(cudaStream_t, const SpmmXtParams&);
 
+// One launch on the default stream; a failed launch prints its message and ends the program.
+inline void LaunchOrExit(Launcher launch, const SpmmXtParams& p) {
+  if (ffi::Error e = launch(nullptr, p); e.failure()) {
+    std::fprintf(stderr, "launch failed: %s\n", e.message().c_str());
+    std::exit(1);
+  }
+}
+
 // Random 2:4 metadata words: 8 groups of (i0, i1), i0 < i1, per word.
 inline std::vector<uint32_t> Random24Metadata(size_t words, std::mt19937& rng) {
   const uint32_t pairs[6] = {0x4, 0x8, 0xc, 0x9, 0xd, 0xe};  // i1 << 2 | i0
@@ -88,10 +96,7 @@ struct RowProblem {
   void RunPoisoned(Launcher launch, const SpmmXtParams& p, std::vector<unsigned char>& out) const {
     out.resize(ybytes);
     PROBE_CHECK(cudaMemset(dy, 0xff, ybytes));
-    if (ffi::Error e = launch(nullptr, p); e.failure()) {
-      std::fprintf(stderr, "launch failed: %s\n", e.message().c_str());
-      std::exit(1);
-    }
+    LaunchOrExit(launch, p);
     PROBE_CHECK(cudaDeviceSynchronize());
     PROBE_CHECK(cudaMemcpy(out.data(), dy, ybytes, cudaMemcpyDeviceToHost));
   }
@@ -99,14 +104,7 @@ struct RowProblem {
 
 // Median milliseconds of `launch` (probe_timing::MedianEventMs; the warm-up launches are checked).
 inline float MedianMs(Launcher launch, const SpmmXtParams& p, int reps) {
-  return probe_timing::MedianEventMs(
-      [&] {
-        if (ffi::Error e = launch(nullptr, p); e.failure()) {
-          std::fprintf(stderr, "launch failed: %s\n", e.message().c_str());
-          std::exit(1);
-        }
-      },
-      [&] { (void)launch(nullptr, p); }, reps);
+  return probe_timing::MedianEventMs([&] { LaunchOrExit(launch, p); }, [&] { (void)launch(nullptr, p); }, reps);
 }
 
 }  // namespace probe_problem

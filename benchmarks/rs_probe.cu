@@ -360,7 +360,7 @@ void PrintTrace(const Variant& v, const SpmmXtParams& p, int k, int rows) {
   for (const Launcher launch : {v.full, v.dry}) {
     static unsigned long long zero[2][kTraceTiles][3];
     PROBE_CHECK(cudaMemcpyToSymbol(g_trace, zero, sizeof(zero)));
-    if (launch(nullptr, p).failure()) std::abort();
+    probe_problem::LaunchOrExit(launch, p);
     PROBE_CHECK(cudaDeviceSynchronize());
     unsigned long long t[2][kTraceTiles][3];
     PROBE_CHECK(cudaMemcpyFromSymbol(t, g_trace, sizeof(t)));
