@@ -155,7 +155,9 @@ def hyperparameters(args: argparse.Namespace) -> dict[str, Any]:
             **({"distill_augment": args.distill_augment} if args.distill_augment else {}),
             **({"augment_neighbors": args.augment_neighbors} if args.augment_neighbors else {}),
             **({"student_epochs": args.student_epochs} if args.student_epochs else {}),
-            **({"student_lr": args.student_lr} if args.student_lr else {})}
+            **({"student_lr": args.student_lr} if args.student_lr else {}),
+            **({"regrow_every": args.regrow_every, "regrow_until": args.regrow_until, "regrow_decay": args.regrow_decay}
+               if args.regrow_every else {})}
 
 
 def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> argparse.Namespace:
@@ -174,6 +176,8 @@ def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> a
             "--student-epochs", str(args.student_epochs if sparsity != "dense" else 0),
             "--student-lr", str(args.student_lr if sparsity != "dense" else 0.0),
             "--fade", str(args.fade), "--score", args.score,
+            "--regrow-every", str(args.regrow_every if sparsity != "dense" else 0),
+            "--regrow-until", str(args.regrow_until), "--regrow-decay", str(args.regrow_decay if sparsity != "dense" else 0.0),
             "--init", args.init if sparsity != "dense" else "pretrained", "--no-progress"]
     if args.refit and sparsity != "dense":
         argv += ["--refit", "--refit-batches", str(args.refit_batches)]
@@ -331,6 +335,8 @@ def section(payload: dict) -> str:
                            + ([f"fade {hp['fade']:g}"] if fades else [])
                            + ([f"{hp['score']} score"] if hp.get("score", "magnitude") != "magnitude" else [])
                            + ([f"student lr {hp['student_lr']:g}"] if hp.get("student_lr") else [])
+                           + ([f"learned masks (every {hp['regrow_every']} steps to {hp['regrow_until']:g}, decay "
+                               f"{hp['regrow_decay']:g})"] if hp.get("regrow_every") else [])
                            + (["from the fine-tuned teacher"] if hp.get("init") == "teacher" else []))
     sparse_part = "" if dense_only else (
         "; sparse runs "
@@ -562,6 +568,8 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
             keep = ("task", "sparsity", "seed", "test_accuracy", "dev_accuracy", "test_loss", "weight_sparsity",
                     "ladder", "stage_steps", "steps", "compressed_training", "history", "seconds")
             run = {k: metrics[k] for k in keep}
+            if "regrow_mask_change" in metrics:  # learned masks: the share of kept weights that learning changed
+                run["regrow_mask_change"] = metrics["regrow_mask_change"]
             run.update(compilations=clock.count - c0, compile_seconds=clock.seconds - s0)
             runs.append(run)
             bar.write(f"{task:5s} {sparsity:9s} seed {seed}: test acc {100 * run['test_accuracy']:.2f}  "
@@ -590,7 +598,8 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
 # Hyper-parameters that change only sparse runs: dense baselines measured under another pruning recipe are
 # the same experiment, so --dense-from may take them into a study that differs only in these.
 SPARSE_ONLY_HYPERPARAMETERS = ("prune", "ladder", "prune_begin", "prune_end", "fade", "score", "distill",
-                               "temperature", "distill_hidden", "distill_attention", "distill_augment", "augment_neighbors", "student_epochs", "student_lr", "compress", "init", "refit", "refit_batches")
+                               "temperature", "distill_hidden", "distill_attention", "distill_augment", "augment_neighbors", "student_epochs", "student_lr", "compress", "init", "refit", "refit_batches",
+                               "regrow_every", "regrow_until", "regrow_decay")
 
 
 def _dense_settings(hp: dict) -> dict:

@@ -2,7 +2,9 @@
 # Issue 5: the learning-rate sweep of session 16 (docs/results.md, "Session 16's plan"), run on the GPU machine:
 #   SPARSE="trec:2e-4:0 trec:4e-4:0" DENSE="trec:2e-4:0,1,2" OUT=/tmp/out bash benchmarks/accuracy_lr_sweep.sh
 # copies each process's accuracy.json and log to $OUT and prints dev and test accuracy per run.
-# SPARSE="task:lr:seed ..."  64:2:8 runs of session 14's recipe with --student-lr lr (teacher at --lr 1e-4)
+# SPARSE="task:lr:seed[:options] ..."  64:2:8 runs of session 14's recipe with --student-lr lr (teacher at --lr 1e-4);
+#   options, comma-separated, are added to the run (session 18: learned masks, e.g.
+#   "trec:4e-4:0:--regrow-every=20,--regrow-until=0.5,--regrow-decay=2e-3")
 # DENSE="task:lr:seeds ..."   dense runs at --lr lr, seeds comma-separated, one process each
 set -u
 : "${OUT:?set OUT to the folder for the result files}"
@@ -13,12 +15,13 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 mkdir -p /tmp/teachers /tmp/acc
 pids=()
 for spec in ${SPARSE:-}; do
-  IFS=: read task lr seed <<< "$spec"
-  d=/tmp/acc/sparse_${task}_lr${lr}_s$seed; mkdir -p $d
+  IFS=: read task lr seed opts <<< "$spec"
+  tag=$(echo "${opts:-}" | sed 's/--//g; s/,/_/g; s/=/-/g')
+  d=/tmp/acc/sparse_${task}_lr${lr}${tag:+_$tag}_s$seed; mkdir -p $d
   timeout ${LIMIT:-570} python3 benchmarks/accuracy.py --tasks $task --sparsities 64:2:8 --seed-list $seed --epochs 6 \
     --prune-end 0.33 --fade 0.15 --distill 0.9 --refit-batches 32 --temperature 2 --score activation \
     --init teacher --prune oneshot --refit --distill-hidden 5 --distill-attention 1 --distill-augment 0.3 \
-    --augment-neighbors 8 --student-epochs 24 --student-lr $lr --teacher-dir /tmp/teachers \
+    --augment-neighbors 8 --student-epochs 24 --student-lr $lr ${opts//,/ } --teacher-dir /tmp/teachers \
     --out-dir $d --no-progress > $d/log.txt 2>&1 &
   pids+=($!)
 done
@@ -42,6 +45,8 @@ for f in sorted(glob.glob(os.environ["OUT"] + "/*.json")):
     d = json.load(open(f)); hp = d["hyperparameters"]
     for r in d["runs"]:
         lr = hp.get("student_lr") if r["sparsity"] != "dense" and hp.get("student_lr") else hp["lr"]
+        regrow = f"  regrow {hp['regrow_every']}/{hp['regrow_decay']:g} changed {r['regrow_mask_change']:.3f}" \
+            if r["sparsity"] != "dense" and hp.get("regrow_every") else ""
         print(f"{r['task']:5s} {r['sparsity']:7s} lr {lr:g} seed {r['seed']}  "
-              f"dev {100*r['dev_accuracy']:.2f}  test {100*r['test_accuracy']:.2f}  {r['seconds']:.0f} s")
+              f"dev {100*r['dev_accuracy']:.2f}  test {100*r['test_accuracy']:.2f}  {r['seconds']:.0f} s{regrow}")
 PY

@@ -18,6 +18,15 @@ only at those steps, inside ``lax.cond``.
 ``-param``, so ``optax.apply_updates`` leaves exactly 0 there whatever the earlier transforms (momentum,
 weight decay) produced, and a newly pruned weight becomes 0 on the step its mask appears.
 
+**Learned masks (``regrow_every > 0``).** From the last stage's entry step up to ``regrow_until``, the
+pruned weights are not zeroed: the dense master keeps training them (the model must see the masked
+weights and hand back dense gradients, as :func:`straight_through` does; ``jaxsparse.train`` uses it),
+each step they shrink by ``regrow_decay`` of their value on top of their update (SR-STE's decay of the
+pruned weights, Zhou et al. 2021, decoupled), and every ``regrow_every`` steps (and at ``regrow_until``)
+the masks of the last pattern are chosen again from the master. At ``regrow_until`` the masks become
+final and the pruned weights exactly 0; ``tx.final_step`` is that step (the last stage's entry step
+without regrowth).
+
 Example::
 
     tx = optax.chain(optax.adamw(1e-4), gmp_prune(ladder=("2:4", "64:2:8"), begin_step=0, end_step=1000))
@@ -52,11 +61,13 @@ __all__ = [
     "path_filter",
     "encoder_kernels",
     "find_state",
+    "mask_change",
     "masks_of",
     "sparsity_collection",
     "model_variables",
     "oneshot_masks",
     "sparsity_of",
+    "straight_through",
     "to_compressed",
 ]
 
@@ -226,6 +237,9 @@ def gmp_prune(
     filter_fn: FilterFn = encoder_kernels,
     fade_steps: int = 0,
     score: str = "magnitude",
+    regrow_every: int = 0,
+    regrow_until: int | None = None,
+    regrow_decay: float = 0.0,
 ) -> optax.GradientTransformationExtraArgs:
     """Gradual magnitude pruning through ``ladder`` on the cubic schedule (see the module doc).
 
@@ -246,9 +260,17 @@ def gmp_prune(
         ``input_sq`` in ``update`` (a params-shaped tree of ``[K]`` sums of squared inputs:
         :func:`input_norms_tree` of the model's :data:`jaxsparse.nn.INPUT_STATS` collection);
         :func:`jaxsparse.train.make_step` passes it.
+      regrow_every: learned masks (see the module doc): reselect the last pattern's masks every this many
+        steps after its entry step, while the pruned weights keep training. 0 (default): masks change only
+        at stage entries and pruned weights are zeroed at once.
+      regrow_until: with ``regrow_every > 0``, the step at which the masks become final (``>= end_step``).
+      regrow_decay: with ``regrow_every > 0``, the fraction in ``[0, 1)`` of its value that a pruned weight
+        loses each step of the window, on top of its optimizer update.
 
     Returns:
-      A transform whose ``update(updates, state, params)`` requires ``params``; chain it last.
+      A transform whose ``update(updates, state, params)`` requires ``params``; chain it last. Its
+      attributes ``schedule``, ``score``, ``regrow`` (whether masks are learned) and ``final_step`` (the
+      step whose update fixes the final masks) are read by the trainer.
     """
     if isinstance(ladder, (str, fmt.VNM)):
         ladder = default_ladder(ladder)
@@ -258,6 +280,15 @@ def gmp_prune(
         raise ValueError(f"fade_steps must be >= 0, got {fade_steps}")
     if score not in SCORES:
         raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    regrow = regrow_every > 0
+    if regrow_every < 0:
+        raise ValueError(f"regrow_every must be >= 0, got {regrow_every}")
+    if regrow and (regrow_until is None or regrow_until < end_step):
+        raise ValueError(f"regrow_every > 0 needs regrow_until >= end_step ({end_step}), got {regrow_until}")
+    if not 0.0 <= regrow_decay < 1.0:
+        raise ValueError(f"regrow_decay must be in [0, 1), got {regrow_decay}")
+    last_entry = schedule.stage_steps[-1]
+    final_step = regrow_until if regrow else last_entry
     starts = (0,) + schedule.stage_steps[:-1]
     fade_starts = jnp.asarray([max(e - fade_steps, s) for e, s in zip(schedule.stage_steps, starts)], jnp.int32)
     n_stages = len(schedule.ladder)
@@ -298,7 +329,12 @@ def gmp_prune(
             branches = [lambda np_, spec=spec: _select_all(np_, selected, spec, sq) for spec in schedule.ladder]
             return jax.lax.switch(stage - 1, branches, new_params)
 
-        masks = jax.lax.cond(stage != state.stage, recompute, lambda _: state.masks, None)
+        change = stage != state.stage
+        if regrow:  # the last pattern, chosen again from the master every regrow_every steps of the window
+            since = state.count - last_entry
+            change |= (since > 0) & (state.count <= final_step) & ((since % regrow_every == 0) |
+                                                                    (state.count == final_step))
+        masks = jax.lax.cond(change, recompute, lambda _: state.masks, None)
         target = state.target
         if fade_steps > 0:
             # The next stage (index `stage` of the ladder) fades in over [fade_start, entry).
@@ -318,15 +354,37 @@ def gmp_prune(
             updates = _map_selected(lambda q, p: q - p, selected, new_params, params)  # the faded step
             updates = jax.tree_util.tree_map(lambda s, u, f: u if s is None else f, selected, updates_in, updates,
                                              is_leaf=lambda x: x is None)
+        learning = regrow and (state.count >= last_entry) & (state.count < final_step)
+
+        def pruned_update(u, p):  # zeroed, or (in the learned-mask window) trained and decayed
+            if not regrow:
+                return -p
+            return jnp.where(learning, u - regrow_decay * p, -p)
+
         updates = jax.tree_util.tree_map(
-            lambda s, u, p, m: u if s is None else jnp.where(m, u, -p).astype(u.dtype),
+            lambda s, u, p, m: u if s is None else jnp.where(m, u, pruned_update(u, p)).astype(u.dtype),
             selected, updates, params, _fill(masks, selected), is_leaf=lambda x: x is None)
         return updates, GMPState(state.count + 1, stage, masks, target)
 
     tx = optax.GradientTransformationExtraArgs(init, update)
     tx.schedule = schedule  # type: ignore[attr-defined]  # read by tests and the trainer
     tx.score = score  # type: ignore[attr-defined]  # the trainer collects input statistics for "activation"
+    tx.regrow = regrow  # type: ignore[attr-defined]  # the trainer hands back dense gradients (straight_through)
+    tx.final_step = final_step  # type: ignore[attr-defined]  # the trainer compresses after it
     return tx
+
+
+def straight_through(params, masks) -> Any:
+    """``params`` with every masked kernel's pruned entries read as 0, while the gradient passes to all.
+
+    The value at a leaf with a mask is ``where(mask, p, 0)``; its gradient with respect to ``p`` is the
+    identity (the straight-through estimator), so a model applied to these params without masks computes
+    the masked product and hands back the dense gradient that :func:`gmp_prune`'s learned masks train the
+    pruned weights with. Leaves whose mask is None pass unchanged.
+    """
+    return jax.tree_util.tree_map(
+        lambda m, p: p if m is None else p + jax.lax.stop_gradient(jnp.where(m, p, jnp.zeros((), p.dtype)) - p),
+        masks, params, is_leaf=lambda x: x is None)
 
 
 def _fill(masks, selected):
@@ -386,6 +444,18 @@ def oneshot_masks(params, spec: str | fmt.VNM, filter_fn: FilterFn = encoder_ker
     ``|W_jr| * ||X_j||`` with ``input_sq`` (see :func:`gmp_prune`'s ``score="activation"``)."""
     spec = fmt.VNM.parse(spec)
     return _select_all(params, _selected(params, filter_fn), spec, input_sq)
+
+
+def mask_change(before, after) -> float:
+    """Share of the kept entries of ``after`` (a params-shaped mask tree) that ``before`` did not keep."""
+    new = kept = 0
+    for b, a in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after)):
+        a = np.asarray(a, bool)
+        new += int((a & ~np.asarray(b, bool)).sum())
+        kept += int(a.sum())
+    if kept == 0:
+        raise ValueError("mask_change: no kept entry in `after`")
+    return new / kept
 
 
 def sparsity_of(params, masks) -> float:

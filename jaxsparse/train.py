@@ -30,7 +30,7 @@ from jaxsparse import parallel
 from jaxsparse import format as fmt
 from jaxsparse import pruning
 from jaxsparse.models import bert
-from jaxsparse.nn import INPUT_STATS
+from jaxsparse.nn import INPUT_STATS, SPARSITY
 
 __all__ = ["main", "parse_args", "run", "fit", "load_data", "load_model", "TaskTokens", "JitCache",
            "save_checkpoint", "load_checkpoint", "make_step", "loss_fn", "predict_logits", "fit_teacher", "teacher_args",
@@ -47,7 +47,7 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     """The sparse fine-tuning recipe options shared by ``jaxsparse-train`` and ``benchmarks/accuracy.py``:
     ``--fade``, ``--score``, ``--distill``, ``--temperature``, ``--distill-hidden``, ``--distill-attention``,
     ``--distill-augment``, ``--augment-neighbors``, ``--student-epochs``, ``--student-lr``, ``--init``, ``--refit``,
-    ``--refit-batches``."""
+    ``--refit-batches``, ``--regrow-every``, ``--regrow-until``, ``--regrow-decay``."""
     p.add_argument("--fade", type=float, default=0.0,
                    help="GMP: before each stage, fade the weights it will prune to zero over this fraction of all "
                         "steps (0 = masks change at once; see jaxsparse.pruning.gmp_prune fade_steps)")
@@ -87,6 +87,16 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
                         "layer by layer in forward order (jaxsparse.obs.oneshot_refit)")
     p.add_argument("--refit-batches", type=int, default=8,
                    help="--refit calibration: the first N training batches (of --batch-size, --max-len)")
+    p.add_argument("--regrow-every", type=int, default=0,
+                   help="learned masks (SR-STE): once the final pattern is in, keep training the pruned weights with "
+                        "straight-through gradients and choose the masks again (same --score) every N steps, until "
+                        "--regrow-until; 0 = masks fixed at the final pattern (jaxsparse.pruning.gmp_prune regrow_every)")
+    p.add_argument("--regrow-until", type=float, default=0.5,
+                   help="with --regrow-every: fraction of the run's steps at which the masks become final (then the "
+                        "pruned weights are zeroed and, with --compress, the compressed values train)")
+    p.add_argument("--regrow-decay", type=float, default=0.0,
+                   help="with --regrow-every: fraction of its value a pruned weight loses each step, on top of its "
+                        "update (SR-STE's decay of the pruned weights, decoupled)")
 
 
 def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -125,6 +135,18 @@ def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
         p.error(REFIT_RULE)
     if args.refit_batches < 1:
         p.error("--refit-batches must be >= 1")
+    if args.regrow_every < 0:
+        p.error("need --regrow-every >= 0")
+    if args.regrow_every > 0:
+        if getattr(args, "sparsity", None) == "dense" or args.prune not in ("gmp", "oneshot"):
+            p.error("--regrow-every learns a sparse run's masks: give a --sparsity pattern and --prune gmp or oneshot")
+        ramp_end = args.prune_end if args.prune == "gmp" else 0.0
+        if not ramp_end < args.regrow_until < 1.0:
+            p.error("need --prune-end (gmp; 0 for oneshot) < --regrow-until < 1: the masks become final inside the run")
+        if not 0.0 <= args.regrow_decay < 1.0:
+            p.error("need 0 <= --regrow-decay < 1")
+    elif args.regrow_decay != 0.0:
+        p.error("--regrow-decay acts on learned masks: give --regrow-every > 0")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -496,7 +518,8 @@ NEIGHBORS = "augment_neighbors"
 def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: jax.sharding.Mesh | None = None,
               axis: str = parallel.DATA_AXIS, donate: bool = False, distill: float = 0.0,
               temperature: float = 2.0, mask_score: str = "magnitude", distill_hidden: float = 0.0,
-              teacher_model=None, distill_augment: float = 0.0, distill_attention: float = 0.0) -> Callable:
+              teacher_model=None, distill_augment: float = 0.0, distill_attention: float = 0.0,
+              straight_through: bool = False) -> Callable:
     """The jitted training step ``(params, opt_state, extra, batch, rng) -> (params, opt_state, loss)``.
 
     Args:
@@ -529,6 +552,11 @@ def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: j
         (its soft targets are still the batch's fifth array). With the activation score the input statistics
         include the copy's tokens.
 
+      straight_through: with ``with_masks``, the model gets the masked kernels as its params
+        (:func:`jaxsparse.pruning.straight_through`) instead of the masks, so the forward is the same masked
+        product and the gradient of every kernel is dense: ``gmp_prune``'s learned masks (``regrow_every``)
+        train the pruned weights with it.
+
     The optimizer update runs in the named scope ``OPTIMIZER_SCOPE``, so ``jaxsparse-profile`` can
     attribute its kernels.
     """
@@ -550,7 +578,8 @@ def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: j
 
     def step(params, opt_state, extra, batch, rng):
         variables = pruning.model_variables(params, opt_state) if with_masks else dict(extra)
-        variables = {k: v for k, v in variables.items() if k not in ("params", TEACHER, NEIGHBORS)}
+        dropped = ("params", TEACHER, NEIGHBORS) + ((SPARSITY,) if straight_through else ())
+        variables = {k: v for k, v in variables.items() if k not in dropped}
         if dp is not None:
             rng = jax.random.fold_in(rng, jax.lax.axis_index(dp))
         inputs, n = tuple(batch[:3]), batch[0].shape[0]
@@ -566,6 +595,8 @@ def make_step(model, tx: optax.GradientTransformation, with_masks: bool, mesh: j
                      if distill_attention > 0 else ())
 
         def lf(p):
+            if straight_through:  # masked values, dense gradients (the masks are not passed to the model)
+                p = pruning.straight_through(p, pruning.masks_of(opt_state))
             out = model.apply({**variables, "params": p}, *inputs, deterministic=False,
                               rngs={"dropout": rng}, mutable=mutable or False)
             logits, stats = out if mutable else (out, {})
@@ -712,20 +743,23 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
     prune = None
     score = getattr(args, "score", "magnitude")
     fade_steps = int(getattr(args, "fade", 0.0) * total)
+    regrow_every = int(getattr(args, "regrow_every", 0))
+    regrow = dict(regrow_every=regrow_every, regrow_until=int(args.regrow_until * total),
+                  regrow_decay=float(args.regrow_decay)) if regrow_every > 0 else {}
     if args.prune == "gmp":
         ladder = args.ladder.split(",") if args.ladder else args.sparsity
         begin, end = int(args.prune_begin * total), int(args.prune_end * total)
         prune = pruning.gmp_prune(ladder, begin, end, frequency=max(1, (end - begin) // 20),
-                                  fade_steps=fade_steps, score=score)
+                                  fade_steps=fade_steps, score=score, **regrow)
     elif args.prune == "oneshot":
-        prune = pruning.gmp_prune([spec], 0, 0, score=score)
+        prune = pruning.gmp_prune([spec], 0, 0, score=score, **regrow)
     if prune is not None and str(prune.schedule.ladder[-1]) != str(spec):
         raise ValueError(f"the ladder must end at --sparsity {spec}, got {prune.schedule.ladder[-1]}")
     tx = optax.chain(base, prune) if prune is not None else base
-    tx_key = base_key + ((prune.schedule, fade_steps, score) if prune is not None else ())
+    tx_key = base_key + ((prune.schedule, fade_steps, score, tuple(regrow.items())) if prune is not None else ())
     opt_state = tx.init(params)
     compress = _use_compressed(args.compress, spec, cfg)
-    switch_step = prune.schedule.stage_steps[-1] + 1 if prune is not None else None
+    switch_step = prune.final_step + 1 if prune is not None else None
 
     def make_logits(model):
         return jax.jit(lambda variables, *a: model.apply(variables, *a))
@@ -743,7 +777,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         log(f"augmentation: {n_neighbors} nearest word pieces per token ({time.time() - t_nb:.0f} s)")
     step = cache.get("step", (model, tx_key, prune is not None, mesh, kd, hidden, attention, augment),
                      lambda: make_step(model, tx, prune is not None, mesh, distill=kd[0], temperature=kd[1],
-                                       mask_score=score, **hd))
+                                       mask_score=score, straight_through=bool(regrow), **hd))
     logits_fn = cache.get("logits", master_key, lambda: make_logits(master))
     extra: dict = {}
     evaluate_dev, evaluate_test = _Evaluator(dev, args.batch_size), _Evaluator(test, args.batch_size)
@@ -770,6 +804,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
                    file=sys.stderr) if bars else batches
         for idx in bar:
             if compress and not compressed and global_step == switch_step:
+                final_masks = jax.device_get(pruning.masks_of(opt_state))
                 params, pattern, base_state = pruning.to_compressed(params, pruning.masks_of(opt_state), spec, opt_state[0])
                 opt_state, extra, compressed = base_state, {"sparsity": pattern}, True
                 model = make_model(True)
@@ -780,6 +815,8 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
             params, opt_state, loss = step(params, opt_state, {**extra, **teacher_extra}, batch_of(idx), k_drop)
             losses.append(loss)
             global_step += 1
+            if regrow and global_step == prune.schedule.stage_steps[-1] + 1:  # the final pattern's first masks
+                first_masks = jax.device_get(pruning.masks_of(opt_state))
             if on_step is not None:
                 on_step(global_step, loss)
             elif global_step % 10 == 0 and bars:
@@ -795,6 +832,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
     test_metrics = evaluate_test(logits_fn, variables_now())
     final = variables_now()
     if prune is not None and not compressed:
+        final_masks = jax.device_get(pruning.masks_of(opt_state))
         achieved = pruning.sparsity_of(params, pruning.masks_of(opt_state))
     elif compressed:  # a values array [R, 2K/M] stands for a dense [K, R] kernel
         vals = [np.asarray(v) for p, v in _flat(params) if p[-1] == "values"]
@@ -810,6 +848,8 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         "distill": distill, "temperature": temperature if distill > 0 else None, "distill_hidden": hidden,
         "distill_attention": attention, "distill_augment": augment, "augment_neighbors": n_neighbors,
         "refit": refit, "refit_batches": n_cal if refit else None,
+        **({"regrow_every": regrow_every, "regrow_until": regrow["regrow_until"], "regrow_decay": regrow["regrow_decay"],
+            "regrow_mask_change": pruning.mask_change(first_masks, final_masks)} if regrow else {}),
         "train_examples": len(train), "dev_examples": len(dev), "test_examples": len(test), "steps": global_step,
         "history": history, "dev_accuracy": history[-1]["dev_accuracy"], "test_accuracy": test_metrics["accuracy"],
         "test_loss": test_metrics["loss"], "weight_sparsity": achieved,
@@ -847,7 +887,7 @@ def teacher_args(args: argparse.Namespace) -> argparse.Namespace:
     """The dense teacher's run: ``args`` with no sparsity, no pruning, no distillation."""
     return argparse.Namespace(**{**vars(args), "sparsity": "dense", "prune": "none", "distill": 0.0, "distill_hidden": 0.0,
                                  "distill_attention": 0.0, "distill_augment": 0.0, "augment_neighbors": 0, "student_epochs": 0, "student_lr": 0.0, "ladder": None,
-                                 "init": "pretrained"})
+                                 "init": "pretrained", "regrow_every": 0, "regrow_decay": 0.0})
 
 
 def fit_teacher(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretrained: dict | None,

@@ -235,21 +235,27 @@ def test_student_epochs_and_neighbors_are_passed_through(acc):
     recorded only when set (older result files still --resume and --merge), and the section names them."""
     args = acc.parse_args(["--quick", "--prune", "oneshot", "--distill", "0.5", "--distill-augment", "0.3",
                            "--augment-neighbors", "8", "--student-epochs", "3", "--init", "teacher",
-                           "--distill-attention", "2", "--student-lr", "2e-4"])
+                           "--distill-attention", "2", "--student-lr", "2e-4", "--regrow-every", "20",
+                           "--regrow-until", "0.4", "--regrow-decay", "2e-3"])
     sparse, dense = acc.run_args(args, "trec", "64:2:8", 0), acc.run_args(args, "trec", "dense", 0)
     assert (sparse.student_epochs, sparse.augment_neighbors, sparse.distill_attention, sparse.epochs) == (3, 8, 2.0, 1)
     assert (dense.student_epochs, dense.augment_neighbors, dense.distill_attention) == (0, 0, 0.0)
     assert (sparse.student_lr, sparse.lr, dense.student_lr, dense.lr) == (2e-4, 1e-4, 0.0, 1e-4)
+    assert (sparse.regrow_every, sparse.regrow_until, sparse.regrow_decay) == (20, 0.4, 2e-3)
+    assert (dense.regrow_every, dense.regrow_decay) == (0, 0.0)
     hp = acc.hyperparameters(args)
+    assert (hp["regrow_every"], hp["regrow_until"], hp["regrow_decay"]) == (20, 0.4, 2e-3)
     assert hp["student_epochs"] == 3 and hp["augment_neighbors"] == 8 and hp["distill_attention"] == 2.0
     assert hp["student_lr"] == 2e-4
     quick = acc.hyperparameters(acc.parse_args(["--quick"]))
     assert "student_epochs" not in quick and "distill_attention" not in quick and "student_lr" not in quick
-    assert {"student_epochs", "student_lr", "augment_neighbors", "distill_attention"} <= set(
+    assert "regrow_every" not in quick
+    assert {"student_epochs", "student_lr", "augment_neighbors", "distill_attention", "regrow_every"} <= set(
         acc.SPARSE_ONLY_HYPERPARAMETERS)
     payload = _payload(acc, "trec", ["dense", "64:2:8"], {"dense": [0.9, 0.9], "64:2:8": [0.8, 0.8]}, **hp)
     payload["summary"] = []
     text = acc.section(payload)
     assert "1 epochs (sparse runs 3)" in text and "1 + 3 epochs in all" in text and "8 nearest word pieces" in text
     assert "lr 0.0001 (sparse runs 0.0002)" in text and "student lr 0.0002" in text
+    assert "learned masks (every 20 steps to 0.4, decay 0.002)" in text
     assert "attention distillation 2" in text and "KL(teacher || student) of the attention distributions" in text

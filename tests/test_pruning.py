@@ -272,3 +272,69 @@ def test_input_norms_tree_maps_layer_stats_to_kernels():
     np.testing.assert_allclose(stats["input_stats"]["sq"], np.sum(np.asarray(x) ** 2, axis=(0, 1)), rtol=1e-5)
     tree = pruning.input_norms_tree({"dense": stats["input_stats"]}, {"dense": variables["params"]})
     assert tree["dense"]["bias"] is None and tree["dense"]["kernel"].shape == (16,)
+
+
+def test_learned_masks_train_pruned_weights_reselect_on_schedule_then_fix_them():
+    """regrow_every: in the window the pruned weights take their update minus the decay (not -param), masks are
+    chosen again only every regrow_every steps and at regrow_until, where the pruned weights become exactly 0."""
+    params = _params(1)
+    decay = 0.25
+    tx = pruning.gmp_prune("2:4", 0, 0, regrow_every=3, regrow_until=7, regrow_decay=decay)
+    assert tx.regrow and tx.final_step == 7
+    assert not pruning.gmp_prune("2:4", 0, 5).regrow and pruning.gmp_prune("2:4", 0, 5).final_step == 5
+    state = tx.init(params)
+    kernel = ("encoder_layer_0", "query", "kernel")
+    get = lambda tree: tree[kernel[0]][kernel[1]][kernel[2]]  # noqa: E731
+    rng = np.random.default_rng(0)
+    p, history, pushed = params, [], None
+    for step in range(10):
+        u = jax.tree_util.tree_map(lambda x: jnp.asarray(rng.normal(0, 1e-3, x.shape), x.dtype), p)
+        if step == 1:  # push one pruned weight far above every other weight of its group
+            m0 = np.asarray(get(pruning.masks_of(state)))
+            pushed = tuple(np.argwhere(~m0)[0])
+            big = np.zeros(m0.shape, np.float32)
+            big[pushed] = 100.0
+            u[kernel[0]][kernel[1]][kernel[2]] = get(u) + big
+        new_u, state = tx.update(u, state, p)
+        m = np.asarray(get(pruning.masks_of(state)))
+        assert fmt.check_mask(m, "2:4")
+        pw, uw, nw = (np.asarray(get(t)) for t in (p, u, new_u))
+        if step < 7:  # the window: pruned weights train and decay
+            np.testing.assert_allclose(nw[~m], (uw - decay * pw)[~m], rtol=1e-6, atol=1e-7)
+        else:  # from the final step on: exact zeros
+            np.testing.assert_array_equal((pw + nw)[~m], 0.0)
+        np.testing.assert_array_equal(nw[m], uw[m])
+        p = optax.apply_updates(p, new_u)
+        history.append(m)
+    changes = [i for i in range(1, 10) if not np.array_equal(history[i], history[i - 1])]
+    assert set(changes) <= {3, 6, 7} and 3 in changes  # the pushed weight comes back at the first reselection
+    assert not history[1][pushed] and history[3][pushed]
+    assert (np.asarray(get(p))[~history[-1]] == 0).all()
+    assert 0.0 < pruning.mask_change({"k": history[0]}, {"k": history[-1]}) < 1.0
+    assert pruning.mask_change({"k": history[0]}, {"k": history[0]}) == 0.0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(regrow_every=-1), "regrow_every"),
+    (dict(regrow_every=2), "regrow_until"),
+    (dict(regrow_every=2, regrow_until=5), "regrow_until"),
+    (dict(regrow_every=2, regrow_until=20, regrow_decay=1.0), "regrow_decay"),
+])
+def test_learned_masks_reject_bad_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        pruning.gmp_prune("2:4", 0, 10, **kwargs)
+
+
+def test_straight_through_reads_the_mask_and_passes_the_gradient():
+    params = _params(2)
+    masks = pruning.oneshot_masks(params, "2:4")
+    q = params["encoder_layer_0"]["query"]["kernel"]
+    m = masks["encoder_layer_0"]["query"]["kernel"]
+    st = pruning.straight_through(params, masks)
+    np.testing.assert_array_equal(st["encoder_layer_0"]["query"]["kernel"], jnp.where(m, q, 0.0))
+    np.testing.assert_array_equal(st["classifier"]["kernel"], params["classifier"]["kernel"])  # no mask there
+    w = jax.random.normal(jax.random.key(5), q.shape)
+    grad = jax.grad(lambda p: jnp.sum(w * pruning.straight_through(p, masks)["encoder_layer_0"]["query"]["kernel"]))
+    g = grad(params)["encoder_layer_0"]["query"]["kernel"]
+    np.testing.assert_array_equal(g, w)  # dense: the pruned entries get theirs too (a mask product would give w * m)
+    assert not bool(m.all())

@@ -553,3 +553,55 @@ def test_distill_augment_neighbors_run(tmp_path, capsys):
     assert "augmentation: 4 nearest word pieces per token" in capsys.readouterr().err
     hist = metrics["history"]
     assert np.isfinite(hist[-1]["train_loss"]) and hist[-1]["train_loss"] < hist[0]["first_loss"], hist
+
+
+def test_make_step_straight_through_trains_the_pruned_weights():
+    """straight_through: the same masked forward (same loss), the same update of the kept weights, and an update of
+    the pruned ones, which the masked product leaves at 0 gradient."""
+    import optax
+
+    from jaxsparse import pruning
+    from jaxsparse.models import bert
+
+    cfg = bert.BertConfig.preset("tiny")
+    model = bert.BertForSequenceClassification(cfg, num_labels=3)
+    ids = jax.random.randint(jax.random.key(1), (4, 9), 1, cfg.vocab_size)
+    batch = (ids, np.zeros_like(ids), np.ones((4, 9), np.int32), np.array([0, 1, 2, 1]))
+    params = model.init(jax.random.key(0), *batch[:3])["params"]
+    tx = optax.chain(optax.sgd(1.0), pruning.gmp_prune("2:4", 0, 0, regrow_every=5, regrow_until=10))
+    key = jax.random.key(3)
+    masked_step = train.make_step(model, tx, True)
+    params, state, _ = masked_step(params, tx.init(params), {}, batch, key)  # step 0 chooses the masks
+    with jax.default_matmul_precision("float32"):
+        p_mask, s_mask, loss_mask = masked_step(params, state, {}, batch, key)
+        p_st, s_st, loss_st = train.make_step(model, tx, True, straight_through=True)(params, state, {}, batch, key)
+    assert float(loss_st) == pytest.approx(float(loss_mask), rel=1e-5)
+    m = np.asarray(pruning.masks_of(s_st)["bert"]["encoder_layer_0"]["intermediate"]["kernel"])
+    np.testing.assert_array_equal(m, pruning.masks_of(s_mask)["bert"]["encoder_layer_0"]["intermediate"]["kernel"])
+    before, plain, st = (np.asarray(t["bert"]["encoder_layer_0"]["intermediate"]["kernel"]) for t in (params, p_mask, p_st))
+    np.testing.assert_array_equal(plain[~m], before[~m])  # masked gradient: the pruned weights do not move
+    assert np.mean(st[~m] != before[~m]) > 0.9  # straight-through: they do
+    np.testing.assert_allclose(st[m], plain[m], rtol=1e-4, atol=1e-6)
+
+
+def test_learned_masks_run_fixes_its_masks_then_trains_compressed(tmp_path):
+    """--regrow-every: the masks change during the window and are final (pruned weights 0) after --regrow-until;
+    with --compress on the compressed values train from the next step."""
+    out = tmp_path / "run"
+    metrics = train.run(train.parse_args(TINY + ["--sparsity", "16:2:8", "--compress", "on", "--epochs", "2",
+                                                  "--regrow-every", "2", "--regrow-until", "0.5", "--regrow-decay",
+                                                  "0.01", "--out", str(out)]))
+    assert metrics["regrow_every"] == 2 and metrics["regrow_until"] == 16 and metrics["regrow_decay"] == 0.01
+    assert metrics["compressed_training"] and metrics["steps"] == 32
+    assert 0.0 < metrics["regrow_mask_change"] < 0.5, metrics["regrow_mask_change"]
+    assert metrics["weight_sparsity"] >= 0.75
+    layer = train.load_checkpoint(out / "checkpoint")["params"]["bert"]["encoder_layer_1"]["intermediate"]
+    assert "kernel" not in layer and layer["values"].shape == (512, 2 * 128 // 8)
+    hist = metrics["history"]
+    assert np.isfinite(hist[-1]["train_loss"]) and hist[-1]["train_loss"] < hist[0]["first_loss"], hist
+    for argv in (["--regrow-every", "-1"], ["--sparsity", "dense", "--regrow-every", "2"],
+                 ["--regrow-every", "2", "--regrow-until", "1.0"], ["--regrow-every", "2", "--regrow-until", "0"],
+                 ["--prune", "gmp", "--prune-end", "0.5", "--regrow-every", "2", "--regrow-until", "0.4"],
+                 ["--regrow-every", "2", "--regrow-decay", "1.0"], ["--regrow-decay", "0.1"]):
+        with pytest.raises(SystemExit):
+            train.parse_args(argv)
