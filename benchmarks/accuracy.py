@@ -345,6 +345,9 @@ def section(payload: dict) -> str:
             "batches (`--refit`)" if hp.get("refit") else "") if oneshot else
            f"use GMP from step 0 to {hp['prune_end']:g} of training through the kernel-eligible ladder "
            "(2:4 → V:2:8 → V:2:16)")
+        + (f"; their masks are then learned (`--regrow-every`): the pruned weights keep training with straight-through "
+           f"gradients (decay {hp['regrow_decay']:g} per step) and the masks are chosen again every "
+           f"{hp['regrow_every']} steps until {hp['regrow_until']:g} of the run, then fixed" if hp.get("regrow_every") else "")
         + f"{fade}{compressed_note(payload)}{distill_note(payload)}"
         + (("; sparse runs start from the dense teacher fine-tuned with the same schedule (seed 0), so they see "
             + (f"{hp['epochs']} + {student} epochs" if student else "twice the epochs") + " in all")

@@ -258,4 +258,5 @@ def test_student_epochs_and_neighbors_are_passed_through(acc):
     assert "1 epochs (sparse runs 3)" in text and "1 + 3 epochs in all" in text and "8 nearest word pieces" in text
     assert "lr 0.0001 (sparse runs 0.0002)" in text and "student lr 0.0002" in text
     assert "learned masks (every 20 steps to 0.4, decay 0.002)" in text
+    assert "masks are chosen again every 20 steps until 0.4 of the run" in text
     assert "attention distillation 2" in text and "KL(teacher || student) of the attention distributions" in text
