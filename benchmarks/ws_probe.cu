@@ -15,6 +15,7 @@
 #include "../cuda/spmm_xt.cu"
 #include "probe_problem.cuh"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <iterator>
@@ -28,9 +29,9 @@ namespace {
 using probe_problem::Launcher;
 using probe_problem::MedianMs;
 
-template <int BR, int BT, int STAGES, int NWMAX, int PROBE>
+template <int BR, int BT, int STAGES, int NWMAX, int MLOAD, int PROBE>
 ffi::Error Launch(cudaStream_t s, const SpmmXtParams& p) {
-  return LaunchWs<__nv_bfloat16, BR, BT, STAGES, true, NWMAX, PROBE>(s, p);
+  return LaunchWs<__nv_bfloat16, BR, BT, STAGES, true, NWMAX, PROBE, MLOAD>(s, p);
 }
 struct Mode {
   int probe;
@@ -54,10 +55,11 @@ struct Timed {
   int probe;
   Launcher launch;
 };
-// The tile in the probe modes PROBES (the first must be 0, the full kernel, whose output is checked).
-template <int BR, int BT, int STAGES, int NWMAX, int... PROBES>
+// The tile with metadata load MLOAD (cuda/spmm_xt.cu, XtMetaLoad) in the probe modes PROBES (the first must be 0,
+// the full kernel, whose output is checked).
+template <int BR, int BT, int STAGES, int NWMAX, int MLOAD, int... PROBES>
 std::vector<Timed> Launchers() {
-  return {Timed{PROBES, Launch<BR, BT, STAGES, NWMAX, PROBES>}...};
+  return {Timed{PROBES, Launch<BR, BT, STAGES, NWMAX, MLOAD, PROBES>}...};
 }
 constexpr int kNoEpi = kProbeNoEpilogue, kEpiOnly = kProbeNoLoad | kProbeNoMma;
 
@@ -83,17 +85,29 @@ int Main() {
     // (Y stored from registers, deferred stores, a ping-pong kernel, 5 stages with the metadata fetched a stage
     // early) are in git history (3928b21, 5f4a2b6).
     constexpr int kAll[] = {0, kNoEpi, kProbeNoMma | kNoEpi, kProbeNoLoad | kNoEpi, kEpiOnly, kEpiOnly | kNoEpi};
+    // Session 18: the metadata loads (XtMetaLoad).  "meta once" loads the first stages' words only: its outputs
+    // differ (mismatches expected); it times the kernel without metadata loads.  The TMA pairs run last: the
+    // probes' first TMA box of metadata (session 15, rs_probe) raised an illegal instruction.
     const Tile tiles[] = {
-        {"ws128x256", 128, 256, Launchers<128, 256, 4, 256, kAll[0], kAll[1], kAll[2], kAll[3], kAll[4], kAll[5]>()},
-        {"ws64x256", 64, 256, Launchers<64, 256, 5, 128, kAll[0], kAll[1], kAll[4]>()}};
+        {"ws128x256", 128, 256,
+         Launchers<128, 256, 4, 256, kMetaCp4, kAll[0], kAll[1], kAll[2], kAll[3], kAll[4], kAll[5]>()},
+        {"ws64x256", 64, 256, Launchers<64, 256, 5, 128, kMetaCp4, kAll[0], kAll[1], kAll[4]>()},
+        {"ws128x256 meta once", 128, 256, Launchers<128, 256, 4, 256, kMetaOnce, kAll[0], kAll[1], kAll[2]>()},
+        {"ws128x256 meta 8B", 128, 256, Launchers<128, 256, 4, 256, kMetaCp8, kAll[0], kAll[1], kAll[2]>()},
+        {"ws64x256 meta 8B", 64, 256, Launchers<64, 256, 5, 128, kMetaCp8, kAll[0], kAll[1]>()},
+        {"ws128x256 meta TMA", 128, 256, Launchers<128, 256, 4, 256, kMetaTmaPair, kAll[0], kAll[1], kAll[2]>()}};
     // Correctness: every tile's full kernel against the first one's output, byte for byte, each from a y poisoned
     // with 0xff, at all tokens and at a tail (tokens - 24: 16-token remainder of the last 256-token tile; the
     // rows past it must stay poisoned).
+    // WS_PROBE_TILES=N runs the first N tiles only (all by default).
+    const char* limit = std::getenv("WS_PROBE_TILES");
+    const size_t n_tiles = limit != nullptr ? std::min<size_t>(std::strtoul(limit, nullptr, 10), std::size(tiles))
+                                            : std::size(tiles);
     std::vector<unsigned char> ref, got;
     long long mismatches[std::size(tiles)] = {}, poisoned[std::size(tiles)] = {};
     for (const int t : {tokens, tokens - 24}) {
       p.tokens = t;
-      for (size_t i = 0; i < std::size(tiles); ++i) {
+      for (size_t i = 0; i < n_tiles; ++i) {
         problem.RunPoisoned(tiles[i].launchers[0].launch, p, i == 0 ? ref : got);
         const size_t valid = static_cast<size_t>(t) * rows * 2;
         for (size_t b = 0; b + 1 < problem.ybytes; b += 2) {
@@ -106,7 +120,7 @@ int Main() {
     }
     p.tokens = tokens;
     // Bytes the SMs take in: x once per feature tile, the compressed values once per token tile.
-    for (size_t ti = 0; ti < std::size(tiles); ++ti) {
+    for (size_t ti = 0; ti < n_tiles; ++ti) {
       const Tile& tile = tiles[ti];
       const int br = tile.br, bt = tile.bt;
       const double bytes = 2.0 * tokens * k * (rows / br) + 2.0 * rows * (2.0 * groups) * ((tokens + bt - 1) / bt);

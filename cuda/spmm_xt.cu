@@ -144,6 +144,20 @@ __device__ __forceinline__ void LoadStageMetaWords(uint32_t dst, const SpmmXtPar
   }
 }
 
+// The same words by one 8-byte cp.async per row (words 2 kt and 2 kt + 1 are adjacent; needs G/8 even, so that
+// both are in or both out of the reduction and the source is 8-byte aligned).
+template <int BR, int THREADS>
+__device__ __forceinline__ void LoadStageMetaWords8(uint32_t dst, const SpmmXtParams& p, int row0, int kt, int thread) {
+  const int words = p.groups / 8;
+  const bool ok = 2 * kt < words;
+#pragma unroll
+  for (int q = 0; q < (BR + THREADS - 1) / THREADS; ++q) {
+    const int i = thread + q * THREADS;
+    if (i >= BR) break;
+    CpAsync8Zfill(dst + 8 * i, ok ? p.meta + static_cast<int64_t>(row0 + i) * words + 2 * kt : p.meta, ok ? 8 : 0);
+  }
+}
+
 // Keeps the metadata array `e` live and unchanged in the C++ compiler's view up to this point, placed where the
 // last wgmma.sp that read it has completed (kSparseMetaRule; emits no instruction).
 __device__ __forceinline__ void KeepMetaLive(uint32_t (&e)[2]) { asm volatile("" : "+r"(e[0]), "+r"(e[1])::"memory"); }
@@ -163,15 +177,17 @@ struct XtMeta {
     if constexpr (ODD) return e_odd;
     else return e_even;
   }
-  // Stage kt's operands (parity ODD) from its words in shared memory (`stage_words`: [BR][2]); the array was last
-  // read by stage kt-2, whose products have completed.
-  template <bool ODD>
+  // Stage kt's operands (parity ODD) from its words in shared memory (`stage_words`: row i's two words at
+  // ROW_WORDS * i and the next); the array was last read by stage kt-2, whose products have completed.
+  template <bool ODD, int ROW_WORDS = 2>
   __device__ __forceinline__ void Load(const uint32_t* stage_words, int kt) {
     uint32_t(&e)[2] = Operands<ODD>();
     KeepMetaLive(e);
 #pragma unroll
     for (int j = 0; j < 2; ++j)
-      e[j] = 2 * kt + j < words ? MetaWord(stage_words[2 * r + j], stage_words[2 * (r + 8) + j], tig, 0) : 0x44444444u;
+      e[j] = 2 * kt + j < words
+                 ? MetaWord(stage_words[ROW_WORDS * r + j], stage_words[ROW_WORDS * (r + 8) + j], tig, 0)
+                 : 0x44444444u;
   }
 };
 
@@ -375,10 +391,20 @@ struct XtWsLayout {
 // stages, so the products run on real operands and metadata.
 enum XtProbe { kProbeNoMma = 1, kProbeNoLoad = 2, kProbeNoEpilogue = 4 };
 
-template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0>
+// How the warp-specialized kernel's producer brings each stage's metadata words ([BR rows][2]) into shared memory.
+//   kMetaCp4: two 4-byte cp.async per row (LoadStageMetaWords).
+//   kMetaCp8: one 8-byte cp.async per row (LoadStageMetaWords8; G/8 even).
+//   kMetaTmaPair: at every even stage, thread 0 loads one TMA box of [BR rows][4 words], the words of that stage and
+//     the next, into the two stages' slots (rows of 16 bytes; G/8 % 4 == 0, STAGES even: then a pair never straddles
+//     the ring's end).  The box completes on the even stage's barrier, which the consumers pass before the odd one.
+//   kMetaOnce (probes only): the first STAGES stages' words are loaded, then none, to time the kernel without them.
+enum XtMetaLoad { kMetaCp4 = 0, kMetaCp8 = 1, kMetaTmaPair = 2, kMetaOnce = 3 };
+
+template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0, int MLOAD = kMetaCp4>
 __global__ void __launch_bounds__(kWsThreads, 1)
     SpmmWgmmaXtWsKernel(const SpmmXtParams p, const __grid_constant__ CUtensorMap tma_a,
-                        const __grid_constant__ CUtensorMap tma_x) {
+                        const __grid_constant__ CUtensorMap tma_x, const __grid_constant__ CUtensorMap tma_m) {
+  static_assert(MLOAD != kMetaTmaPair || STAGES % 2 == 0, "metadata pairs need an even ring");
 #ifdef JAXSPARSE_WGMMA
   using L = XtWsLayout<BR, BT, STAGES>;
   using W = XtWarps<BR, BT, NWMAX>;  // over the two consumer warpgroups
@@ -421,16 +447,23 @@ __global__ void __launch_bounds__(kWsThreads, 1)
           CpAsyncMbarArrive(full);
           continue;
         }
+        const bool meta_box = MLOAD == kMetaTmaPair && (kt & 1) == 0;
         if (tid == 0) {
-          MbarArriveExpectTx(full, L::kABytes + (x_by_tma ? L::kBBytes : 0));
+          MbarArriveExpectTx(full, L::kABytes + (x_by_tma ? L::kBBytes : 0) + (meta_box ? 2 * L::kMetaBytes : 0));
           TmaLoad2d(stage, &tma_a, kt * (kKc / 2), row0, full);
+          if (meta_box)  // words 2 kt .. 2 kt + 3 of the tile's rows: 4 kt in 16-bit columns
+            TmaLoad2d(smem_base + L::kMetaOff + s * L::kMetaBytes, &tma_m, 4 * kt, row0, full);
           if (XROW)  // x [T, K]: BT rows of the stage's 64 k
             TmaLoad2d(stage + L::kABytes, &tma_x, kt * kKc, tok0, full);
           else if (x_by_tma)
 #pragma unroll
             for (int c = 0; c < BT / 64; ++c) TmaLoad2d(stage + L::kABytes + c * kColBytes, &tma_x, tok0 + 64 * c, kt * kKc, full);
         }
-        LoadStageMetaWords<BR, 128>(smem_base + L::kMetaOff + s * L::kMetaBytes, p, row0, kt, tid);
+        const uint32_t meta_dst = smem_base + L::kMetaOff + s * L::kMetaBytes;
+        if (MLOAD == kMetaCp4 || (MLOAD == kMetaOnce && it < STAGES))
+          LoadStageMetaWords<BR, 128>(meta_dst, p, row0, kt, tid);
+        else if (MLOAD == kMetaCp8)
+          LoadStageMetaWords8<BR, 128>(meta_dst, p, row0, kt, tid);
         if (!x_by_tma) LoadXtStage<T, BR, BT, 128, false>(stage, kt * kKc, tid, p, row0, tok0, tcols);
         CpAsyncMbarArrive(full);
       }
@@ -466,7 +499,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
           if (lane == 0) MbarArrive(empty0 + 8 * s);
           return;
         }
-        meta.Load<kOdd>(reinterpret_cast<const uint32_t*>(smem + L::kMetaOff + s * L::kMetaBytes), kt);
+        if constexpr (MLOAD == kMetaTmaPair)  // the pair's rows of 4 words start at the even stage's slot
+          meta.Load<kOdd, 4>(reinterpret_cast<const uint32_t*>(smem + L::kMetaOff + (s & ~1) * L::kMetaBytes) + 2 * kOdd,
+                             kt);
+        else
+          meta.Load<kOdd>(reinterpret_cast<const uint32_t*>(smem + L::kMetaOff + s * L::kMetaBytes), kt);
         fence_acc();
         WgmmaFence();
         XtStageMma<T, BR, NW, NCH, XROW>(acc, smem_base + s * L::kStageBytes, wr, wt * WN / 64, meta.Operands<kOdd>());
@@ -541,21 +578,26 @@ ffi::Error LaunchTile(cudaStream_t stream, const SpmmXtParams& p) {
   return LastLaunchError("SpmmWgmmaXtKernel");
 }
 
-template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0>
+template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0, int MLOAD = kMetaCp4>
 ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& p) {
-  constexpr auto kernel = SpmmWgmmaXtWsKernel<T, BR, BT, STAGES, XROW, NWMAX, PROBE>;
+  constexpr auto kernel = SpmmWgmmaXtWsKernel<T, BR, BT, STAGES, XROW, NWMAX, PROBE, MLOAD>;
+  const int words = p.groups / 8;
+  if ((MLOAD == kMetaCp8 && words % 2) || (MLOAD == kMetaTmaPair && words % 4))
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: this metadata load needs G/8 even (8-byte copies) or a "
+                                       "multiple of 4 (TMA pairs), got " + std::to_string(words));
   if (!Sm90aImageLoaded<kernel>())
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: needs an sm_90a build on a Hopper GPU");
   constexpr int smem = XtWsLayout<BR, BT, STAGES>::kBytes + 1024;
   static_assert(smem <= 227 * 1024, "shared memory");
   if (ffi::Error e = RaiseSmemLimit<kernel>(smem, "cudaFuncSetAttribute(SpmmWgmmaXtWsKernel)"); e.failure()) return e;
-  CUtensorMap tma_a{}, tma_x{};
+  CUtensorMap tma_a{}, tma_x{}, tma_m{};
   if (!MakeTensorMap2d(&tma_a, p.values, p.rows, 2 * static_cast<uint64_t>(p.groups), BR, kKc / 2) ||
+      (MLOAD == kMetaTmaPair && !MakeTensorMap2d(&tma_m, p.meta, p.rows, 2 * static_cast<uint64_t>(words), BR, 8)) ||
       (XROW && !MakeTensorMap2d(&tma_x, p.xt, p.tokens, p.k, BT)) ||
       (!XROW && p.cols == nullptr && !MakeTensorMap2d(&tma_x, p.xt, p.k, p.tokens, 64)))
     return ffi::Error::Internal("jaxsparse_spmm_xt: cuTensorMapEncodeTiled failed for the warp-specialized tile");
   const int tiles = (p.tokens + BT - 1) / BT * (p.rows / BR);
-  kernel<<<std::min(tiles, SmCount()), kWsThreads, smem, stream>>>(p, tma_a, tma_x);
+  kernel<<<std::min(tiles, SmCount()), kWsThreads, smem, stream>>>(p, tma_a, tma_x, tma_m);
   return LastLaunchError("SpmmWgmmaXtWsKernel");
 }
 
