@@ -2,7 +2,8 @@
 // kernel timed alone (CUDA events, median of repetitions after warm-up) in its probe modes, each of which
 // removes one part of the work: the products (consumers only wait for and release the stages), the loads
 // (the producer arrives without copying after the first STAGES stages, so the products run on real data), the
-// epilogue.  The decomposition says whether the load pipeline, the tensor pipe or the epilogue sets the time.
+// epilogue.  The decomposition says whether the load pipeline, the tensor pipe or the epilogue sets the time.  Beside
+// the extension's tiles: its metadata by 4-byte cp.async (before session 18) and loaded once (no metadata loads).
 // Before timing, every tile's full kernel is checked byte for byte against the first tile's output, each run from a
 // y poisoned with 0xff, at 16384 tokens and at a 16-token tail (`mismatches_vs_first`, `bad_poison`: both 0 when
 // the outputs agree and every valid value, and nothing past the tail, was written).
@@ -29,9 +30,9 @@ namespace {
 using probe_problem::Launcher;
 using probe_problem::MedianMs;
 
-template <int BR, int BT, int STAGES, int NWMAX, int MLOAD, int PROBE>
+template <int BR, int BT, int STAGES, int NWMAX, int PROBE>
 ffi::Error Launch(cudaStream_t s, const SpmmXtParams& p) {
-  return LaunchWs<__nv_bfloat16, BR, BT, STAGES, true, NWMAX, PROBE, MLOAD>(s, p);
+  return LaunchWs<__nv_bfloat16, BR, BT, STAGES, true, NWMAX, PROBE>(s, p);
 }
 struct Mode {
   int probe;
@@ -47,7 +48,7 @@ constexpr Mode kModes[] = {{0, "full"},
                            {kProbeNoLoad | kProbeNoMma | kProbeNoEpilogue, "barriers only"}};
 const char* ModeName(int probe) {
   for (const Mode& m : kModes)
-    if (m.probe == probe) return m.name;
+    if (m.probe == (probe & ~kProbeMetaOnce)) return m.name;
   return "?";
 }
 
@@ -55,11 +56,11 @@ struct Timed {
   int probe;
   Launcher launch;
 };
-// The tile with metadata load MLOAD (cuda/spmm_xt.cu, XtMetaLoad) in the probe modes PROBES (the first must be 0,
-// the full kernel, whose output is checked).
-template <int BR, int BT, int STAGES, int NWMAX, int MLOAD, int... PROBES>
+// The tile in the probe modes PROBES (the first is the full kernel, whose output is checked; 0 but in the "meta
+// once" rows).
+template <int BR, int BT, int STAGES, int NWMAX, int... PROBES>
 std::vector<Timed> Launchers() {
-  return {Timed{PROBES, Launch<BR, BT, STAGES, NWMAX, MLOAD, PROBES>}...};
+  return {Timed{PROBES, Launch<BR, BT, STAGES, NWMAX, PROBES>}...};
 }
 constexpr int kNoEpi = kProbeNoEpilogue, kEpiOnly = kProbeNoLoad | kProbeNoMma;
 
@@ -79,23 +80,24 @@ int Main() {
     struct Tile {
       const char* name;
       int br, bt;
+      int meta_pairs;  // SpmmXtParams::meta_pairs: the metadata by TMA pairs where they fit, as the extension asks
       std::vector<Timed> launchers;
     };
     // The row kernel's tiles as cuda/spmm_xt.cu's Dispatch launches them (stages as there).  Session 15's variants
     // (Y stored from registers, deferred stores, a ping-pong kernel, 5 stages with the metadata fetched a stage
     // early) are in git history (3928b21, 5f4a2b6).
     constexpr int kAll[] = {0, kNoEpi, kProbeNoMma | kNoEpi, kProbeNoLoad | kNoEpi, kEpiOnly, kEpiOnly | kNoEpi};
-    // Session 18: the metadata loads (XtMetaLoad).  "meta once" loads the first stages' words only: its outputs
-    // differ (mismatches expected); it times the kernel without metadata loads.  The TMA pairs run last: the
-    // probes' first TMA box of metadata (session 15, rs_probe) raised an illegal instruction.
+    // Session 18: the metadata loads.  ws128x256 takes TMA pairs (MetaPairsFit), ws64x256's odd ring the 4-byte
+    // cp.async.  "meta cp.async" is ws128x256 on the 4-byte copies (the extension before session 18); "meta once"
+    // loads the first stages' words only (kProbeMetaOnce): its outputs differ, and it times the kernel without
+    // metadata loads.
+    constexpr int kOnce = kProbeMetaOnce;
     const Tile tiles[] = {
-        {"ws128x256", 128, 256,
-         Launchers<128, 256, 4, 256, kMetaCp4, kAll[0], kAll[1], kAll[2], kAll[3], kAll[4], kAll[5]>()},
-        {"ws64x256", 64, 256, Launchers<64, 256, 5, 128, kMetaCp4, kAll[0], kAll[1], kAll[4]>()},
-        {"ws128x256 meta once", 128, 256, Launchers<128, 256, 4, 256, kMetaOnce, kAll[0], kAll[1], kAll[2]>()},
-        {"ws128x256 meta 8B", 128, 256, Launchers<128, 256, 4, 256, kMetaCp8, kAll[0], kAll[1], kAll[2]>()},
-        {"ws64x256 meta 8B", 64, 256, Launchers<64, 256, 5, 128, kMetaCp8, kAll[0], kAll[1]>()},
-        {"ws128x256 meta TMA", 128, 256, Launchers<128, 256, 4, 256, kMetaTmaPair, kAll[0], kAll[1], kAll[2]>()}};
+        {"ws128x256", 128, 256, 1, Launchers<128, 256, 4, 256, kAll[0], kAll[1], kAll[2], kAll[3], kAll[4], kAll[5]>()},
+        {"ws64x256", 64, 256, 1, Launchers<64, 256, 5, 128, kAll[0], kAll[1], kAll[4]>()},
+        {"ws128x256 meta cp.async", 128, 256, 0, Launchers<128, 256, 4, 256, kAll[0], kAll[1], kAll[2]>()},
+        {"ws128x256 meta once", 128, 256, 1,
+         Launchers<128, 256, 4, 256, kOnce | kAll[0], kOnce | kAll[1], kOnce | kAll[2]>()}};
     // Correctness: every tile's full kernel against the first one's output, byte for byte, each from a y poisoned
     // with 0xff, at all tokens and at a tail (tokens - 24: 16-token remainder of the last 256-token tile; the
     // rows past it must stay poisoned).
@@ -108,6 +110,7 @@ int Main() {
     for (const int t : {tokens, tokens - 24}) {
       p.tokens = t;
       for (size_t i = 0; i < n_tiles; ++i) {
+        p.meta_pairs = tiles[i].meta_pairs;
         problem.RunPoisoned(tiles[i].launchers[0].launch, p, i == 0 ? ref : got);
         const size_t valid = static_cast<size_t>(t) * rows * 2;
         for (size_t b = 0; b + 1 < problem.ybytes; b += 2) {
@@ -123,6 +126,7 @@ int Main() {
     for (size_t ti = 0; ti < n_tiles; ++ti) {
       const Tile& tile = tiles[ti];
       const int br = tile.br, bt = tile.bt;
+      p.meta_pairs = tile.meta_pairs;
       const double bytes = 2.0 * tokens * k * (rows / br) + 2.0 * rows * (2.0 * groups) * ((tokens + bt - 1) / bt);
       for (const Timed& timed : tile.launchers) {
         const float ms = MedianMs(timed.launch, p, reps);

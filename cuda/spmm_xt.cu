@@ -43,6 +43,7 @@ struct SpmmXtParams {
   int tokens, k, rows, groups, v, m;
   int bias_f32;          // bias is float32 (else the input dtype)
   int activation;        // 0 none, 1 gelu (tanh)
+  int meta_pairs;        // warp-specialized kernel: metadata by TMA pairs where they fit (LaunchWs clears it where not)
 };
 
 constexpr int kKc = 64;           // condensed k per stage: one 128-byte swizzle row of 16-bit values per k
@@ -144,20 +145,6 @@ __device__ __forceinline__ void LoadStageMetaWords(uint32_t dst, const SpmmXtPar
   }
 }
 
-// The same words by one 8-byte cp.async per row (words 2 kt and 2 kt + 1 are adjacent; needs G/8 even, so that
-// both are in or both out of the reduction and the source is 8-byte aligned).
-template <int BR, int THREADS>
-__device__ __forceinline__ void LoadStageMetaWords8(uint32_t dst, const SpmmXtParams& p, int row0, int kt, int thread) {
-  const int words = p.groups / 8;
-  const bool ok = 2 * kt < words;
-#pragma unroll
-  for (int q = 0; q < (BR + THREADS - 1) / THREADS; ++q) {
-    const int i = thread + q * THREADS;
-    if (i >= BR) break;
-    CpAsync8Zfill(dst + 8 * i, ok ? p.meta + static_cast<int64_t>(row0 + i) * words + 2 * kt : p.meta, ok ? 8 : 0);
-  }
-}
-
 // Keeps the metadata array `e` live and unchanged in the C++ compiler's view up to this point, placed where the
 // last wgmma.sp that read it has completed (kSparseMetaRule; emits no instruction).
 __device__ __forceinline__ void KeepMetaLive(uint32_t (&e)[2]) { asm volatile("" : "+r"(e[0]), "+r"(e[1])::"memory"); }
@@ -178,15 +165,15 @@ struct XtMeta {
     else return e_even;
   }
   // Stage kt's operands (parity ODD) from its words in shared memory (`stage_words`: row i's two words at
-  // ROW_WORDS * i and the next); the array was last read by stage kt-2, whose products have completed.
-  template <bool ODD, int ROW_WORDS = 2>
-  __device__ __forceinline__ void Load(const uint32_t* stage_words, int kt) {
+  // row_words * i and the next); the array was last read by stage kt-2, whose products have completed.
+  template <bool ODD>
+  __device__ __forceinline__ void Load(const uint32_t* stage_words, int kt, int row_words = 2) {
     uint32_t(&e)[2] = Operands<ODD>();
     KeepMetaLive(e);
 #pragma unroll
     for (int j = 0; j < 2; ++j)
       e[j] = 2 * kt + j < words
-                 ? MetaWord(stage_words[ROW_WORDS * r + j], stage_words[ROW_WORDS * (r + 8) + j], tig, 0)
+                 ? MetaWord(stage_words[row_words * r + j], stage_words[row_words * (r + 8) + j], tig, 0)
                  : 0x44444444u;
   }
 };
@@ -338,7 +325,9 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
 // double-buffered in registers, kSparseMetaRule).  The producer fills a STAGES-deep ring: thread 0 loads A's
 // values by TMA (one box per stage, 64-byte swizzled, arrival with expect_tx); Xc comes by TMA too at M = 4 (dense
 // rows of x^T: BT/64 boxes of 64 tokens x 64 k; or x's own rows, XROW: one box of BT tokens x 64 k), and
-// otherwise by cp.async from all 128 producer threads, each marking its part with cp.async.mbarrier.arrive.  The
+// otherwise by cp.async from all 128 producer threads, each marking its part with cp.async.mbarrier.arrive; the
+// metadata words come by TMA pairs where they fit (MetaPairsFit), else by cp.async from all 128.  With everything
+// by TMA, thread 0 fills the ring alone and the other producer threads leave at once.  The
 // grid is persistent (one CTA per SM, tiles strided over the grid, features fastest so CTAs running together share
 // x rows); the Y tile is staged in its own shared-memory region, so the producer loads the next tile's first
 // stages while the consumers run this tile's epilogue.  Barrier phases run on across tiles.
@@ -389,22 +378,27 @@ struct XtWsLayout {
 // each bit removes one part of the work, so the probe can time the load pipeline, the products, the epilogue and
 // the synchronization apart.  Results are wrong in every mode but 0.  kProbeNoLoad still loads the first STAGES
 // stages, so the products run on real operands and metadata.
-enum XtProbe { kProbeNoMma = 1, kProbeNoLoad = 2, kProbeNoEpilogue = 4 };
+// kProbeMetaOnce loads the metadata words of the first STAGES stages only (the kernel's time without its metadata
+// loads).
+enum XtProbe { kProbeNoMma = 1, kProbeNoLoad = 2, kProbeNoEpilogue = 4, kProbeMetaOnce = 8 };
 
-// How the warp-specialized kernel's producer brings each stage's metadata words ([BR rows][2]) into shared memory.
-//   kMetaCp4: two 4-byte cp.async per row (LoadStageMetaWords).
-//   kMetaCp8: one 8-byte cp.async per row (LoadStageMetaWords8; G/8 even).
-//   kMetaTmaPair: at every even stage, thread 0 loads one TMA box of [BR rows][4 words], the words of that stage and
-//     the next, into the two stages' slots (rows of 16 bytes; G/8 % 4 == 0, STAGES even: then a pair never straddles
-//     the ring's end).  The box completes on the even stage's barrier, which the consumers pass before the odd one.
-//   kMetaOnce (probes only): the first STAGES stages' words are loaded, then none, to time the kernel without them.
-enum XtMetaLoad { kMetaCp4 = 0, kMetaCp8 = 1, kMetaTmaPair = 2, kMetaOnce = 3 };
+// Whether the warp-specialized kernel can take its metadata as TMA pairs (p.meta_pairs): at every even stage, thread
+// 0 loads one TMA box of [BR rows][4 words], the words of that stage and the next, into the two stages' slots (rows
+// of 16 bytes).  Needs G/8 % 4 == 0 (16-byte rows in global memory; then the stage count is even too) and an even
+// ring, so that a pair never straddles the ring's end.  The box completes on the even stage's barrier, which the
+// consumers pass before they read the odd stage's words.  Otherwise every producer thread copies its part of each
+// stage's words by 4-byte cp.async (LoadStageMetaWords).  Session 18 (benchmarks/ws_probe.cu, 2:4, 16384 tokens,
+// ws128x256): 0.173 -> 0.168 ms at 1024x4096, 0.148 -> 0.145 at 4096x1024; without any metadata loads 0.161 / 0.132;
+// one 8-byte cp.async per row instead of two 4-byte ones was slower (0.191 / 0.155).
+template <int STAGES>
+bool MetaPairsFit(const SpmmXtParams& p) {
+  return STAGES % 2 == 0 && (p.groups / 8) % 4 == 0;
+}
 
-template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0, int MLOAD = kMetaCp4>
+template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0>
 __global__ void __launch_bounds__(kWsThreads, 1)
     SpmmWgmmaXtWsKernel(const SpmmXtParams p, const __grid_constant__ CUtensorMap tma_a,
                         const __grid_constant__ CUtensorMap tma_x, const __grid_constant__ CUtensorMap tma_m) {
-  static_assert(MLOAD != kMetaTmaPair || STAGES % 2 == 0, "metadata pairs need an even ring");
 #ifdef JAXSPARSE_WGMMA
   using L = XtWsLayout<BR, BT, STAGES>;
   using W = XtWarps<BR, BT, NWMAX>;  // over the two consumer warpgroups
@@ -417,11 +411,12 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
   const bool x_by_tma = XROW || p.cols == nullptr;  // M = 4: Xc is x^T (or x) itself
+  const bool tma_only = x_by_tma && p.meta_pairs;    // thread 0 fills the ring alone (MetaPairsFit)
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      // Thread 0's expect_tx arrival, plus every producer thread's cp.async arrival (metadata words, and Xc when
-      // it is gathered).
-      MbarInit(full0 + 8 * s, 129);
+      // Thread 0's expect_tx arrival, plus (unless it loads alone) every producer thread's cp.async arrival (metadata
+      // words, and Xc when it is gathered).
+      MbarInit(full0 + 8 * s, tma_only ? 1 : 129);
       MbarInit(empty0 + 8 * s, 8);  // every consumer warp done with the stage
     }
   }
@@ -434,6 +429,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 
   if (wg == 0) {  // ------------------------------------------------ producer
     SetMaxRegisters<WsRegs<XROW>::kProducer, false>();
+    if (tma_only && tid != 0) return;  // nothing to copy: no thread of theirs spins on the ring's barriers
     int it = 0;
     for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
       const int row0 = (tile % nfb) * BR, tok0 = (tile / nfb) * BT;
@@ -444,10 +440,11 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         if (it >= STAGES) MbarWait(empty0 + 8 * s, ((it / STAGES) & 1) ^ 1);
         if ((PROBE & kProbeNoLoad) && it >= STAGES) {  // the ring keeps the first STAGES stages' data
           if (tid == 0) MbarArrive(full);
-          CpAsyncMbarArrive(full);
+          if (!tma_only) CpAsyncMbarArrive(full);
           continue;
         }
-        const bool meta_box = MLOAD == kMetaTmaPair && (kt & 1) == 0;
+        const bool meta_now = !(PROBE & kProbeMetaOnce) || it < STAGES;
+        const bool meta_box = p.meta_pairs && meta_now && (kt & 1) == 0;
         if (tid == 0) {
           MbarArriveExpectTx(full, L::kABytes + (x_by_tma ? L::kBBytes : 0) + (meta_box ? 2 * L::kMetaBytes : 0));
           TmaLoad2d(stage, &tma_a, kt * (kKc / 2), row0, full);
@@ -459,11 +456,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #pragma unroll
             for (int c = 0; c < BT / 64; ++c) TmaLoad2d(stage + L::kABytes + c * kColBytes, &tma_x, tok0 + 64 * c, kt * kKc, full);
         }
-        const uint32_t meta_dst = smem_base + L::kMetaOff + s * L::kMetaBytes;
-        if (MLOAD == kMetaCp4 || (MLOAD == kMetaOnce && it < STAGES))
-          LoadStageMetaWords<BR, 128>(meta_dst, p, row0, kt, tid);
-        else if (MLOAD == kMetaCp8)
-          LoadStageMetaWords8<BR, 128>(meta_dst, p, row0, kt, tid);
+        if (tma_only) continue;
+        if (!p.meta_pairs && meta_now)
+          LoadStageMetaWords<BR, 128>(smem_base + L::kMetaOff + s * L::kMetaBytes, p, row0, kt, tid);
         if (!x_by_tma) LoadXtStage<T, BR, BT, 128, false>(stage, kt * kKc, tid, p, row0, tok0, tcols);
         CpAsyncMbarArrive(full);
       }
@@ -499,11 +494,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
           if (lane == 0) MbarArrive(empty0 + 8 * s);
           return;
         }
-        if constexpr (MLOAD == kMetaTmaPair)  // the pair's rows of 4 words start at the even stage's slot
-          meta.Load<kOdd, 4>(reinterpret_cast<const uint32_t*>(smem + L::kMetaOff + (s & ~1) * L::kMetaBytes) + 2 * kOdd,
-                             kt);
-        else
-          meta.Load<kOdd>(reinterpret_cast<const uint32_t*>(smem + L::kMetaOff + s * L::kMetaBytes), kt);
+        // TMA pairs: rows of 4 words from the even stage's slot, this stage's two at 2 * kOdd.
+        const unsigned char* slot = smem + L::kMetaOff + (p.meta_pairs ? s & ~1 : s) * L::kMetaBytes;
+        meta.Load<kOdd>(reinterpret_cast<const uint32_t*>(slot) + (p.meta_pairs ? 2 * kOdd : 0), kt,
+                        p.meta_pairs ? 4 : 2);
         fence_acc();
         WgmmaFence();
         XtStageMma<T, BR, NW, NCH, XROW>(acc, smem_base + s * L::kStageBytes, wr, wt * WN / 64, meta.Operands<kOdd>());
@@ -578,13 +572,11 @@ ffi::Error LaunchTile(cudaStream_t stream, const SpmmXtParams& p) {
   return LastLaunchError("SpmmWgmmaXtKernel");
 }
 
-template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0, int MLOAD = kMetaCp4>
-ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& p) {
-  constexpr auto kernel = SpmmWgmmaXtWsKernel<T, BR, BT, STAGES, XROW, NWMAX, PROBE, MLOAD>;
-  const int words = p.groups / 8;
-  if ((MLOAD == kMetaCp8 && words % 2) || (MLOAD == kMetaTmaPair && words % 4))
-    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: this metadata load needs G/8 even (8-byte copies) or a "
-                                       "multiple of 4 (TMA pairs), got " + std::to_string(words));
+template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0>
+ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& params) {
+  constexpr auto kernel = SpmmWgmmaXtWsKernel<T, BR, BT, STAGES, XROW, NWMAX, PROBE>;
+  SpmmXtParams p = params;
+  p.meta_pairs = p.meta_pairs && MetaPairsFit<STAGES>(p);
   if (!Sm90aImageLoaded<kernel>())
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: needs an sm_90a build on a Hopper GPU");
   constexpr int smem = XtWsLayout<BR, BT, STAGES>::kBytes + 1024;
@@ -592,7 +584,7 @@ ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& p) {
   if (ffi::Error e = RaiseSmemLimit<kernel>(smem, "cudaFuncSetAttribute(SpmmWgmmaXtWsKernel)"); e.failure()) return e;
   CUtensorMap tma_a{}, tma_x{}, tma_m{};
   if (!MakeTensorMap2d(&tma_a, p.values, p.rows, 2 * static_cast<uint64_t>(p.groups), BR, kKc / 2) ||
-      (MLOAD == kMetaTmaPair && !MakeTensorMap2d(&tma_m, p.meta, p.rows, 2 * static_cast<uint64_t>(words), BR, 8)) ||
+      (p.meta_pairs && !MakeTensorMap2d(&tma_m, p.meta, p.rows, p.groups / 4, BR, 8)) ||  // words as 16-bit pairs
       (XROW && !MakeTensorMap2d(&tma_x, p.xt, p.tokens, p.k, BT)) ||
       (!XROW && p.cols == nullptr && !MakeTensorMap2d(&tma_x, p.xt, p.k, p.tokens, 64)))
     return ffi::Error::Internal("jaxsparse_spmm_xt: cuTensorMapEncodeTiled failed for the warp-specialized tile");
@@ -687,6 +679,7 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer val
   p.m = m;
   p.bias_f32 = has_bias && bias.element_type() == ffi::F32;
   p.activation = activation;
+  p.meta_pairs = 1;
   if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, tile, x_rows == 1);
   if (dt == ffi::F16) return Dispatch<__half>(stream, p, tile, x_rows == 1);
   return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T must be bfloat16 or float16");

@@ -164,10 +164,11 @@ def _xt_tiles(spec):
 @xt_marks
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("t", [1, 17, 200, 1000])
-@pytest.mark.parametrize("k, r", [(512, 192), (768, 2176)], ids=["ws64", "ws128"])
+@pytest.mark.parametrize("k, r", [(512, 192), (768, 2176), (160, 384)], ids=["ws64", "ws128", "ws128-meta-cp"])
 def test_spmm_rows_tma(dtype, t, k, r):
     """2:4 from x [T, K] as it is (TMA boxes of x, wgmma.sp): token tails, a 64-row tile (R = 192) and
-    enough 128-row tiles that the persistent grid runs several per CTA."""
+    enough 128-row tiles that the persistent grid runs several per CTA.  The 128-row tiles take their metadata by
+    TMA pairs where G/8 % 4 == 0 (K = 768) and by cp.async where not (K = 160: G/8 = 5)."""
     x, sw, bias = _make(key("rows-tma", str(dtype), t, k), t, k, r, "2:4", dtype, with_bias=True)
     _check(x, sw, bias, None, TOL[dtype], row_kernel="tma")
 
