@@ -90,6 +90,7 @@ struct RowProblem {
     p.groups = groups;
     p.v = 1;
     p.m = 4;
+    p.meta_pairs = 1;  // as the extension asks (SpmmXtImpl)
     return p;
   }
   // One launch into y poisoned with 0xff; y's bytes into `out`.
