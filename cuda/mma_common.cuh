@@ -50,10 +50,6 @@ __device__ __forceinline__ void CpAsync4(uint32_t dst, const void* src) {
 __device__ __forceinline__ void CpAsync4Zfill(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
-// 8-byte async copy (both addresses 8-byte aligned); src_bytes = 0 zero-fills the destination.
-__device__ __forceinline__ void CpAsync8Zfill(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void CpAsyncWait() {

@@ -388,8 +388,11 @@ enum XtProbe { kProbeNoMma = 1, kProbeNoLoad = 2, kProbeNoEpilogue = 4, kProbeMe
 // ring, so that a pair never straddles the ring's end.  The box completes on the even stage's barrier, which the
 // consumers pass before they read the odd stage's words.  Otherwise every producer thread copies its part of each
 // stage's words by 4-byte cp.async (LoadStageMetaWords).  Session 18 (benchmarks/ws_probe.cu, 2:4, 16384 tokens,
-// ws128x256): 0.173 -> 0.168 ms at 1024x4096, 0.148 -> 0.145 at 4096x1024; without any metadata loads 0.161 / 0.132;
-// one 8-byte cp.async per row instead of two 4-byte ones was slower (0.191 / 0.155).
+// ws128x256, kernel alone, 1024x4096 / 4096x1024): 0.173-0.180 / 0.148-0.167 ms with the cp.async words; 0.168 /
+// 0.145 with TMA pairs; 0.157 / 0.136 once thread 0 also fills the ring alone (tma_only; the 127 producer threads
+// that had waited on the ring's barriers each stage took issue slots from the consumers).  Without any metadata
+// loads but with those threads: 0.161-0.165 / 0.132-0.143.  One 8-byte cp.async per row was slower than two 4-byte
+// ones (0.191 / 0.155).
 template <int STAGES>
 bool MetaPairsFit(const SpmmXtParams& p) {
   return STAGES % 2 == 0 && (p.groups / 8) % 4 == 0;

@@ -91,7 +91,8 @@ bool Sm90aImageLoaded() {
 // 16-byte aligned): boxes of `box_rows` rows x `box_cols` columns, landing swizzled with the row length:
 // 64 columns (128 bytes) as Sw128KOffset lays them out (row r at r * 128, 16-byte chunk j at j ^ (r % 8)) when
 // the destination is 1024-byte aligned, 32 columns (64 bytes) as Sw64KOffset (512-byte aligned), 8 columns
-// (16 bytes) unswizzled, row r at r * 16 (16-byte aligned); out-of-bounds elements arrive as zeros.  False when the driver cannot make one.
+// (16 bytes) unswizzled, row r at r * 16; out-of-bounds elements arrive as zeros.  False when the driver cannot
+// make one.
 inline bool MakeTensorMap2d(CUtensorMap* map, const void* base, uint64_t rows, uint64_t cols, uint32_t box_rows,
                             uint32_t box_cols = 64) {
   static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {

@@ -90,7 +90,8 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--regrow-every", type=int, default=0,
                    help="learned masks (SR-STE): once the final pattern is in, keep training the pruned weights with "
                         "straight-through gradients and choose the masks again (same --score) every N steps, until "
-                        "--regrow-until; 0 = masks fixed at the final pattern (jaxsparse.pruning.gmp_prune regrow_every)")
+                        "--regrow-until; 0 = masks fixed at the final pattern "
+                        "(jaxsparse.pruning.gmp_prune regrow_every)")
     p.add_argument("--regrow-until", type=float, default=0.5,
                    help="with --regrow-every: fraction of the run's steps at which the masks become final (then the "
                         "pruned weights are zeroed and, with --compress, the compressed values train)")
@@ -848,8 +849,9 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         "distill": distill, "temperature": temperature if distill > 0 else None, "distill_hidden": hidden,
         "distill_attention": attention, "distill_augment": augment, "augment_neighbors": n_neighbors,
         "refit": refit, "refit_batches": n_cal if refit else None,
-        **({"regrow_every": regrow_every, "regrow_until": regrow["regrow_until"], "regrow_decay": regrow["regrow_decay"],
-            "regrow_mask_change": pruning.mask_change(first_masks, final_masks)} if regrow else {}),
+        **({"regrow_every": regrow_every, "regrow_until": regrow["regrow_until"],
+            "regrow_decay": regrow["regrow_decay"], "regrow_mask_change": pruning.mask_change(first_masks, final_masks)}
+           if regrow else {}),
         "train_examples": len(train), "dev_examples": len(dev), "test_examples": len(test), "steps": global_step,
         "history": history, "dev_accuracy": history[-1]["dev_accuracy"], "test_accuracy": test_metrics["accuracy"],
         "test_loss": test_metrics["loss"], "weight_sparsity": achieved,
