@@ -805,7 +805,6 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
                    file=sys.stderr) if bars else batches
         for idx in bar:
             if compress and not compressed and global_step == switch_step:
-                final_masks = jax.device_get(pruning.masks_of(opt_state))
                 params, pattern, base_state = pruning.to_compressed(params, pruning.masks_of(opt_state), spec, opt_state[0])
                 opt_state, extra, compressed = base_state, {"sparsity": pattern}, True
                 model = make_model(True)
@@ -816,8 +815,11 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
             params, opt_state, loss = step(params, opt_state, {**extra, **teacher_extra}, batch_of(idx), k_drop)
             losses.append(loss)
             global_step += 1
-            if regrow and global_step == prune.schedule.stage_steps[-1] + 1:  # the final pattern's first masks
+            # Learned masks: the final pattern's first masks, and its final ones (fixed from final_step on).
+            if regrow and global_step == prune.schedule.stage_steps[-1] + 1:
                 first_masks = jax.device_get(pruning.masks_of(opt_state))
+            if regrow and global_step == prune.final_step + 1:
+                final_masks = jax.device_get(pruning.masks_of(opt_state))
             if on_step is not None:
                 on_step(global_step, loss)
             elif global_step % 10 == 0 and bars:
@@ -833,7 +835,6 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
     test_metrics = evaluate_test(logits_fn, variables_now())
     final = variables_now()
     if prune is not None and not compressed:
-        final_masks = jax.device_get(pruning.masks_of(opt_state))
         achieved = pruning.sparsity_of(params, pruning.masks_of(opt_state))
     elif compressed:  # a values array [R, 2K/M] stands for a dense [K, R] kernel
         vals = [np.asarray(v) for p, v in _flat(params) if p[-1] == "values"]
