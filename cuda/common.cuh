@@ -9,6 +9,11 @@
 
 #include "xla/ffi/api/ffi.h"
 
+// Traits of the handlers that only enqueue kernels on XLA's stream (no scratch memory, no host synchronization):
+// XLA may then record them into its command buffers (CUDA graphs) with the fusions around them.
+#define JAXSPARSE_GRAPH_SAFE \
+  { xla::ffi::Traits::kCmdBufferCompatible }
+
 namespace jaxsparse {
 
 namespace ffi = xla::ffi;

@@ -83,4 +83,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseDecompress, jaxsparse::DecompressImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Attr<int32_t>("v")
-                                  .Attr<int32_t>("m"));
+                                  .Attr<int32_t>("m"),
+                              JAXSPARSE_GRAPH_SAFE);

@@ -26,11 +26,12 @@
 //
 // Split over tokens (attribute `split`: 1 = none, 0 = auto, n > 1 = n ranges): a layer with few
 // (row, group) tiles (R/64 x G/GC CTAs: 64 for a 1024x1024 layer at M = 8, half the H100's SMs) gets
-// grid.z token ranges; each writes float32 partial sums into an XLA scratch buffer [S, R, 2G] and
-// SddmmReduceKernel adds them into the output.  Auto splits only grids of fewer tiles than half the SMs, aiming at two
-// CTAs per SM with >= 4 token tiles per range.
+// grid.z token ranges; each writes float32 partial sums into the handler's second result, a float32 buffer of
+// S * R * 2G elements (jaxsparse.ffi.calls sizes it for the most ranges the rule can choose, or 0 where it never
+// splits), and SddmmReduceKernel adds them into the output.  Auto splits only grids of fewer tiles than half the SMs,
+// aiming at two CTAs per SM with >= 4 token tiles per range; never more ranges than the buffer holds.  A result
+// instead of XLA's scratch allocator keeps the handler safe to record into XLA's command buffers (CUDA graphs).
 #include <algorithm>
-#include <optional>
 
 #include "common.cuh"
 #include "handlers.h"
@@ -742,23 +743,23 @@ int ChooseSplits(int split, int tiles, int all_kt, int ctas_per_sm) {
 // error where they cannot run.
 constexpr int kEngineAuto = 0, kEngineMma = 1, kEngineWgmma = 2, kEngineTma = 3;
 
-// Splits the token range (`split` as ChooseSplits reads it) over `tiles` CTAs of BT-token stages, takes the
-// float32 partial planes from XLA's scratch, launches `launch(grid_z)` and the ordered reduction.
+// The float32 planes of the token split: the handler's second result.
+struct Partials {
+  float* data;
+  int64_t elements;
+};
+
+// Splits the token range (`split` as ChooseSplits reads it, at most as many ranges as `partials` holds planes) over
+// `tiles` CTAs of BT-token stages, launches `launch(grid_z)` and the ordered reduction.
 template <typename T, typename LaunchFn>
-ffi::Error LaunchSplit(cudaStream_t stream, SddmmParams p, int split, int tiles, int bt, ffi::ScratchAllocator& scratch,
+ffi::Error LaunchSplit(cudaStream_t stream, SddmmParams p, int split, int tiles, int bt, const Partials& partials,
                        LaunchFn launch, int ctas_per_sm = 2) {
   const int all_kt = (p.tokens + bt - 1) / bt;
-  int splits = ChooseSplits(split, tiles, all_kt, ctas_per_sm);
+  const int64_t n = static_cast<int64_t>(p.rows) * 2 * p.groups;
+  int splits = static_cast<int>(std::min<int64_t>(ChooseSplits(split, tiles, all_kt, ctas_per_sm), partials.elements / n));
   p.kt_per_split = splits > 1 ? (all_kt + splits - 1) / splits : std::max(all_kt, 1);
   splits = splits > 1 ? (all_kt + p.kt_per_split - 1) / p.kt_per_split : 1;  // no empty range
-  const int64_t n = static_cast<int64_t>(p.rows) * 2 * p.groups;
-  p.partial = nullptr;
-  if (splits > 1) {
-    std::optional<void*> buf = scratch.Allocate(static_cast<size_t>(splits) * n * sizeof(float), 16);
-    if (!buf.has_value())
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted, "jaxsparse_sddmm: no scratch for the token split");
-    p.partial = static_cast<float*>(*buf);
-  }
+  p.partial = splits > 1 ? partials.data : nullptr;
   if (ffi::Error e = launch(p, splits); e.failure() || splits == 1) return e;
   const int blocks = static_cast<int>(std::min<int64_t>((n / 4 + 255) / 256, 4 * SmCount()));
   SddmmReduceKernel<T><<<blocks, 256, 0, stream>>>(p.partial, p.out, n, splits, p.out_f32);
@@ -768,7 +769,7 @@ ffi::Error LaunchSplit(cudaStream_t stream, SddmmParams p, int split, int tiles,
 // x^T [K, T] (x_layout = 1): the x^T engine, the only one that reads it; with XROW (2:4), the same engine on
 // x [T, K] (x_layout = 0), chosen by Dispatch.
 template <typename T, bool XROW>
-ffi::Error LaunchXt(cudaStream_t stream, const SddmmParams& p, int split, ffi::ScratchAllocator& scratch) {
+ffi::Error LaunchXt(cudaStream_t stream, const SddmmParams& p, int split, const Partials& partials) {
   constexpr auto kernel = SddmmWgmmaXtKernel<T, XROW>;
   const std::string what = XROW ? "jaxsparse_sddmm: the tma engine" : "jaxsparse_sddmm: x^T (x_layout 1)";
   if (!Sm90aImageLoaded<kernel>()) return ffi::Error::InvalidArgument(what + " needs an sm_90a build on a Hopper GPU");
@@ -784,7 +785,7 @@ ffi::Error LaunchXt(cudaStream_t stream, const SddmmParams& p, int split, ffi::S
     return ffi::Error::Internal("jaxsparse_sddmm: cuTensorMapEncodeTiled failed for the x^T engine");
   const int gy = (p.groups + L::kGC - 1) / L::kGC;
   return LaunchSplit<T>(
-      stream, p, split, (p.rows / kXtBR) * gy, kXtBT, scratch,
+      stream, p, split, (p.rows / kXtBR) * gy, kXtBT, partials,
       [&](const SddmmParams& q, int z) {
         kernel<<<dim3(p.rows / kXtBR, gy, z), kXtThreads, kSmem, stream>>>(q, tma_dy, tma_xt);
         return LastLaunchError("SddmmWgmmaXtKernel");
@@ -793,7 +794,7 @@ ffi::Error LaunchXt(cudaStream_t stream, const SddmmParams& p, int split, ffi::S
 }
 
 template <typename T, int M>
-ffi::Error Launch(cudaStream_t stream, const SddmmParams& p, int split, int engine, ffi::ScratchAllocator& scratch) {
+ffi::Error Launch(cudaStream_t stream, const SddmmParams& p, int split, int engine, const Partials& partials) {
   if constexpr (M <= 16) {
     const bool fits = p.rows % kWgBR == 0;
     if (engine == kEngineWgmma && !(fits && Sm90aImageLoaded<SddmmWgmmaKernel<T, M>>()))
@@ -806,7 +807,7 @@ ffi::Error Launch(cudaStream_t stream, const SddmmParams& p, int split, int engi
           e.failure())
         return e;
       const int gy = (p.groups + GC - 1) / GC;
-      return LaunchSplit<T>(stream, p, split, (p.rows / kWgBR) * gy, kWgBT, scratch, [&](const SddmmParams& q, int z) {
+      return LaunchSplit<T>(stream, p, split, (p.rows / kWgBR) * gy, kWgBT, partials, [&](const SddmmParams& q, int z) {
         SddmmWgmmaKernel<T, M><<<dim3(p.rows / kWgBR, gy, z), kWgThreads, kSmem, stream>>>(q);
         return LastLaunchError("SddmmWgmmaKernel");
       });
@@ -819,7 +820,7 @@ ffi::Error Launch(cudaStream_t stream, const SddmmParams& p, int split, int engi
   if (ffi::Error e = RaiseSmemLimit<SddmmKernel<T, M>>(kSmem, "cudaFuncSetAttribute(SddmmKernel)"); e.failure())
     return e;
   const int gy = (p.groups + GC - 1) / GC;
-  return LaunchSplit<T>(stream, p, split, (p.rows / kSdBR) * gy, kSdBT, scratch, [&](const SddmmParams& q, int z) {
+  return LaunchSplit<T>(stream, p, split, (p.rows / kSdBR) * gy, kSdBT, partials, [&](const SddmmParams& q, int z) {
     SddmmKernel<T, M><<<dim3(p.rows / kSdBR, gy, z), kSdThreads, kSmem, stream>>>(q);
     return LastLaunchError("SddmmKernel");
   });
@@ -827,24 +828,24 @@ ffi::Error Launch(cudaStream_t stream, const SddmmParams& p, int split, int engi
 
 template <typename T>
 ffi::Error Dispatch(cudaStream_t stream, const SddmmParams& p, int m, int split, int engine, int x_layout,
-                    ffi::ScratchAllocator& scratch) {
-  if (x_layout == 1) return LaunchXt<T, false>(stream, p, split, scratch);
+                    const Partials& partials) {
+  if (x_layout == 1) return LaunchXt<T, false>(stream, p, split, partials);
   // 2:4 from x [T, K] on Hopper: the TMA engine reads x as it is (the x^T engine's TMA path took 0.28 ms against
   // 0.39 for the row-major wgmma engine at 16384x1024x4096; docs/kernel-notes.md, sessions 6 and 7).
   if (engine == kEngineTma) {
     if (m != 4) return ffi::Error::InvalidArgument("jaxsparse_sddmm: the tma engine takes 2:4 only");
-    return LaunchXt<T, true>(stream, p, split, scratch);
+    return LaunchXt<T, true>(stream, p, split, partials);
   }
   if (m == 4 && engine == kEngineAuto && p.rows % kXtBR == 0 && Sm90aImageLoaded<SddmmWgmmaXtKernel<T, true>>())
-    return LaunchXt<T, true>(stream, p, split, scratch);
+    return LaunchXt<T, true>(stream, p, split, partials);
   return DispatchGroupWidth("jaxsparse_sddmm", m, [&](auto width) {
-    return Launch<T, decltype(width)::value>(stream, p, split, engine, scratch);
+    return Launch<T, decltype(width)::value>(stream, p, split, engine, partials);
   });
 }
 
-ffi::Error SddmmImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x, ffi::AnyBuffer dy,
-                     ffi::Buffer<ffi::U8> columns, ffi::Buffer<ffi::U32> metadata, ffi::Result<ffi::AnyBuffer> out,
-                     int32_t v, int32_t m, int32_t split, int32_t engine, int32_t x_layout) {
+ffi::Error SddmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Buffer<ffi::U8> columns,
+                     ffi::Buffer<ffi::U32> metadata, ffi::Result<ffi::AnyBuffer> out,
+                     ffi::Result<ffi::Buffer<ffi::F32>> partial, int32_t v, int32_t m, int32_t split, int32_t engine, int32_t x_layout) {
   if (x.dimensions().size() != 2 || dy.dimensions().size() != 2 || metadata.dimensions().size() != 2 ||
       out->dimensions().size() != 2)
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: x, dy, metadata and output must be 2-D");
@@ -886,8 +887,9 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::An
   p.groups = static_cast<int>(groups);
   p.v = v;
   p.out_f32 = out->element_type() == ffi::F32;
-  if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, m, split, engine, x_layout, scratch);
-  if (dt == ffi::F16) return Dispatch<__half>(stream, p, m, split, engine, x_layout, scratch);
+  const Partials partials{partial->typed_data(), static_cast<int64_t>(partial->element_count())};
+  if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, m, split, engine, x_layout, partials);
+  if (dt == ffi::F16) return Dispatch<__half>(stream, p, m, split, engine, x_layout, partials);
   return ffi::Error::InvalidArgument("jaxsparse_sddmm: x must be bfloat16 or float16");
 }
 
@@ -897,14 +899,15 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::An
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSddmm, jaxsparse::SddmmImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::ScratchAllocator>()        // token-split partial sums
                                   .Arg<xla::ffi::AnyBuffer>()               // x [T, K], or x^T [K, T] (x_layout 1)
                                   .Arg<xla::ffi::AnyBuffer>()               // dy [T, R]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // columns [R/V, G, 4] or [0]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // metadata [R, G/8]
                                   .Ret<xla::ffi::AnyBuffer>()               // dvalues [R, 2G], T or f32
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // token-split partial sums [S*R*2G] or [0]
                                   .Attr<int32_t>("v")
                                   .Attr<int32_t>("m")
                                   .Attr<int32_t>("split")    // 1 = none, 0 = auto, n > 1 = n ranges
                                   .Attr<int32_t>("engine")     // 0 = auto, 1 = mma.sync, 2 = wgmma, 3 = tma
-                                  .Attr<int32_t>("x_layout"));  // 0 = x [T, K], 1 = x^T [K, T]
+                                  .Attr<int32_t>("x_layout"),  // 0 = x [T, K], 1 = x^T [K, T]
+                              JAXSPARSE_GRAPH_SAFE);

@@ -368,4 +368,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSpmm, jaxsparse::SpmmImpl,
                                   .Ret<xla::ffi::AnyBuffer>()               // y [T, R]
                                   .Attr<int32_t>("v")
                                   .Attr<int32_t>("m")
-                                  .Attr<int32_t>("activation"));
+                                  .Attr<int32_t>("activation"),
+                              JAXSPARSE_GRAPH_SAFE);

@@ -353,4 +353,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSpmmT, jaxsparse::SpmmTImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // metadata [R, G/8]
                                   .Ret<xla::ffi::AnyBuffer>()               // dx [T, K]
                                   .Attr<int32_t>("v")
-                                  .Attr<int32_t>("m"));
+                                  .Attr<int32_t>("m"),
+                              JAXSPARSE_GRAPH_SAFE);

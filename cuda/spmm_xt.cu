@@ -704,4 +704,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSpmmXt, jaxsparse::SpmmXtImpl,
                                   .Attr<int32_t>("m")
                                   .Attr<int32_t>("activation")
                                   .Attr<int32_t>("tile")
-                                  .Attr<int32_t>("x_rows"));  // 0 = x^T [K, T], 1 = x [T, K] (M = 4)
+                                  .Attr<int32_t>("x_rows"),  // 0 = x^T [K, T], 1 = x [T, K] (M = 4)
+                              JAXSPARSE_GRAPH_SAFE);

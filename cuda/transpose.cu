@@ -82,4 +82,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseTranspose, jaxsparse::TransposeImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::AnyBuffer>()    // x [T, K]
-                                  .Ret<xla::ffi::AnyBuffer>());  // x^T [K, T]
+                                  .Ret<xla::ffi::AnyBuffer>(),  // x^T [K, T]
+                              JAXSPARSE_GRAPH_SAFE);

@@ -143,4 +143,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseAs24, jaxsparse::As24Impl,
                                   .Ret<xla::ffi::Buffer<xla::ffi::U32>>()   // the view's metadata [R, K/32]
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()   // slots [R, 2G]
                                   .Attr<int32_t>("v")
-                                  .Attr<int32_t>("m"));
+                                  .Attr<int32_t>("m"),
+                              JAXSPARSE_GRAPH_SAFE);

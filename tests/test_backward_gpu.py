@@ -153,7 +153,7 @@ def test_sddmm_float32_output(spec, engine, dtype):
 @pytest.mark.parametrize("t", [200, 1000])
 @pytest.mark.parametrize("out_dtype", [None, jnp.float32], ids=["values-dtype", "f32"])
 def test_sddmm_token_split(spec, engine, split, t, out_dtype):
-    """Token ranges reduced through the scratch buffer: same result as one pass (T = 200: 7 tiles, so
+    """Token ranges reduced through the call's float32 partial buffer: same result as one pass (T = 200: 7 tiles, so
     3 ranges of 3, 3 and 1; auto picks ranges from the grid size)."""
     _skip_unless_engine(spec, engine)
     k = _small_k(F.VNM.parse(spec).m)

@@ -250,6 +250,48 @@ def test_sddmm_split_setting(monkeypatch):
         calls.sddmm_split(-1)
 
 
+def _handler_splits(split, tiles, tokens, bt, ctas_per_sm, sms):
+    """cuda/sddmm.cu's ChooseSplits and LaunchSplit's no-empty-range step, for a GPU of ``sms`` SMs."""
+    all_kt = -(-tokens // bt)
+    s = split
+    if s == 0:
+        if 2 * tiles > sms:
+            return 1
+        want = max(1, sms // tiles) if ctas_per_sm == 1 else -(-2 * sms // tiles)
+        s = min(want, all_kt // 4, 16)
+    s = max(1, min(s, all_kt))
+    if s == 1:
+        return 1
+    per = -(-all_kt // s)
+    return -(-all_kt // per)
+
+
+@pytest.mark.parametrize("sms", [132, 256])
+def test_sddmm_partial_buffer_holds_every_split_the_handler_takes(sms):
+    """The SDDMM's float32 partial buffer (its second result) has room for every token split the handler's rule
+    picks, for each engine's tiles (rows x groups per CTA, tokens per stage, CTAs per SM in cuda/sddmm.cu), so the
+    buffer never caps a split; and it is empty where the handler cannot split."""
+    from jaxsparse.ffi import calls
+
+    engines = [(128, 64, 64, 1), (128, 32, 64, 1), (128, 32, 32, 2), (128, 16, 32, 2), (64, 32, 32, 2),
+               (64, 16, 32, 2), (64, 8, 32, 2)]
+    checked = 0
+    for rows in (128, 256, 1024, 4096):
+        for groups in (8, 64, 256, 1024):
+            n = rows * 2 * groups
+            for tokens in (1, 100, 200, 1000, 16384):
+                for split in (0, 2, 3, 16):
+                    need = max(_handler_splits(split, (rows // br) * -(-groups // gc), tokens, bt, cps, sms)
+                               for br, gc, bt, cps in engines)
+                    have = calls.sddmm_partial_elements(tokens, n, split)
+                    assert have % n == 0
+                    assert have // n >= (need if need > 1 else 0), (rows, groups, tokens, split)
+                    checked += need > 1
+    assert checked > 100  # the grid exercises real splits
+    assert calls.sddmm_partial_elements(16384, 4096 * 2 * 512, 0) == 0  # 1024x4096 at 2:4 fills the GPU
+    assert calls.sddmm_partial_elements(16384, 1024 * 2 * 256, 1) == 0
+
+
 def test_dx_route_setting(monkeypatch):
     monkeypatch.delenv(ops.DX_ROUTE_ENV, raising=False)
     assert ops.dx_route() == "dense"  # the v1 kernel loses to the dense route on the H100 (kernel-notes)

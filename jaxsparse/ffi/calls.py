@@ -423,7 +423,8 @@ def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None, split: 
     and returned in ``out_dtype`` (``sw.values.dtype`` when None, or float32). Constraints (``ValueError``
     here, before anything is launched): ``x`` and ``dy`` 2-D with one token count and the dtype of
     ``sw.values``; ``sddmm_unsupported(sw)`` is None. Any ``T`` (``T = 0`` gives zeros). ``split``: see
-    :func:`sddmm_split` (token ranges reduced in float32 through an XLA scratch buffer). ``engine``: see
+    :func:`sddmm_split` (token ranges reduced in float32 through the call's second result, a buffer sized by
+    :func:`sddmm_partial_elements`). ``engine``: see
     :func:`sddmm_engine`. ``x_layout``: see :func:`sddmm_x_layout`.
     """
     if x.ndim != 2 or dy.ndim != 2:
@@ -467,13 +468,45 @@ def _sddmm_out_dtype(name: str, x_name: str, x: jax.Array, dy: jax.Array, sw: Sp
     return out
 
 
+# The handler's token split: at most this many ranges, and only on grids of at most half as many (row, group) tiles
+# as the GPU has SMs; no engine's tile holds more than SDDMM_MAX_TILE_VALUES values or takes fewer than
+# SDDMM_MIN_STAGE_TOKENS tokens per stage, and auto keeps >= 4 stages per range (cuda/sddmm.cu, ChooseSplits).
+SDDMM_MAX_SPLITS = 16
+SDDMM_MAX_TILE_VALUES = 128 * 128
+SDDMM_MIN_STAGE_TOKENS = 32
+SDDMM_SM_BOUND = 256  # SMs of any GPU this sizes for (the H100 has 132)
+
+
+def sddmm_partial_elements(tokens: int, n_values: int, split: int) -> int:
+    """Float32 elements of the SDDMM's token-split buffer (its second result) for ``n_values = R * 2G`` values:
+    room for every range the handler's rule can choose for ``split`` (:func:`sddmm_split`), 0 where it cannot
+    split. The handler never takes more ranges than this buffer holds, so the size bounds, and never changes,
+    the result."""
+    if split == 1 or n_values == 0:
+        return 0
+    if split == 0:
+        if 2 * -(-n_values // SDDMM_MAX_TILE_VALUES) > SDDMM_SM_BOUND:
+            return 0  # the grid fills the GPU: auto never splits it
+        ranges = min(SDDMM_MAX_SPLITS, tokens // (4 * SDDMM_MIN_STAGE_TOKENS) + 1)
+    else:
+        ranges = min(split, -(-tokens // SDDMM_MIN_STAGE_TOKENS))
+    return ranges * n_values if ranges > 1 else 0
+
+
 def _sddmm_call(x: jax.Array, dy: jax.Array, sw: SparseWeight, out, split, engine: int, x_layout: int) -> jax.Array:
-    """The ``jaxsparse_sddmm`` call, operands checked: ``x`` is ``[T, K]`` (x_layout 0) or ``x^T [K, T]`` (1)."""
-    return _call(
-        "jaxsparse_sddmm", sw.values.shape, out, x, dy, _columns_operand(sw), sw.metadata,
-        v=np.int32(sw.spec.v), m=np.int32(sw.spec.m), split=np.int32(sddmm_split(split)),
+    """The ``jaxsparse_sddmm`` call, operands checked: ``x`` is ``[T, K]`` (x_layout 0) or ``x^T [K, T]`` (1).
+
+    Its second result is the token split's float32 buffer (:func:`sddmm_partial_elements`), dropped here: an
+    XLA buffer rather than scratch memory, so XLA may record the call into its command buffers."""
+    split = sddmm_split(split)
+    tokens = x.shape[1] if x_layout == 1 else x.shape[0]
+    partial = sddmm_partial_elements(tokens, int(np.prod(sw.values.shape)), split)
+    dvalues, _ = _call_results(
+        "jaxsparse_sddmm", [(sw.values.shape, out), ((partial,), jnp.float32)], x, dy, _columns_operand(sw),
+        sw.metadata, v=np.int32(sw.spec.v), m=np.int32(sw.spec.m), split=np.int32(split),
         engine=np.int32(engine), x_layout=np.int32(x_layout),
     )
+    return dvalues
 
 
 def spmm_t(dy: jax.Array, sw: SparseWeight) -> jax.Array:
