@@ -29,6 +29,9 @@ __all__ = [
     "kept_columns",
     "as_2_4",
     "validate_shape",
+    "transposable_mask_is_valid",
+    "kept_mask",
+    "transpose_2_4",
 ]
 
 GROUPS_PER_WORD = 8  # metadata groups (4 bits each) in one uint32 word
@@ -208,17 +211,26 @@ def _choose_columns(blocks: jax.Array, n: int, method: str) -> jax.Array:
     return jnp.sort(cols, axis=-1)
 
 
-def select_mask(scores: jax.Array, spec: Union[str, VNM], *, method: str = "auto") -> jax.Array:
+def select_mask(scores: jax.Array, spec: Union[str, VNM], *, method: str = "auto",
+                transposable: bool = False) -> jax.Array:
     """Chooses a mask of pattern ``spec`` that keeps the largest ``|scores|``.
 
     For ``n <= 2`` every ``V x M`` block keeps 4 columns (exact search over all ``C(M, 4)`` sets for
     ``M <= 8``, a vote-then-swap heuristic above; ``method`` forces either), then each row keeps its
     top ``n`` of those. For ``n > 2`` each row keeps its top ``n`` of every ``M``. Jit-able.
 
+    With ``transposable`` (``n = 2`` only), the rows keep instead, for every 4 consecutive output features and
+    every group, the best of the 90 ways to keep 2 of the block's 4 columns in each of the 4 rows and each column
+    in 2 of the rows: the mask then also keeps at most 2 of every 4 consecutive output features in each input
+    feature's column, so ``W^T`` is 2:4 sparse over the output features (:func:`transpose_2_4`) and the input
+    gradient can run as a 2:4 forward product (``jaxsparse.ops.spmm_t``'s ``"transposed"`` route).
+
     Args:
       scores: ``[K, R]`` importance scores, usually the kernel itself.
       spec: the pattern, e.g. ``"64:2:8"``.
       method: ``"auto"``, ``"exact"`` or ``"greedy"`` column search.
+      transposable: also keep ``W^T`` 2:4 along the output features (needs ``n = 2``, ``R % 4 == 0`` and, for
+        ``M > 4``, ``V % 4 == 0``).
 
     Returns:
       A boolean ``[K, R]`` mask.
@@ -227,22 +239,61 @@ def select_mask(scores: jax.Array, spec: Union[str, VNM], *, method: str = "auto
     validate_shape(scores.shape, spec)
     if method not in ("auto", "exact", "greedy"):
         raise ValueError(f"column search method must be 'auto', 'exact' or 'greedy', got {method!r}")
-    return _select_mask(scores, spec, method)
+    if transposable:
+        _check_transposable_spec(scores.shape, spec)
+    return _select_mask(scores, spec, method, bool(transposable))
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _select_mask(scores: jax.Array, spec: VNM, method: str) -> jax.Array:
+def _check_transposable_spec(shape: tuple[int, int], spec: VNM) -> None:
+    if spec.n != 2:
+        raise ValueError(f"a transposable mask keeps 2 per group: N must be 2, got {spec}")
+    if shape[1] % 4:
+        raise ValueError(f"a transposable mask needs R (output features) = {shape[1]} to be a multiple of 4")
+    if spec.m > 4 and spec.v % 4:
+        raise ValueError(f"a transposable {spec} mask needs V to be a multiple of 4 (4 rows sharing their columns)")
+
+
+@functools.lru_cache(maxsize=None)
+def _two_by_two_patterns() -> np.ndarray:
+    """The 90 ``[4, 4]`` boolean patterns with 2 kept in every row and in every column."""
+    pairs = list(itertools.combinations(range(4), 2))
+    out = []
+    for rows in itertools.product(pairs, repeat=4):
+        p = np.zeros((4, 4), bool)
+        for i, cols in enumerate(rows):
+            p[i, list(cols)] = True
+        if (p.sum(axis=0) == 2).all():
+            out.append(p)
+    return np.stack(out)
+
+
+def _transposable_keep(picked: jax.Array) -> jax.Array:
+    """``picked [C, 4, G, 4]`` (4-row chunks, row, group, kept column) -> the best 2-per-row-and-column pattern's
+    keep mask of the same shape."""
+    patterns = jnp.asarray(_two_by_two_patterns())  # [90, 4, 4]
+    gain = jnp.einsum("cigj,pij->cgp", picked, patterns.astype(picked.dtype))
+    best = patterns[jnp.argmax(gain, axis=-1)]  # [C, G, 4, 4]
+    return best.transpose(0, 2, 1, 3)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _select_mask(scores: jax.Array, spec: VNM, method: str, transposable: bool = False) -> jax.Array:
     k, r = scores.shape
     g = k // spec.m
     a = jnp.abs(scores.astype(jnp.float32)).T  # [R, K]
     if not spec.structured:
         return _top_n_mask(a.reshape(r, g, spec.m), spec.n).reshape(r, k).T
-    blocks = a.reshape(r // spec.v, spec.v, g, spec.m)
     if spec.m == 4:
-        return _top_n_mask(blocks, spec.n).reshape(r, k).T
+        if transposable:
+            return _transposable_keep(a.reshape(r // 4, 4, g, 4)).reshape(r, k).T
+        return _top_n_mask(a.reshape(r // spec.v, spec.v, g, spec.m), spec.n).reshape(r, k).T
+    blocks = a.reshape(r // spec.v, spec.v, g, spec.m)
     cols = _choose_columns(blocks, spec.n, method)  # [B, G, 4]
     picked = jnp.take_along_axis(blocks, cols[:, None], axis=-1)
-    keep = _top_n_mask(picked, spec.n)  # [B, V, G, 4]
+    if transposable:
+        keep = _transposable_keep(picked.reshape(r // 4, 4, g, 4)).reshape(picked.shape)
+    else:
+        keep = _top_n_mask(picked, spec.n)  # [B, V, G, 4]
     onehot = jax.nn.one_hot(cols, spec.m, dtype=jnp.bool_)  # [B, G, 4, M]
     mask = (keep[..., None] & onehot[:, None]).any(axis=-2)
     return mask.reshape(r, k).T
@@ -413,6 +464,39 @@ def decompress(sw: SparseWeight) -> jax.Array:
     vals = sw.values.reshape(r, g, 2)
     dense = (jax.nn.one_hot(cols, m, dtype=sw.values.dtype) * vals[..., None]).sum(axis=-2)  # [R, G, M]
     return dense.reshape(r, k).T
+
+
+def transposable_mask_is_valid(mask: jax.Array) -> jax.Array:
+    """A boolean scalar: does ``mask`` (``[K, R]``) keep at most 2 of every 4 consecutive output features in each
+    input feature's row, i.e. is ``W^T`` 2:4 sparse along ``R``? Jit-able."""
+    k, r = mask.shape
+    if r % 4:
+        raise ValueError(f"R (output features) = {r} must be a multiple of 4 for a transposable mask")
+    return (mask.astype(jnp.int32).reshape(k, r // 4, 4).sum(axis=-1) <= 2).all()
+
+
+def kept_mask(sw: SparseWeight) -> jax.Array:
+    """The boolean ``[K, R]`` mask of ``sw``'s stored positions (a stored value may itself be 0)."""
+    return decompress(SparseWeight(jnp.ones(sw.values.shape, jnp.float32), sw.columns, sw.metadata, sw.shape,
+                                   sw.spec)) > 0
+
+
+@jax.jit
+def transpose_2_4(sw: SparseWeight) -> tuple[SparseWeight, jax.Array]:
+    """``W^T`` as a 2:4 ``SparseWeight`` (Flax kernel shape ``(R, K)``), for a weight with a transposable mask.
+
+    With ``select_mask(..., transposable=True)`` every input feature keeps at most 2 of every 4 consecutive output
+    features, so ``W^T``'s rows (one per input feature) are 2:4 sparse along ``R``, and the input gradient
+    ``dy @ W^T`` is the forward product ``spmm(dy, transpose_2_4(sw)[0])``. Built from the dense kernel with the
+    stored positions as the mask (jit-able; the reference for a gather kernel). Returns ``(sw_t, ok)``: ``ok`` is
+    :func:`transposable_mask_is_valid` of those positions; where it is False ``sw_t`` drops values, and callers
+    must not use it (``jaxsparse.ops.spmm_t`` turns such a gradient into NaN).
+    """
+    if sw.shape[1] % (4 * GROUPS_PER_WORD):
+        raise ValueError(f"transpose_2_4 needs R (output features) = {sw.shape[1]} to be a multiple of 32: W^T's "
+                         "metadata word holds 8 groups of 4 along R")
+    mask = kept_mask(sw)
+    return _compress(decompress(sw).T, mask.T, VNM(1, 2, 4)), transposable_mask_is_valid(mask)
 
 
 def compress_like(dense: jax.Array, sw: SparseWeight) -> jax.Array:

@@ -18,7 +18,7 @@ import numpy as np
 from jaxsparse import dispatch, reference
 from jaxsparse.ffi import calls as cuda_calls
 from jaxsparse.ffi.calls import spmm_unsupported
-from jaxsparse.format import SparseWeight, decompress as _reference_decompress
+from jaxsparse.format import SparseWeight, decompress as _reference_decompress, transpose_2_4
 
 __all__ = ["decompress", "spmm", "sddmm", "spmm_t", "dx_route", "linear_x_layout", "sparse_linear", "masked_linear", "spmm_unsupported"]
 
@@ -98,16 +98,19 @@ def _dense_dx(dy2: jax.Array, sw: SparseWeight) -> jax.Array:
 
 
 DX_ROUTE_ENV = "JAXSPARSE_DX"
-DX_ROUTES = ("dense", "kernel")
+DX_ROUTES = ("dense", "kernel", "transposed")
 
 
 def dx_route(route: Optional[str] = None) -> str:
-    """How the GPU computes the input gradient ``dy @ W^T``: ``"dense"`` or ``"kernel"``.
+    """How the GPU computes the input gradient ``dy @ W^T``: ``"dense"``, ``"kernel"`` or ``"transposed"``.
 
     ``"dense"`` (the default): XLA's dense product over the weight decompressed by ``jaxsparse_decompress``
     (a transient ``[K, R]`` weight in the values dtype, never a dense gradient). ``"kernel"``: the structured
     ``jaxsparse_spmm_t`` kernel for ``M >= 8`` (2:4 stays dense: its pattern runs along dX's output
-    columns, so a sparse kernel does dense work on slower MMAs). ``None`` reads ``JAXSPARSE_DX``.
+    columns, so a sparse kernel does dense work on slower MMAs). ``"transposed"``: for weights whose masks were
+    chosen with ``select_mask(..., transposable=True)``, the 2:4 forward product of ``W^T``
+    (:func:`jaxsparse.format.transpose_2_4`), on every platform; a weight whose mask is not transposable gets a NaN
+    gradient, never a wrong one. ``None`` reads ``JAXSPARSE_DX``.
     The default follows the measurements in docs/kernel-notes.md: the v1 kernel is slower than the dense
     route at every M measured on the H100 (64:2:8 at 16384x1024x4096: 0.92 ms against 0.20 ms), so it
     is opt-in until a faster version lands; ``benchmarks/linear.py`` times both routes side by side.
@@ -126,12 +129,22 @@ def spmm_t(dy: jax.Array, sw: SparseWeight, route: Optional[str] = None) -> jax.
     """
     _check_weight(sw)
     _check_activation(dy, sw, "dy", sw.shape[1])
-    use_kernel = dx_route(route) == "kernel" and sw.spec.m > 4
+    route = dx_route(route)
+    if route == "transposed":
+        return _transposed_dx(dy, sw)
+    use_kernel = route == "kernel" and sw.spec.m > 4
     cuda = cuda_calls.spmm_t if use_kernel else _dense_dx
     with jax.named_scope("jaxsparse_spmm_t"):
         dx = dispatch.call("spmm_t", reference.spmm_t, cuda, _flatten(dy), sw,
                            unsupported=cuda_calls.spmm_t_unsupported(sw))
     return dx.reshape(*dy.shape[:-1], sw.shape[0])
+
+
+def _transposed_dx(dy: jax.Array, sw: SparseWeight) -> jax.Array:
+    """``dy @ W^T`` as the 2:4 forward product of ``W^T`` (the ``"transposed"`` route of :func:`dx_route`)."""
+    swt, ok = transpose_2_4(sw)
+    dx = spmm(dy, swt)
+    return jnp.where(ok, dx, jnp.asarray(jnp.nan, dx.dtype))
 
 
 # ----------------------------------------------------------------------------- the layer product

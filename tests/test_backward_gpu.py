@@ -380,6 +380,30 @@ def test_sparse_linear_grad_on_kernels(monkeypatch, spec, dtype, t, dx_route):
     _compare(gb[None], target.sum(0)[None], TOL[dtype], "dbias")
 
 
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("t", [17, 1000])
+def test_sparse_linear_grad_on_the_transposed_dx_route(monkeypatch, spec, dtype, t):
+    """``JAXSPARSE_DX=transposed`` with a transposable mask: dX runs as the 2:4 forward kernel on ``W^T``
+    (``format.transpose_2_4``); the layer's gradients match the float32 reference. K = 512 (the transposed
+    weight's rows, a multiple of the forward's 64-row tile), R = 256 (its reduction, whole metadata words)."""
+    _force_backward_kernels(monkeypatch, "transposed")
+    k, r = 512, 256
+    kx, kw, kb, kt = jax.random.split(key("grad-t", spec, str(dtype), t), 4)
+    x = jax.random.normal(kx, (t, k), jnp.float32).astype(dtype)
+    w = (jax.random.normal(kw, (k, r), jnp.float32) / np.sqrt(k / 4)).astype(dtype)
+    sw = F.compress(w, F.select_mask(w, spec, transposable=True), spec)
+    bias = jax.random.normal(kb, (r,), jnp.float32).astype(dtype)
+    target = jax.random.normal(kt, (t, r), jnp.float32).astype(dtype).astype(jnp.float32)
+    poison((t, k), dtype)
+    gx, gv, gb = _grad_fn(sw)(x, sw.values, bias, target)
+    dense = F.decompress(sw).astype(jnp.float32)
+    _compare(gx, jnp.dot(target, dense.T, precision=HIGHEST), TOL[dtype], "dx")
+    _compare(gv, F.compress_like(jnp.dot(x.astype(jnp.float32).T, target, precision=HIGHEST), sw), TOL[dtype],
+             "dvalues")
+    _compare(gb[None], target.sum(0)[None], TOL[dtype], "dbias")
+
+
 def _grad_hlo(monkeypatch, spec: str, dx_route: str = "kernel") -> str:
     """Optimized HLO of the jitted value-and-gradient of a sparse layer, every product on its GPU path, x
     row-major everywhere (the column-major SDDMM operand has its own test below)."""

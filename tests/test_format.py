@@ -244,3 +244,73 @@ def test_as_2_4_is_the_same_matrix(spec):
     cot = jax.random.normal(jax.random.PRNGKey(1), sw24.values.shape)
     grad = jax.grad(lambda v: jnp.sum(F.as_2_4(sw.replace(values=v))[0].values * cot))(sw.values)
     np.testing.assert_allclose(np.asarray(grad), np.asarray(jnp.take_along_axis(cot, slots, axis=1)))
+
+
+# ----------------------------------------------------------------------------- transposable masks
+
+
+TRANSPOSABLE_SPECS = ["2:4", "64:2:8", "128:2:16", "128:2:32"]
+
+
+@pytest.mark.parametrize("spec", TRANSPOSABLE_SPECS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_transposable_mask_obeys_both_patterns(spec, seed):
+    """The mask obeys ``spec``, keeps exactly 2 per row and group, and at most 2 of every 4 consecutive output
+    features per input feature; it keeps less magnitude than the plain mask, but not much less."""
+    s = F.VNM.parse(spec)
+    k, r = 8 * s.m * 2, max(s.v, 4) * 3 if s.v > 1 else 96
+    w = jax.random.normal(jax.random.key(seed), (k, r), jnp.float32)
+    mask = F.select_mask(w, spec, transposable=True)
+    assert F.check_mask(mask, spec)
+    assert bool(F.transposable_mask_is_valid(mask))
+    per_group = np.asarray(mask).T.reshape(r, k // s.m, s.m).sum(-1)
+    assert (per_group == 2).all()
+    kept = float(jnp.abs(jnp.where(mask, w, 0)).sum())
+    plain = float(jnp.abs(jnp.where(F.select_mask(w, spec), w, 0)).sum())
+    assert 0.9 * plain < kept <= plain
+
+
+def test_transposable_2_4_picks_the_best_of_the_90_tiles():
+    """For 2:4 every 4x4 tile (4 output features x one group) keeps the best of the 90 patterns with 2 per row and
+    2 per column, found here by brute force."""
+    w = np.asarray(jax.random.normal(jax.random.key(3), (32, 8), jnp.float32))
+    mask = np.asarray(F.select_mask(jnp.asarray(w), "2:4", transposable=True))
+    patterns = [np.array(p).reshape(4, 4) for p in itertools.product([0, 1], repeat=16)]
+    patterns = [p for p in patterns if (p.sum(0) == 2).all() and (p.sum(1) == 2).all()]
+    assert len(patterns) == 90
+    a = np.abs(w).T  # [R, K]: rows are output features
+    m = mask.T
+    for r0 in range(0, 8, 4):
+        for g in range(0, 32, 4):
+            tile = a[r0:r0 + 4, g:g + 4]
+            best = max(float((tile * p).sum()) for p in patterns)
+            assert np.isclose(float((tile * m[r0:r0 + 4, g:g + 4]).sum()), best, rtol=1e-6)
+
+
+@pytest.mark.parametrize("spec, shape, match", [("64:3:8", (64, 128), "N must be 2"), ("2:2:8", (64, 8), "V to be"),
+                                                ("2:4", (64, 6), "multiple of 4")])
+def test_transposable_rejects_what_it_cannot_take(spec, shape, match):
+    with pytest.raises(ValueError, match=match):
+        F.select_mask(jnp.ones(shape), spec, transposable=True)
+
+
+@pytest.mark.parametrize("spec", TRANSPOSABLE_SPECS)
+def test_transpose_2_4_is_the_transposed_matrix(spec):
+    s = F.VNM.parse(spec)
+    k, r = 8 * s.m, max(s.v, 32)
+    w = jax.random.normal(jax.random.key(4), (k, r), jnp.float32).astype(jnp.bfloat16)
+    sw = F.compress(w, F.select_mask(w, spec, transposable=True), spec)
+    swt, ok = F.transpose_2_4(sw)
+    assert bool(ok) and swt.shape == (r, k) and swt.spec == F.VNM(1, 2, 4)
+    np.testing.assert_array_equal(np.asarray(F.decompress(swt), np.float32),
+                                  np.asarray(F.decompress(sw), np.float32).T)
+    # a plain mask is (almost surely) not transposable: flagged, never silently used
+    plain = F.compress(w, F.select_mask(w, spec), spec)
+    assert not bool(F.transpose_2_4(plain)[1])
+
+
+def test_transpose_2_4_needs_whole_metadata_words():
+    w = jax.random.normal(jax.random.key(5), (32, 16), jnp.float32)
+    sw = F.compress(w, F.select_mask(w, "2:4", transposable=True), "2:4")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        F.transpose_2_4(sw)

@@ -13,10 +13,10 @@ from jaxsparse import format as F
 SPECS = ["2:4", "64:2:8", "64:2:16", "128:2:16", "64:2:32"]
 
 
-def make(seed: int, spec: str, k: int = 256, r: int = 128, tokens=(3, 7), dtype=jnp.float32):
+def make(seed: int, spec: str, k: int = 256, r: int = 128, tokens=(3, 7), dtype=jnp.float32, transposable=False):
     kw, kx, kb = jax.random.split(jax.random.PRNGKey(seed), 3)
     w = jax.random.normal(kw, (k, r), jnp.float32)
-    mask = F.select_mask(w, spec)
+    mask = F.select_mask(w, spec, transposable=transposable)
     sw = F.compress(w.astype(dtype), mask, spec)
     x = jax.random.normal(kx, (*tokens, k), jnp.float32).astype(dtype)
     bias = jax.random.normal(kb, (r,), jnp.float32).astype(dtype)
@@ -304,6 +304,39 @@ def test_dx_route_setting(monkeypatch):
     x, sw, _, _ = make(3, "64:2:8")
     with pytest.raises(ValueError, match="JAXSPARSE_DX"):
         ops.spmm_t(jnp.ones((4, sw.shape[1]), x.dtype), sw)  # a bad setting fails loudly, not silently dense
+    monkeypatch.setenv(ops.DX_ROUTE_ENV, "transposed")
+    assert ops.dx_route() == "transposed"
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
+def test_transposed_dx_route_gives_the_layer_gradients(monkeypatch, spec, dtype, tol):
+    """``JAXSPARSE_DX=transposed`` on a transposable mask: ``jax.grad`` of the layer under ``jit`` equals the
+    masked dense gradients (dX through the 2:4 forward product of ``W^T``)."""
+    monkeypatch.setenv(ops.DX_ROUTE_ENV, "transposed")
+    x, sw, bias, dense = make(11, spec, dtype=dtype, transposable=True)
+    target = jax.random.normal(jax.random.PRNGKey(12), (*x.shape[:-1], sw.shape[1]))
+
+    def sparse_loss(x, values, bias):
+        y = ops.sparse_linear(x, sw.replace(values=values), bias).astype(jnp.float32)
+        return jnp.sum(jnp.tanh(y) * target)
+
+    def dense_loss(x, w, bias):
+        return jnp.sum(jnp.tanh(x @ w + bias) * target)
+
+    gx, gv, gb = jax.jit(jax.grad(sparse_loss, argnums=(0, 1, 2)))(x, sw.values, bias)
+    dx, dw, db = jax.grad(dense_loss, argnums=(0, 1, 2))(x.astype(jnp.float32), dense, bias.astype(jnp.float32))
+    assert rel_err(gx, dx) < tol
+    assert rel_err(gv, F.compress_like(jnp.where(dense != 0, dw, 0), sw)) < tol
+    assert rel_err(gb, db) < tol
+
+
+def test_transposed_dx_route_refuses_a_plain_mask_with_nan(monkeypatch):
+    """A mask chosen without ``transposable`` cannot take the route: the input gradient is NaN, never a wrong
+    number (the weight and bias gradients do not depend on it)."""
+    x, sw, _, _ = make(13, "64:2:8")
+    dy = jax.random.normal(jax.random.PRNGKey(14), (5, sw.shape[1]))
+    assert np.isnan(np.asarray(jax.jit(lambda d: ops.spmm_t(d, sw, route="transposed"))(dy))).all()
 
 
 def test_sddmm_engine_setting(monkeypatch):
