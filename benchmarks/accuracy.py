@@ -157,7 +157,8 @@ def hyperparameters(args: argparse.Namespace) -> dict[str, Any]:
             **({"student_epochs": args.student_epochs} if args.student_epochs else {}),
             **({"student_lr": args.student_lr} if args.student_lr else {}),
             **({"regrow_every": args.regrow_every, "regrow_until": args.regrow_until, "regrow_decay": args.regrow_decay}
-               if args.regrow_every else {})}
+               if args.regrow_every else {}),
+            **({"transposable_masks": True} if args.transposable_masks else {})}
 
 
 def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> argparse.Namespace:
@@ -181,6 +182,8 @@ def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> a
             "--init", args.init if sparsity != "dense" else "pretrained", "--no-progress"]
     if args.refit and sparsity != "dense":
         argv += ["--refit", "--refit-batches", str(args.refit_batches)]
+    if args.transposable_masks and sparsity != "dense":
+        argv += ["--transposable-masks"]
     return train.parse_args(argv)
 
 
@@ -337,6 +340,7 @@ def section(payload: dict) -> str:
                            + ([f"student lr {hp['student_lr']:g}"] if hp.get("student_lr") else [])
                            + ([f"learned masks (every {hp['regrow_every']} steps to {hp['regrow_until']:g}, decay "
                                f"{hp['regrow_decay']:g})"] if hp.get("regrow_every") else [])
+                           + (["transposable masks"] if hp.get("transposable_masks") else [])
                            + (["from the fine-tuned teacher"] if hp.get("init") == "teacher" else []))
     sparse_part = "" if dense_only else (
         "; sparse runs "
@@ -602,7 +606,7 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
 # the same experiment, so --dense-from may take them into a study that differs only in these.
 SPARSE_ONLY_HYPERPARAMETERS = ("prune", "ladder", "prune_begin", "prune_end", "fade", "score", "distill",
                                "temperature", "distill_hidden", "distill_attention", "distill_augment", "augment_neighbors", "student_epochs", "student_lr", "compress", "init", "refit", "refit_batches",
-                               "regrow_every", "regrow_until", "regrow_decay")
+                               "regrow_every", "regrow_until", "regrow_decay", "transposable_masks")
 
 
 def _dense_settings(hp: dict) -> dict:

@@ -72,16 +72,35 @@ def _take_turn(turn: dict | None):
 
 def run_config(cfg: dict, turn: dict | None = None) -> dict:
     """Build, compile, warm up and time one configuration in this process; returns its result row."""
+    from jaxsparse import ops
+    from jaxsparse.trainstep import StepConfig
+
+    transposable = bool(cfg.get("transposable")) and cfg["sparsity"] != "dense"
+    step_cfg = StepConfig(cfg["model"], cfg["sparsity"], cfg["batch_size"], cfg["seq_len"], cfg["dtype"],
+                          attention=cfg.get("attention", "softmax"), transposable=transposable)
+    # The dX route is read when the step is traced; an in-process run's other configurations keep theirs.
+    previous = os.environ.get(ops.DX_ROUTE_ENV)
+    if transposable:
+        os.environ[ops.DX_ROUTE_ENV] = "transposed"
+    try:
+        return _time_step(step_cfg, cfg, turn)
+    finally:
+        if previous is None:
+            os.environ.pop(ops.DX_ROUTE_ENV, None)
+        else:
+            os.environ[ops.DX_ROUTE_ENV] = previous
+
+
+def _time_step(step_cfg, cfg: dict, turn: dict | None) -> dict:
+    """Build, compile, warm up and time ``step_cfg`` (``cfg``'s row), taking the GPU in ``turn``."""
     import jax
 
     import jaxsparse
     from jaxsparse import ffi
-    from jaxsparse.trainstep import StepConfig, build_step
+    from jaxsparse.trainstep import build_step
 
     row = dict(cfg)
     t0 = time.perf_counter()
-    step_cfg = StepConfig(cfg["model"], cfg["sparsity"], cfg["batch_size"], cfg["seq_len"], cfg["dtype"],
-                          attention=cfg.get("attention", "softmax"))
     ts = build_step(step_cfg)
     row.update(mode=ts.mode, mode_reason=ts.reason, tokens=ts.tokens, build_s=time.perf_counter() - t0)
     t1 = time.perf_counter()
@@ -279,6 +298,9 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrent", action="store_true",
                     help="start every configuration's process at once: compilations overlap, the timed steps "
                          "take turns (one configuration on the GPU at a time)")
+    ap.add_argument("--transposable", action="store_true",
+                    help="sparse configurations choose transposable masks and run dX as the 2:4 forward product of "
+                         "W^T (JAXSPARSE_DX=transposed)")
     ap.add_argument("--worker-timeout", type=float, default=900.0, help="seconds per worker (--concurrent: all)")
     ap.add_argument("--out", default=None, help="json path (default benchmarks/results/<gpu>/train_step[_quick].json)")
     ap.add_argument("--plot", default=None, help="png path (default docs/train_step.png; none in --quick)")
@@ -305,7 +327,8 @@ def main(argv=None) -> int:
                 ap.error(f"no batch size in BATCH for {model} seq {seq}: pass --batch-size")
             for s in sparsities:
                 configs.append({"model": model, "seq_len": seq, "batch_size": batch, "sparsity": s, "dtype": a.dtype,
-                                "attention": a.attention, "steps": steps, "warmup": warmup})
+                                "attention": a.attention, "steps": steps, "warmup": warmup,
+                                **({"transposable": True} if a.transposable and s != "dense" else {})})
     t0 = time.time()
     if a.concurrent and not a.in_process:
         rows = _concurrent(configs, a.worker_timeout)

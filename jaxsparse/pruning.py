@@ -211,13 +211,15 @@ def _map_selected(fn, selected, *trees):
                                   is_leaf=lambda x: x is None)
 
 
-def _select_all(params, selected, spec: fmt.VNM, input_sq=None):
+def _select_all(params, selected, spec: fmt.VNM, input_sq=None, transposable: bool = False):
     """Masks of ``spec`` by ``|W|``, or by ``|W_jr| * ||X_j||`` where ``input_sq`` (params-shaped, ``[K]``
-    sums of squared inputs per kernel) is given."""
+    sums of squared inputs per kernel) is given; ``transposable`` masks (``select_mask``'s option) for the
+    patterns that keep 2 per group, plain ones for the ladder's other stages."""
+    t = transposable and spec.structured and spec.n == 2
     if input_sq is None:
-        return _map_selected(lambda p: fmt.select_mask(p, spec), selected, params)
-    return _map_selected(lambda p, q: fmt.select_mask(jnp.abs(p) * jnp.sqrt(q)[:, None], spec), selected, params,
-                         input_sq)
+        return _map_selected(lambda p: fmt.select_mask(p, spec, transposable=t), selected, params)
+    return _map_selected(lambda p, q: fmt.select_mask(jnp.abs(p) * jnp.sqrt(q)[:, None], spec, transposable=t),
+                         selected, params, input_sq)
 
 
 def input_norms_tree(stats, params) -> Any:
@@ -240,6 +242,7 @@ def gmp_prune(
     regrow_every: int = 0,
     regrow_until: int | None = None,
     regrow_decay: float = 0.0,
+    transposable: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Gradual magnitude pruning through ``ladder`` on the cubic schedule (see the module doc).
 
@@ -266,6 +269,8 @@ def gmp_prune(
       regrow_until: with ``regrow_every > 0``, the step at which the masks become final (``>= end_step``).
       regrow_decay: with ``regrow_every > 0``, the fraction in ``[0, 1)`` of its value that a pruned weight
         loses each step of the window, on top of its optimizer update.
+      transposable: choose the 2-per-group stages' masks with ``select_mask(..., transposable=True)``, so that the
+        input gradient can take ``jaxsparse.ops.spmm_t``'s ``"transposed"`` route.
 
     Returns:
       A transform whose ``update(updates, state, params)`` requires ``params``; chain it last. Its
@@ -326,7 +331,8 @@ def gmp_prune(
         new_params = _map_selected(lambda p, u: p + u, selected, params, updates)
 
         def recompute(_):
-            branches = [lambda np_, spec=spec: _select_all(np_, selected, spec, sq) for spec in schedule.ladder]
+            branches = [lambda np_, spec=spec: _select_all(np_, selected, spec, sq, transposable)
+                        for spec in schedule.ladder]
             return jax.lax.switch(stage - 1, branches, new_params)
 
         change = stage != state.stage
@@ -343,7 +349,8 @@ def gmp_prune(
             fading = (stage < n_stages) & (state.count >= start) & (state.count < entry)
 
             def choose(_):
-                branches = [lambda np_, spec=spec: _select_all(np_, selected, spec, sq) for spec in schedule.ladder]
+                branches = [lambda np_, spec=spec: _select_all(np_, selected, spec, sq, transposable)
+                            for spec in schedule.ladder]
                 return jax.lax.switch(nxt, branches, new_params)
 
             target = jax.lax.cond(fading & (state.count == start), choose, lambda _: state.target, None)
@@ -439,11 +446,13 @@ def model_variables(params, opt_state=None, masks=None, **collections) -> dict:
     return out
 
 
-def oneshot_masks(params, spec: str | fmt.VNM, filter_fn: FilterFn = encoder_kernels, input_sq=None) -> Any:
+def oneshot_masks(params, spec: str | fmt.VNM, filter_fn: FilterFn = encoder_kernels, input_sq=None,
+                  transposable: bool = False) -> Any:
     """Masks of pattern ``spec`` for the kernels ``filter_fn`` selects (None elsewhere): by magnitude, or by
-    ``|W_jr| * ||X_j||`` with ``input_sq`` (see :func:`gmp_prune`'s ``score="activation"``)."""
+    ``|W_jr| * ||X_j||`` with ``input_sq`` (see :func:`gmp_prune`'s ``score="activation"``); ``transposable``
+    as in :func:`gmp_prune`."""
     spec = fmt.VNM.parse(spec)
-    return _select_all(params, _selected(params, filter_fn), spec, input_sq)
+    return _select_all(params, _selected(params, filter_fn), spec, input_sq, transposable)
 
 
 def mask_change(before, after) -> float:

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -28,7 +29,7 @@ import optax
 from jaxsparse import data as data_lib
 from jaxsparse import parallel
 from jaxsparse import format as fmt
-from jaxsparse import pruning
+from jaxsparse import ops, pruning
 from jaxsparse.models import bert
 from jaxsparse.nn import INPUT_STATS, SPARSITY
 
@@ -47,7 +48,7 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     """The sparse fine-tuning recipe options shared by ``jaxsparse-train`` and ``benchmarks/accuracy.py``:
     ``--fade``, ``--score``, ``--distill``, ``--temperature``, ``--distill-hidden``, ``--distill-attention``,
     ``--distill-augment``, ``--augment-neighbors``, ``--student-epochs``, ``--student-lr``, ``--init``, ``--refit``,
-    ``--refit-batches``, ``--regrow-every``, ``--regrow-until``, ``--regrow-decay``."""
+    ``--refit-batches``, ``--regrow-every``, ``--regrow-until``, ``--regrow-decay``, ``--transposable-masks``."""
     p.add_argument("--fade", type=float, default=0.0,
                    help="GMP: before each stage, fade the weights it will prune to zero over this fraction of all "
                         "steps (0 = masks change at once; see jaxsparse.pruning.gmp_prune fade_steps)")
@@ -98,6 +99,10 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--regrow-decay", type=float, default=0.0,
                    help="with --regrow-every: fraction of its value a pruned weight loses each step, on top of its "
                         "update (SR-STE's decay of the pruned weights, decoupled)")
+    p.add_argument("--transposable-masks", action="store_true",
+                   help="choose masks that also keep W^T 2:4 along the output features "
+                        "(jaxsparse.format.select_mask transposable=True), and run the input gradient as the 2:4 "
+                        "forward product of W^T (JAXSPARSE_DX=transposed, unless JAXSPARSE_DX is set)")
 
 
 def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -148,6 +153,8 @@ def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
             p.error("need 0 <= --regrow-decay < 1")
     elif args.regrow_decay != 0.0:
         p.error("--regrow-decay acts on learned masks: give --regrow-every > 0")
+    if args.transposable_masks and (getattr(args, "sparsity", None) == "dense" or args.prune not in ("gmp", "oneshot")):
+        p.error("--transposable-masks chooses a sparse run's masks: give a --sparsity pattern and --prune gmp or oneshot")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -718,6 +725,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         params = jax.tree_util.tree_map(jnp.asarray, init_params)
     elif pretrained is not None:
         params = bert.merge_params(params, pretrained)
+    transposable = bool(getattr(args, "transposable_masks", False))
     refit = bool(getattr(args, "refit", False))
     if refit:
         if args.prune != "oneshot":
@@ -728,7 +736,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         calib = [_arrays(train, slice(i * args.batch_size, (i + 1) * args.batch_size))[:3] for i in range(n_cal)]
         t_refit = time.time()
         params, _ = obs.oneshot_refit(master, params, calib, spec, getattr(args, "score", "magnitude"),
-                                      damp=REFIT_DAMP)
+                                      damp=REFIT_DAMP, transposable=transposable)
         # The one-shot prune below selects its masks at step 0 from these params (the warm-up's learning rate
         # is 0 there, so the update is 0): the refit kernels are zero exactly off their masks, so it picks them again.
         log(f"refit: {n_cal} calibration batches, {time.time() - t_refit:.0f} s")
@@ -751,13 +759,14 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         ladder = args.ladder.split(",") if args.ladder else args.sparsity
         begin, end = int(args.prune_begin * total), int(args.prune_end * total)
         prune = pruning.gmp_prune(ladder, begin, end, frequency=max(1, (end - begin) // 20),
-                                  fade_steps=fade_steps, score=score, **regrow)
+                                  fade_steps=fade_steps, score=score, transposable=transposable, **regrow)
     elif args.prune == "oneshot":
-        prune = pruning.gmp_prune([spec], 0, 0, score=score, **regrow)
+        prune = pruning.gmp_prune([spec], 0, 0, score=score, transposable=transposable, **regrow)
     if prune is not None and str(prune.schedule.ladder[-1]) != str(spec):
         raise ValueError(f"the ladder must end at --sparsity {spec}, got {prune.schedule.ladder[-1]}")
     tx = optax.chain(base, prune) if prune is not None else base
-    tx_key = base_key + ((prune.schedule, fade_steps, score, tuple(regrow.items())) if prune is not None else ())
+    tx_key = base_key + ((prune.schedule, fade_steps, score, tuple(regrow.items()), transposable)
+                         if prune is not None else ())
     opt_state = tx.init(params)
     compress = _use_compressed(args.compress, spec, cfg)
     switch_step = prune.final_step + 1 if prune is not None else None
@@ -853,6 +862,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         **({"regrow_every": regrow_every, "regrow_until": regrow["regrow_until"],
             "regrow_decay": regrow["regrow_decay"], "regrow_mask_change": pruning.mask_change(first_masks, final_masks)}
            if regrow else {}),
+        **({"transposable_masks": True, "dx_route": ops.dx_route()} if transposable else {}),
         "train_examples": len(train), "dev_examples": len(dev), "test_examples": len(test), "steps": global_step,
         "history": history, "dev_accuracy": history[-1]["dev_accuracy"], "test_accuracy": test_metrics["accuracy"],
         "test_loss": test_metrics["loss"], "weight_sparsity": achieved,
@@ -903,7 +913,21 @@ def fit_teacher(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Train and evaluate as ``args`` says; returns the metrics that are also written to ``metrics.json``."""
+    """Train and evaluate as ``args`` says; returns the metrics that are also written to ``metrics.json``.
+
+    With ``--transposable-masks`` the input gradient takes the ``"transposed"`` route for this run (``JAXSPARSE_DX``
+    is set while it runs, unless it is set already: the route is read when the sparse layers are traced)."""
+    previous = os.environ.get(ops.DX_ROUTE_ENV)
+    if getattr(args, "transposable_masks", False) and previous is None:
+        os.environ[ops.DX_ROUTE_ENV] = "transposed"
+    try:
+        return _run(args)
+    finally:
+        if previous is None:
+            os.environ.pop(ops.DX_ROUTE_ENV, None)
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.time()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -48,6 +48,9 @@ class StepConfig:
       attention: ``"softmax"`` (BERT's own attention, dropout on the probabilities) or ``"fused"``
         (:func:`jaxsparse.models.bert.fused_attention`: cuDNN flash attention on a GPU, no dropout on
         the probabilities; the hidden dropouts stay).
+      transposable: choose transposable masks (``jaxsparse.format.select_mask``'s option). The input gradient
+        takes the ``"transposed"`` route only where ``JAXSPARSE_DX=transposed`` is set when the step is traced
+        (``benchmarks/train_step.py --transposable`` sets it).
     """
 
     model: str = "tiny"
@@ -58,6 +61,7 @@ class StepConfig:
     compressed: bool | None = None
     seed: int = 0
     attention: str = "softmax"
+    transposable: bool = False
 
     def __post_init__(self) -> None:
         if self.model not in bert.PRESETS:
@@ -69,6 +73,8 @@ class StepConfig:
         jnp.dtype(self.dtype)
         if self.attention not in bert.ATTENTION_IMPLS:
             raise ValueError(f"attention must be one of {bert.ATTENTION_IMPLS}, got {self.attention!r}")
+        if self.transposable and self.sparsity == "dense":
+            raise ValueError("transposable masks need a sparse pattern, not 'dense'")
 
     def bert_config(self) -> bert.BertConfig:
         """The preset's :class:`~jaxsparse.models.bert.BertConfig` with this attention."""
@@ -152,11 +158,11 @@ def build_step(config: StepConfig) -> TrainStep:
     params = jax.jit(master.init)(k_init, ids[:1, :8])["params"]
     base = adamw()
     if mode == "compressed":
-        masks = pruning.oneshot_masks(params, config.sparsity)
+        masks = pruning.oneshot_masks(params, config.sparsity, transposable=config.transposable)
         params, pattern, opt_state = pruning.to_compressed(params, masks, config.sparsity, base.init(params))
         model, tx, extra, with_masks = make(True), base, {"sparsity": pattern}, False
     elif mode == "masked":
-        tx = optax.chain(base, pruning.gmp_prune([config.sparsity], 0, 0))
+        tx = optax.chain(base, pruning.gmp_prune([config.sparsity], 0, 0, transposable=config.transposable))
         opt_state = tx.init(params)
         model, extra, with_masks = master, {}, True
     else:

@@ -260,3 +260,16 @@ def test_student_epochs_and_neighbors_are_passed_through(acc):
     assert "learned masks (every 20 steps to 0.4, decay 0.002)" in text
     assert "masks are chosen again every 20 steps until 0.4 of the run" in text
     assert "attention distillation 2" in text and "KL(teacher || student) of the attention distributions" in text
+
+
+def test_transposable_masks_are_passed_through(acc):
+    """--transposable-masks reaches the sparse runs only, is recorded only when set and named in the section."""
+    args = acc.parse_args(["--quick", "--prune", "oneshot", "--transposable-masks"])
+    assert acc.run_args(args, "trec", "64:2:8", 0).transposable_masks
+    assert not acc.run_args(args, "trec", "dense", 0).transposable_masks
+    hp = acc.hyperparameters(args)
+    assert hp["transposable_masks"] is True and "transposable_masks" in acc.SPARSE_ONLY_HYPERPARAMETERS
+    assert "transposable_masks" not in acc.hyperparameters(acc.parse_args(["--quick"]))
+    payload = _payload(acc, "trec", ["dense", "64:2:8"], {"dense": [0.9, 0.9], "64:2:8": [0.8, 0.8]}, **hp)
+    payload["summary"] = []
+    assert "transposable masks" in acc.section(payload)

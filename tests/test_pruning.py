@@ -338,3 +338,22 @@ def test_straight_through_reads_the_mask_and_passes_the_gradient():
     g = grad(params)["encoder_layer_0"]["query"]["kernel"]
     np.testing.assert_array_equal(g, w)  # dense: the pruned entries get theirs too (a mask product would give w * m)
     assert not bool(m.all())
+
+
+def test_transposable_masks_through_the_transforms():
+    """``transposable`` reaches the masks of the 2-per-group stages: one-shot and the GMP transform's final stage give
+    transposable masks (and the same masks as ``select_mask``), its N > 2 stages plain ones."""
+    params = _params(3)
+    q = params["encoder_layer_0"]["query"]["kernel"]
+    one = pruning.oneshot_masks(params, "2:4", transposable=True)["encoder_layer_0"]["query"]["kernel"]
+    np.testing.assert_array_equal(one, fmt.select_mask(q, "2:4", transposable=True))
+    assert bool(fmt.transposable_mask_is_valid(one))
+    plain = pruning.oneshot_masks(params, "2:4")["encoder_layer_0"]["query"]["kernel"]
+    assert not bool(fmt.transposable_mask_is_valid(plain))
+    tx = pruning.gmp_prune(["64:6:8", "64:2:8"], 0, 2, transposable=True)
+    state = tx.init(params)
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+    for _ in range(3):
+        _, state = tx.update(zeros, state, params)
+    m = state.masks["encoder_layer_0"]["query"]["kernel"]
+    assert bool(fmt.check_mask(m, "64:2:8")) and bool(fmt.transposable_mask_is_valid(m))

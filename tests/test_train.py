@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 
 import jax
 import numpy as np
 import pytest
 
-from jaxsparse import data, format as fmt, train
+from jaxsparse import data, format as fmt, ops, train
 
 
 @pytest.fixture(autouse=True)
@@ -603,5 +604,21 @@ def test_learned_masks_run_fixes_its_masks_then_trains_compressed(tmp_path):
                  ["--regrow-every", "2", "--regrow-until", "1.0"], ["--regrow-every", "2", "--regrow-until", "0"],
                  ["--prune", "gmp", "--prune-end", "0.5", "--regrow-every", "2", "--regrow-until", "0.4"],
                  ["--regrow-every", "2", "--regrow-decay", "1.0"], ["--regrow-decay", "0.1"]):
+        with pytest.raises(SystemExit):
+            train.parse_args(argv)
+
+
+def test_transposable_masks_run_takes_the_transposed_dx_route(tmp_path, monkeypatch):
+    """--transposable-masks: the compressed run's input gradients go through W^T's 2:4 product (a mask that were not
+    transposable would make them NaN), the run learns, and JAXSPARSE_DX is left as it was."""
+    monkeypatch.setenv(ops.DX_ROUTE_ENV, "dense")
+    monkeypatch.delenv(ops.DX_ROUTE_ENV)  # absent, and restored as absent after the test
+    metrics = train.run(train.parse_args(TINY + ["--sparsity", "16:2:8", "--compress", "on", "--epochs", "2",
+                                                  "--transposable-masks", "--out", str(tmp_path / "run")]))
+    assert metrics["transposable_masks"] and metrics["dx_route"] == "transposed" and metrics["compressed_training"]
+    hist = metrics["history"]
+    assert np.isfinite(hist[-1]["train_loss"]) and hist[-1]["train_loss"] < hist[0]["first_loss"], hist
+    assert ops.DX_ROUTE_ENV not in os.environ
+    for argv in (["--sparsity", "dense", "--transposable-masks"], ["--prune", "none", "--transposable-masks"]):
         with pytest.raises(SystemExit):
             train.parse_args(argv)

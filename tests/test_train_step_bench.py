@@ -64,3 +64,23 @@ def test_concurrent_workers_take_turns(tmp_path):
     for (_, end), (start, _) in zip(windows, windows[1:]):
         assert end <= start, windows
     assert all(r["compile_s"] > 0 and r["step_ms"] > 0 for r in rows)
+
+
+def test_transposable_step_runs_the_transposed_dx_route(tmp_path):
+    """--transposable: the sparse row records the transposed dX route and a finite loss (a mask that were not
+    transposable would give NaN); the dense row is untouched, and the route does not leak out of the run."""
+    from jaxsparse import ops
+    from jaxsparse.trainstep import StepConfig
+
+    bench = _load()
+    out = tmp_path / "train_step.json"
+    before = os.environ.get(ops.DX_ROUTE_ENV)
+    assert bench.main(["--quick", "--sparsities", "dense,2:4", "--steps", "2", "--warmup", "1", "--batch-size", "2",
+                       "--in-process", "--transposable", "--out", str(out)]) == 0
+    rows = {r["sparsity"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["2:4"]["transposable"] and rows["2:4"]["routes"]["dx"] == "transposed"
+    assert "transposable" not in rows["dense"] and rows["dense"]["routes"]["dx"] == ops.dx_route()
+    assert rows["2:4"]["loss_last"] == rows["2:4"]["loss_last"]  # not NaN
+    assert os.environ.get(ops.DX_ROUTE_ENV) == before
+    with pytest.raises(ValueError, match="sparse pattern"):
+        StepConfig(sparsity="dense", transposable=True)
