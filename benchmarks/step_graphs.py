@@ -5,8 +5,8 @@ where they are marked command-buffer compatible (``JAXSPARSE_GRAPH_SAFE`` in cud
 times one step configuration (median of 10 synced steps after 3 warm-up steps), traces 2 more, and sums the
 device busy time and the memsets (count, ms, MiB, and the HLO op that issued them). Run it once per
 configuration, with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=`` to switch XLA's command buffers off;
-each run appends one JSON line to ``--out``. Session 19 (docs/kernel-notes.md) used it to find the 32 MiB
-memsets that cuDNN's attention issues outside command buffers:
+each run appends one JSON line to ``--out``. Session 19 (docs/kernel-notes.md) used its first version to show
+that cuDNN's attention issues 32 MiB memsets outside command buffers, and what marking our handlers saved:
 
     python benchmarks/step_graphs.py --sparsity 2:4 --tag s24 --out step_graphs.jsonl
 """
