@@ -27,8 +27,7 @@ import jax
 from jax.profiler import ProfileData
 
 from jaxsparse import trainstep
-
-_DERIVED_LINES = ("xla ops", "xla modules", "steps", "framework", "source", "launch")
+from jaxsparse.profile import _DERIVED_LINES  # the trace lines that repeat the stream lines' events
 
 
 def device_summary(xplane: str, steps: int) -> dict:

@@ -78,17 +78,9 @@ def run_config(cfg: dict, turn: dict | None = None) -> dict:
     transposable = bool(cfg.get("transposable")) and cfg["sparsity"] != "dense"
     step_cfg = StepConfig(cfg["model"], cfg["sparsity"], cfg["batch_size"], cfg["seq_len"], cfg["dtype"],
                           attention=cfg.get("attention", "softmax"), transposable=transposable)
-    # The dX route is read when the step is traced; an in-process run's other configurations keep theirs.
-    previous = os.environ.get(ops.DX_ROUTE_ENV)
-    if transposable:
-        os.environ[ops.DX_ROUTE_ENV] = "transposed"
-    try:
+    # An in-process run's other configurations keep their own dX route.
+    with ops.dx_route_scope("transposed" if transposable else None):
         return _time_step(step_cfg, cfg, turn)
-    finally:
-        if previous is None:
-            os.environ.pop(ops.DX_ROUTE_ENV, None)
-        else:
-            os.environ[ops.DX_ROUTE_ENV] = previous
 
 
 def _time_step(step_cfg, cfg: dict, turn: dict | None) -> dict:

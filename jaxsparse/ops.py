@@ -7,9 +7,10 @@ Activations may carry any leading dimensions; they are flattened to ``[tokens, f
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from typing import Optional
+from typing import Iterator, Optional
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ from jaxsparse.ffi import calls as cuda_calls
 from jaxsparse.ffi.calls import spmm_unsupported
 from jaxsparse.format import SparseWeight, decompress as _reference_decompress, transpose_2_4
 
-__all__ = ["decompress", "spmm", "sddmm", "spmm_t", "dx_route", "linear_x_layout", "sparse_linear", "masked_linear", "spmm_unsupported"]
+__all__ = ["decompress", "spmm", "sddmm", "spmm_t", "dx_route", "dx_route_scope", "linear_x_layout", "sparse_linear", "masked_linear", "spmm_unsupported"]
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -120,6 +121,23 @@ def dx_route(route: Optional[str] = None) -> str:
     if route not in DX_ROUTES:
         raise ValueError(f"the dX route ({DX_ROUTE_ENV}) must be one of {DX_ROUTES}, got {route!r}")
     return route
+
+
+@contextlib.contextmanager
+def dx_route_scope(route: Optional[str], *, keep_set: bool = False) -> Iterator[None]:
+    """Sets ``JAXSPARSE_DX`` to ``route`` for the block and restores it after: the route is read when the sparse
+    layers are traced, so trace (jit-compile) inside the block. ``None`` changes nothing; with ``keep_set`` a route
+    already set in the environment wins."""
+    previous = os.environ.get(DX_ROUTE_ENV)
+    if route is not None and not (keep_set and previous is not None):
+        os.environ[DX_ROUTE_ENV] = dx_route(route)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(DX_ROUTE_ENV, None)
+        else:
+            os.environ[DX_ROUTE_ENV] = previous
 
 
 def spmm_t(dy: jax.Array, sw: SparseWeight, route: Optional[str] = None) -> jax.Array:

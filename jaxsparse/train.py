@@ -15,7 +15,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -917,14 +916,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     With ``--transposable-masks`` the input gradient takes the ``"transposed"`` route for this run (``JAXSPARSE_DX``
     is set while it runs, unless it is set already: the route is read when the sparse layers are traced)."""
-    previous = os.environ.get(ops.DX_ROUTE_ENV)
-    if getattr(args, "transposable_masks", False) and previous is None:
-        os.environ[ops.DX_ROUTE_ENV] = "transposed"
-    try:
+    with ops.dx_route_scope("transposed" if getattr(args, "transposable_masks", False) else None, keep_set=True):
         return _run(args)
-    finally:
-        if previous is None:
-            os.environ.pop(ops.DX_ROUTE_ENV, None)
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:

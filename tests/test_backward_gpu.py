@@ -35,13 +35,13 @@ def _small_k(m: int) -> int:
     return 24 * 32 if m == 32 else 40 * m
 
 
-def _make(rng, t: int, k: int, r: int, spec: str, dtype):
+def _make(rng, t: int, k: int, r: int, spec: str, dtype, transposable: bool = False):
     kx, kd, kw = jax.random.split(rng, 3)
     x = jax.random.normal(kx, (t, k), jnp.float32).astype(dtype)
     dy = jax.random.normal(kd, (t, r), jnp.float32).astype(dtype)
     w = (jax.random.normal(kw, (k, r), jnp.float32) / np.sqrt(k / 4)).astype(dtype)
-    sw = F.compress(w, select_mask(w, F.VNM.parse(spec)), spec)
-    return x, dy, sw
+    mask = F.select_mask(w, spec, transposable=True) if transposable else select_mask(w, F.VNM.parse(spec))
+    return x, dy, F.compress(w, mask, spec)
 
 
 def _compare(out, ref, tol: float, what: str) -> float:
@@ -356,6 +356,25 @@ def _grad_fn(sw):
     return jax.jit(jax.grad(_loss(sw), argnums=(0, 1, 2)))
 
 
+def _bias_and_target(rng, t: int, r: int, dtype):
+    """A bias and the cotangent of y, cast to the output dtype (the reference uses exactly that)."""
+    kb, kt = jax.random.split(rng)
+    bias = jax.random.normal(kb, (r,), jnp.float32).astype(dtype)
+    return bias, jax.random.normal(kt, (t, r), jnp.float32).astype(dtype).astype(jnp.float32)
+
+
+def _check_layer_grads(sw, x, bias, target, dtype):
+    """The jitted gradients of the layer (output poisoned first) against the float32 references."""
+    poison(x.shape, dtype)
+    gx, gv, gb = _grad_fn(sw)(x, sw.values, bias, target)
+    assert gx.dtype == dtype and gv.dtype == dtype and gv.shape == sw.values.shape
+    dense = F.decompress(sw).astype(jnp.float32)
+    _compare(gx, jnp.dot(target, dense.T, precision=HIGHEST), TOL[dtype], "dx")
+    _compare(gv, F.compress_like(jnp.dot(x.astype(jnp.float32).T, target, precision=HIGHEST), sw), TOL[dtype],
+             "dvalues")
+    _compare(gb[None], target.sum(0)[None], TOL[dtype], "dbias")
+
+
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("t", [17, 1000])
@@ -365,19 +384,8 @@ def test_sparse_linear_grad_on_kernels(monkeypatch, spec, dtype, t, dx_route):
     k = _small_k(F.VNM.parse(spec).m)
     r = _rows(spec)
     x, _, sw = _make(key("grad", spec, str(dtype), t), t, k, r, spec, dtype)
-    kb, kt = jax.random.split(key("grad-bt", spec, str(dtype), t))
-    bias = jax.random.normal(kb, (r,), jnp.float32).astype(dtype)
-    # The cotangent of y is target cast to the output dtype: use exactly that in the reference.
-    target = jax.random.normal(kt, (t, r), jnp.float32).astype(dtype).astype(jnp.float32)
-    poison((t, k), dtype)
-    gx, gv, gb = _grad_fn(sw)(x, sw.values, bias, target)
-    assert gx.dtype == dtype and gv.dtype == dtype and gv.shape == sw.values.shape
-    dense = F.decompress(sw).astype(jnp.float32)
-    ref_dx = jnp.dot(target, dense.T, precision=HIGHEST)
-    ref_dv = F.compress_like(jnp.dot(x.astype(jnp.float32).T, target, precision=HIGHEST), sw)
-    _compare(gx, ref_dx, TOL[dtype], "dx")
-    _compare(gv, ref_dv, TOL[dtype], "dvalues")
-    _compare(gb[None], target.sum(0)[None], TOL[dtype], "dbias")
+    bias, target = _bias_and_target(key("grad-bt", spec, str(dtype), t), t, r, dtype)
+    _check_layer_grads(sw, x, bias, target, dtype)
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -389,19 +397,9 @@ def test_sparse_linear_grad_on_the_transposed_dx_route(monkeypatch, spec, dtype,
     weight's rows, a multiple of the forward's 64-row tile), R = 256 (its reduction, whole metadata words)."""
     _force_backward_kernels(monkeypatch, "transposed")
     k, r = 512, 256
-    kx, kw, kb, kt = jax.random.split(key("grad-t", spec, str(dtype), t), 4)
-    x = jax.random.normal(kx, (t, k), jnp.float32).astype(dtype)
-    w = (jax.random.normal(kw, (k, r), jnp.float32) / np.sqrt(k / 4)).astype(dtype)
-    sw = F.compress(w, F.select_mask(w, spec, transposable=True), spec)
-    bias = jax.random.normal(kb, (r,), jnp.float32).astype(dtype)
-    target = jax.random.normal(kt, (t, r), jnp.float32).astype(dtype).astype(jnp.float32)
-    poison((t, k), dtype)
-    gx, gv, gb = _grad_fn(sw)(x, sw.values, bias, target)
-    dense = F.decompress(sw).astype(jnp.float32)
-    _compare(gx, jnp.dot(target, dense.T, precision=HIGHEST), TOL[dtype], "dx")
-    _compare(gv, F.compress_like(jnp.dot(x.astype(jnp.float32).T, target, precision=HIGHEST), sw), TOL[dtype],
-             "dvalues")
-    _compare(gb[None], target.sum(0)[None], TOL[dtype], "dbias")
+    x, _, sw = _make(key("grad-t", spec, str(dtype), t), t, k, r, spec, dtype, transposable=True)
+    bias, target = _bias_and_target(key("grad-t-bt", spec, str(dtype), t), t, r, dtype)
+    _check_layer_grads(sw, x, bias, target, dtype)
 
 
 def _grad_hlo(monkeypatch, spec: str, dx_route: str = "kernel") -> str:
@@ -480,22 +478,14 @@ def test_sparse_linear_2_4_reads_x_as_it_is(monkeypatch, spec, dtype, t):
         monkeypatch.delenv(env, raising=False)
     k, r = 1024, 384
     x, _, sw = _make(key("grad-2-4", spec, str(dtype), t), t, k, r, spec, dtype)
-    kb, kt = jax.random.split(key("grad-2-4-bt", spec, str(dtype), t))
-    bias = jax.random.normal(kb, (r,), jnp.float32).astype(dtype)
-    target = jax.random.normal(kt, (t, r), jnp.float32).astype(dtype).astype(jnp.float32)
+    bias, target = _bias_and_target(key("grad-2-4-bt", spec, str(dtype), t), t, r, dtype)
     vg = jax.jit(jax.value_and_grad(lambda x, v, b, tg: _loss(sw)(jnp.tanh(x), v, b, tg), argnums=(0, 1, 2)))
     text = vg.lower(x, sw.values, bias, target).compile().as_text()
     for name in ("jaxsparse_spmm_xt", "jaxsparse_sddmm") + (("jaxsparse_as_2_4",) if spec != "2:4" else ()):
         assert f'custom_call_target="{name}"' in text, name
     assert 'custom_call_target="jaxsparse_transpose"' not in text
     assert not layout_moves(text), layout_moves(text)
-    poison((t, k), dtype)
-    gx, gv, gb = _grad_fn(sw)(x, sw.values, bias, target)
-    dense = F.decompress(sw).astype(jnp.float32)
-    _compare(gx, jnp.dot(target, dense.T, precision=HIGHEST), TOL[dtype], "dx")
-    _compare(gv, F.compress_like(jnp.dot(x.astype(jnp.float32).T, target, precision=HIGHEST), sw), TOL[dtype],
-             "dvalues")
-    _compare(gb[None], target.sum(0)[None], TOL[dtype], "dbias")
+    _check_layer_grads(sw, x, bias, target, dtype)
 
 
 @pytest.mark.parametrize("spec,dx_route", [("2:4", "kernel"), ("2:4", "dense"), ("64:2:8", "dense")])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -403,3 +405,23 @@ def test_xt_kernel_tiles_and_row_kernel_refuse_what_they_cannot_take(monkeypatch
     monkeypatch.setenv(calls.SPMM_XT_TILE_ENV, "128x128")
     with pytest.raises(ValueError, match="tile auto, ws128x256, ws64x256"):
         calls.spmm(x24.reshape(-1, 512), sw24, x_layout="row", row_kernel="tma")
+
+
+def test_dx_route_scope_sets_and_restores(monkeypatch):
+    monkeypatch.setenv(ops.DX_ROUTE_ENV, "dense")
+    monkeypatch.delenv(ops.DX_ROUTE_ENV)  # absent, and restored as absent after the test
+    with ops.dx_route_scope("transposed"):
+        assert ops.dx_route() == "transposed"
+    assert ops.DX_ROUTE_ENV not in os.environ
+    monkeypatch.setenv(ops.DX_ROUTE_ENV, "kernel")
+    with ops.dx_route_scope("transposed", keep_set=True):
+        assert ops.dx_route() == "kernel"
+    with ops.dx_route_scope("transposed"):
+        assert ops.dx_route() == "transposed"
+    with ops.dx_route_scope(None):
+        assert ops.dx_route() == "kernel"
+    assert os.environ[ops.DX_ROUTE_ENV] == "kernel"
+    with pytest.raises(ValueError, match="JAXSPARSE_DX"):
+        with ops.dx_route_scope("sparse"):
+            pass
+    assert os.environ[ops.DX_ROUTE_ENV] == "kernel"
