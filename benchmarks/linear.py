@@ -14,6 +14,9 @@ One process; the shapes of ``benchmarks/spmm.py`` (tokens 4096 and 16384; K x N 
 * ``dW mma.sync engine``, ``dW split=none`` and ``dX dense route``: the alternatives, timed beside the
   defaults (the SDDMM's portable engine and its one-pass grid; XLA's dense product over the decompressed
   weight);
+* ``W^T build``, ``dX transposed route`` and ``fwd+bwd transposed dX``: the ``JAXSPARSE_DX=transposed`` route on
+  a weight whose mask was chosen transposable (``select_mask(..., transposable=True)``): ``format.transpose_2_4``
+  alone, then dX as the 2:4 forward kernel on ``W^T`` (the build included), then the whole layer;
 * ``... 2:4 view`` (V:2:M on Hopper): the forward, the SDDMM and the whole layer on the kernels that read
   ``x [T, K]`` as it is, with the weight as its 2:4 view (``jaxsparse.format.as_2_4``): no transpose.
 
@@ -28,6 +31,7 @@ Writes ``benchmarks/results/<gpu>/linear.json`` (and ``$OUT/linear.json`` when s
 
   python3 benchmarks/linear.py            # all shapes
   python3 benchmarks/linear.py --quick    # 16384 tokens, three BERT-large shapes
+  python3 benchmarks/linear.py --quick --only transpos   # and only the transposed-route alternatives
 """
 
 from __future__ import annotations
@@ -101,11 +105,36 @@ def _row(base: dict, product: str, impl: str, ms: float, dense_ms: float, fl: di
                 err=err)
 
 
+def _transposed_runs(w, x0, dy0, b, spec, select_t, hi) -> tuple[list, F.SparseWeight]:
+    """The transposed dX route (``JAXSPARSE_DX=transposed``) on a weight with a transposable mask: building ``W^T``
+    (``format.transpose_2_4``) alone, dX (that build and the 2:4 forward kernel on ``W^T``) and the whole layer.
+    Returns ``(label, product, fn, err)`` rows and the weight they take; the build's "error" is whether it
+    reproduces ``W^T`` exactly (the dX floor is its row's floor: the build is part of dX's cost)."""
+    from jaxsparse import ops
+
+    sw_t = F.compress(w, select_t(w, spec), spec)
+    wd = F.decompress(sw_t).astype(jnp.float32)
+    refs = {"dX": jnp.dot(dy0[:512].astype(jnp.float32), wd.T, precision=hi),
+            "fwd": jnp.dot(x0[:512].astype(jnp.float32), wd, precision=hi) + b.astype(jnp.float32),
+            "dW": F.compress_like(jnp.dot(x0.astype(jnp.float32).T, dy0.astype(jnp.float32), precision=hi), sw_t)}
+    build = jax.jit(lambda x, dy, sw, b: F.transpose_2_4(sw))
+    wt, ok = build(x0, dy0, sw_t, b)
+    exact = bool(ok) and bool((F.decompress(wt).astype(jnp.float32) == wd.T).all())
+    dx = jax.jit(lambda x, dy, sw, b: ops._transposed_dx(dy, sw))
+    layer = jax.jit(with_env(lambda x, dy, sw, b: sparse_vjp(x, dy, sw.values, b, sw), JAXSPARSE_DX="transposed"))
+    args0 = (x0, dy0, sw_t, b)
+    return [("W^T build (transpose_2_4)", "dX", build, "exact" if exact else "WRONG"),
+            ("dX transposed route", "dX", dx, f"{_err('dX', dx, args0, refs):.1e}"),
+            ("fwd+bwd transposed dX", "fwd+bwd", layer, f"{_err('fwd+bwd', layer, args0, refs):.1e}")], sw_t
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="16384 tokens, three BERT-large shapes")
     ap.add_argument("--specs", default=",".join(SPECS), help="comma-separated sparse specs")
     ap.add_argument("--out", default=None, help="json path (default benchmarks/results/<gpu>/linear.json)")
+    ap.add_argument("--only", default="", help="comma-separated substrings: time only the alternative rows whose "
+                                               "label holds one (the four default products always run)")
     args = ap.parse_args()
 
     import jaxsparse.ffi as jffi
@@ -172,7 +201,10 @@ def main() -> None:
     if not calls.hopper_gpu():
         hopper_only = ("col-major", "x^T", "x rows", "2:4 view")  # the x^T engines and the TMA kernels
         variants = [v for v in variants if not any(h in v[0] for h in hopper_only)]
+    wanted = lambda label: not args.only or any(o in label for o in args.only.split(",") if o)
+    variants = [v for v in variants if wanted(v[0])]
     select = jax.jit(F.select_mask, static_argnums=1)
+    select_t = jax.jit(lambda w, spec: F.select_mask(w, spec, transposable=True), static_argnums=1)
     rows: list[dict] = []
     key = jax.random.PRNGKey(7)
 
@@ -232,6 +264,14 @@ def main() -> None:
                     fl = floors(prod, tokens, k, n, spec.m, spec.v)
                     rows.append(_row(base, label, f"jaxsparse {spec_s}", ms, dense_ms[prod], fl, f"{err:.1e}"))
                     print(rows[-1], flush=True)
+                if n % 32 == 0:  # the transposed dX route: a transposable mask, W^T 2:4 along N
+                    runs_t, sw_t = _transposed_runs(w, x0, dy0, b, spec, select_t, hi)
+                    for label, prod, fn, err in [r for r in runs_t if wanted(r[0])]:
+                        ms = common.time_jax(fn, [(x, dy, sw_t, b) for x, dy in zip(xs, dys)], **reps)
+                        fl = floors(prod, tokens, k, n, spec.m, spec.v)
+                        rows.append(_row(base, label, f"jaxsparse {spec_s}", ms, dense_ms[prod], fl, err))
+                        print(rows[-1], flush=True)
+                    del sw_t
                 del sw, wd, args0
             del xs, dys, w
             save()

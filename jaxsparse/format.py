@@ -425,6 +425,21 @@ def compress(w: jax.Array, mask: jax.Array, spec: Union[str, VNM]) -> SparseWeig
     return _compress(w, mask, spec)
 
 
+def _first_two(a: jax.Array, m: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The positions ``[..., 2]`` (int32) and values ``[..., 2]`` of the first two kept entries of each group of 4
+    (last axis of ``a`` and its boolean mask ``m``). Kept positions come first, ascending; a group with fewer than
+    two kept entries pads with its lowest free positions and a zero value (a stable sort of ``~m``, written as
+    elementwise rank arithmetic so that XLA fuses it instead of launching a sort)."""
+    lower = jnp.tril(jnp.ones((4, 4), jnp.int32), -1)  # lower[i, j]: j comes before i
+    kept_before = (m[..., None, :].astype(jnp.int32) * lower).sum(-1)
+    free_before = ((~m)[..., None, :].astype(jnp.int32) * lower).sum(-1)
+    rank = jnp.where(m, kept_before, m.astype(jnp.int32).sum(-1, keepdims=True) + free_before)  # [..., 4]
+    hit = rank[..., None, :] == jnp.arange(2)[:, None]  # [..., 2, 4]: entry i is the s-th
+    pos = (hit * jnp.arange(4)).sum(-1).astype(jnp.int32)
+    vals = jnp.where(hit & m[..., None, :], a[..., None, :], jnp.zeros((), a.dtype)).sum(-1).astype(a.dtype)
+    return pos, vals
+
+
 @functools.partial(jax.jit, static_argnums=2)
 def _compress(w: jax.Array, mask: jax.Array, spec: VNM) -> SparseWeight:
     k, r = w.shape
@@ -440,10 +455,7 @@ def _compress(w: jax.Array, mask: jax.Array, spec: VNM) -> SparseWeight:
         cols = jnp.sort(jnp.argsort(key, axis=-1)[..., :4], axis=-1).astype(jnp.int32)
         picked_a = jnp.take_along_axis(a, cols[:, None], axis=-1)
         picked_m = jnp.take_along_axis(mk, cols[:, None], axis=-1)
-    # Positions of the kept entries among the 4: kept ones first (stable keeps them ascending); a row
-    # with fewer than two kept entries pads with the lowest free position and a zero value.
-    pos = jnp.argsort(~picked_m, axis=-1, stable=True)[..., :2]
-    vals = jnp.where(jnp.take_along_axis(picked_m, pos, axis=-1), jnp.take_along_axis(picked_a, pos, axis=-1), 0)
+    pos, vals = _first_two(picked_a, picked_m)
     pos = pos.reshape(r, g, 2)
     return SparseWeight(
         values=vals.reshape(r, 2 * g).astype(w.dtype),
@@ -487,16 +499,31 @@ def transpose_2_4(sw: SparseWeight) -> tuple[SparseWeight, jax.Array]:
 
     With ``select_mask(..., transposable=True)`` every input feature keeps at most 2 of every 4 consecutive output
     features, so ``W^T``'s rows (one per input feature) are 2:4 sparse along ``R``, and the input gradient
-    ``dy @ W^T`` is the forward product ``spmm(dy, transpose_2_4(sw)[0])``. Built from the dense kernel with the
-    stored positions as the mask (jit-able; the reference for a gather kernel). Returns ``(sw_t, ok)``: ``ok`` is
-    :func:`transposable_mask_is_valid` of those positions; where it is False ``sw_t`` drops values, and callers
-    must not use it (``jaxsparse.ops.spmm_t`` turns such a gradient into NaN).
+    ``dy @ W^T`` is the forward product ``spmm(dy, transpose_2_4(sw)[0])``. Built from the compressed arrays
+    alone, with no dense ``[K, R]`` intermediate and no sort or gather: for input feature ``k`` (group ``k // M``,
+    column ``k % M``) and output features ``4j .. 4j+3``, each candidate row's two stored columns either hold
+    ``k % M`` or not, so the whole build is broadcasting and elementwise work that XLA fuses (jit-able; runs every
+    step, since the values change every step). Returns ``(sw_t, ok)``: ``ok`` is :func:`transposable_mask_is_valid`
+    of the stored positions; where it is False ``sw_t`` drops values, and callers must not use it
+    (``jaxsparse.ops.spmm_t`` turns such a gradient into NaN).
     """
-    if sw.shape[1] % (4 * GROUPS_PER_WORD):
-        raise ValueError(f"transpose_2_4 needs R (output features) = {sw.shape[1]} to be a multiple of 32: W^T's "
+    k, r = sw.shape
+    if r % (4 * GROUPS_PER_WORD):
+        raise ValueError(f"transpose_2_4 needs R (output features) = {r} to be a multiple of 32: W^T's "
                          "metadata word holds 8 groups of 4 along R")
-    mask = kept_mask(sw)
-    return _compress(decompress(sw).T, mask.T, VNM(1, 2, 4)), transposable_mask_is_valid(mask)
+    m = sw.spec.m
+    g = k // m
+    # [G, 1, R/4, 4, 2]: the two stored columns (within the group) and values of output feature 4j + i.
+    cols = kept_columns(sw).transpose(1, 0, 2).reshape(g, 1, r // 4, 4, 2)
+    vals = sw.values.reshape(r, g, 2).transpose(1, 0, 2).reshape(g, 1, r // 4, 4, 2)
+    hit = cols == jnp.arange(m).reshape(1, m, 1, 1, 1)  # [G, M, R/4, 4, 2]; the two columns differ: <= 1 hit
+    stored = hit.any(-1)  # [G, M, R/4, 4]: W^T's row g*M + c keeps output feature 4j + i
+    dense = jnp.where(hit, vals, jnp.zeros((), vals.dtype)).sum(-1).astype(vals.dtype)
+    pos, values_t = _first_two(dense, stored)  # [G, M, R/4, 2]
+    pos = pos.reshape(k, r // 4, 2)
+    sw_t = SparseWeight(values=values_t.reshape(k, r // 2), columns=None,
+                        metadata=_pack_metadata(pos[..., 0], pos[..., 1]), shape=(r, k), spec=VNM(1, 2, 4))
+    return sw_t, (stored.astype(jnp.int32).sum(-1) <= 2).all()
 
 
 def compress_like(dense: jax.Array, sw: SparseWeight) -> jax.Array:

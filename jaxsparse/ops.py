@@ -161,8 +161,10 @@ def spmm_t(dy: jax.Array, sw: SparseWeight, route: Optional[str] = None) -> jax.
 def _transposed_dx(dy: jax.Array, sw: SparseWeight) -> jax.Array:
     """``dy @ W^T`` as the 2:4 forward product of ``W^T`` (the ``"transposed"`` route of :func:`dx_route`)."""
     swt, ok = transpose_2_4(sw)
-    dx = spmm(dy, swt)
-    return jnp.where(ok, dx, jnp.asarray(jnp.nan, dx.dtype))
+    # A mask that is not transposable poisons W^T's values (a small array), so every entry of dx is NaN without a
+    # pass over dx itself (a jnp.where on dx cost 0.09 ms at 16384 x 4096 on the H100, session 20).
+    swt = swt.replace(values=jnp.where(ok, swt.values, jnp.asarray(jnp.nan, swt.values.dtype)))
+    return spmm(dy, swt)
 
 
 # ----------------------------------------------------------------------------- the layer product
