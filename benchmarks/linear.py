@@ -15,8 +15,8 @@ One process; the shapes of ``benchmarks/spmm.py`` (tokens 4096 and 16384; K x N 
   defaults (the SDDMM's portable engine and its one-pass grid; XLA's dense product over the decompressed
   weight);
 * ``W^T build``, ``dX transposed route`` and ``fwd+bwd transposed dX``: the ``JAXSPARSE_DX=transposed`` route on
-  a weight whose mask was chosen transposable (``select_mask(..., transposable=True)``): ``format.transpose_2_4``
-  alone, then dX as the 2:4 forward kernel on ``W^T`` (the build included), then the whole layer;
+  a weight whose mask was chosen transposable (``select_mask(..., transposable=True)``): ``ops.transpose_2_4``
+  alone (and its pure-JAX reference), then dX as the 2:4 forward kernel on ``W^T`` (the build included), then the whole layer;
 * ``... 2:4 view`` (V:2:M on Hopper): the forward, the SDDMM and the whole layer on the kernels that read
   ``x [T, K]`` as it is, with the weight as its 2:4 view (``jaxsparse.format.as_2_4``): no transpose.
 
@@ -107,7 +107,8 @@ def _row(base: dict, product: str, impl: str, ms: float, dense_ms: float, fl: di
 
 def _transposed_runs(w, x0, dy0, b, spec, select_t, hi) -> tuple[list, F.SparseWeight]:
     """The transposed dX route (``JAXSPARSE_DX=transposed``) on a weight with a transposable mask: building ``W^T``
-    (``format.transpose_2_4``) alone, dX (that build and the 2:4 forward kernel on ``W^T``) and the whole layer.
+    alone (``ops.transpose_2_4``, and its pure-JAX reference ``format.transpose_2_4``), dX (that build and the 2:4
+    forward kernel on ``W^T``) and the whole layer.
     Returns ``(label, product, fn, err)`` rows and the weight they take; the build's "error" is whether it
     reproduces ``W^T`` exactly (the dX floor is its row's floor: the build is part of dX's cost)."""
     from jaxsparse import ops
@@ -117,13 +118,15 @@ def _transposed_runs(w, x0, dy0, b, spec, select_t, hi) -> tuple[list, F.SparseW
     refs = {"dX": jnp.dot(dy0[:512].astype(jnp.float32), wd.T, precision=hi),
             "fwd": jnp.dot(x0[:512].astype(jnp.float32), wd, precision=hi) + b.astype(jnp.float32),
             "dW": F.compress_like(jnp.dot(x0.astype(jnp.float32).T, dy0.astype(jnp.float32), precision=hi), sw_t)}
-    build = jax.jit(lambda x, dy, sw, b: F.transpose_2_4(sw))
-    wt, ok = build(x0, dy0, sw_t, b)
-    exact = bool(ok) and bool((F.decompress(wt).astype(jnp.float32) == wd.T).all())
+    build = jax.jit(lambda x, dy, sw, b: ops.transpose_2_4(sw))  # jaxsparse_transpose_2_4 on the GPU
+    build_ref = jax.jit(lambda x, dy, sw, b: F.transpose_2_4(sw))  # its pure-JAX reference
+    exact = {name: bool((F.decompress(fn(*args)).astype(jnp.float32) == wd.T).all())
+             for name, fn, args in (("kernel", build, (x0, dy0, sw_t, b)), ("ref", build_ref, (x0, dy0, sw_t, b)))}
     dx = jax.jit(lambda x, dy, sw, b: ops._transposed_dx(dy, sw))
     layer = jax.jit(with_env(lambda x, dy, sw, b: sparse_vjp(x, dy, sw.values, b, sw), JAXSPARSE_DX="transposed"))
     args0 = (x0, dy0, sw_t, b)
-    return [("W^T build (transpose_2_4)", "dX", build, "exact" if exact else "WRONG"),
+    return [("W^T build (transpose_2_4)", "dX", build, "exact" if exact["kernel"] else "WRONG"),
+            ("W^T build, pure JAX", "dX", build_ref, "exact" if exact["ref"] else "WRONG"),
             ("dX transposed route", "dX", dx, f"{_err('dX', dx, args0, refs):.1e}"),
             ("fwd+bwd transposed dX", "fwd+bwd", layer, f"{_err('fwd+bwd', layer, args0, refs):.1e}")], sw_t
 

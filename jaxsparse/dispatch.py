@@ -26,7 +26,7 @@ from jaxsparse import ffi
 __all__ = ["BACKENDS", "OPS", "backend", "reference_ops", "call"]
 
 BACKENDS = ("auto", "reference", "cuda")
-OPS = ("decompress", "spmm", "sddmm", "spmm_t")
+OPS = ("decompress", "transpose_2_4", "spmm", "sddmm", "spmm_t")
 _warned: set[tuple[str, str]] = set()
 
 

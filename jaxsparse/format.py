@@ -494,18 +494,21 @@ def kept_mask(sw: SparseWeight) -> jax.Array:
 
 
 @jax.jit
-def transpose_2_4(sw: SparseWeight) -> tuple[SparseWeight, jax.Array]:
+def transpose_2_4(sw: SparseWeight) -> SparseWeight:
     """``W^T`` as a 2:4 ``SparseWeight`` (Flax kernel shape ``(R, K)``), for a weight with a transposable mask.
 
     With ``select_mask(..., transposable=True)`` every input feature keeps at most 2 of every 4 consecutive output
     features, so ``W^T``'s rows (one per input feature) are 2:4 sparse along ``R``, and the input gradient
-    ``dy @ W^T`` is the forward product ``spmm(dy, transpose_2_4(sw)[0])``. Built from the compressed arrays
-    alone, with no dense ``[K, R]`` intermediate and no sort or gather: for input feature ``k`` (group ``k // M``,
-    column ``k % M``) and output features ``4j .. 4j+3``, each candidate row's two stored columns either hold
-    ``k % M`` or not, so the whole build is broadcasting and elementwise work that XLA fuses (jit-able; runs every
-    step, since the values change every step). Returns ``(sw_t, ok)``: ``ok`` is :func:`transposable_mask_is_valid`
-    of the stored positions; where it is False ``sw_t`` drops values, and callers must not use it
-    (``jaxsparse.ops.spmm_t`` turns such a gradient into NaN).
+    ``dy @ W^T`` is the forward product ``spmm(dy, transpose_2_4(sw))``. Per quad of 4 output features the stored
+    values come first, ascending; a quad with fewer than 2 pads with its lowest free positions and zeros (as
+    :func:`compress`). A quad that holds more than 2 stored values (the mask is not transposable there) gets NaN
+    in both slots, so a product with ``W^T`` is NaN exactly where it would otherwise be wrong
+    (:func:`transposable_mask_is_valid` tells beforehand).
+
+    This is the reference of the CUDA handler ``jaxsparse_transpose_2_4`` (``jaxsparse.ops.transpose_2_4``
+    dispatches). It is built from the compressed arrays alone, with no dense ``[K, R]`` intermediate and no sort:
+    for input feature ``k`` (group ``k // M``, column ``k % M``) and output features ``4j .. 4j+3``, each row's
+    two stored columns either hold ``k % M`` or not (jit-able).
     """
     k, r = sw.shape
     if r % (4 * GROUPS_PER_WORD):
@@ -520,10 +523,11 @@ def transpose_2_4(sw: SparseWeight) -> tuple[SparseWeight, jax.Array]:
     stored = hit.any(-1)  # [G, M, R/4, 4]: W^T's row g*M + c keeps output feature 4j + i
     dense = jnp.where(hit, vals, jnp.zeros((), vals.dtype)).sum(-1).astype(vals.dtype)
     pos, values_t = _first_two(dense, stored)  # [G, M, R/4, 2]
+    overfull = stored.astype(jnp.int32).sum(-1, keepdims=True) > 2
+    values_t = jnp.where(overfull, jnp.asarray(jnp.nan, values_t.dtype), values_t)
     pos = pos.reshape(k, r // 4, 2)
-    sw_t = SparseWeight(values=values_t.reshape(k, r // 2), columns=None,
+    return SparseWeight(values=values_t.reshape(k, r // 2), columns=None,
                         metadata=_pack_metadata(pos[..., 0], pos[..., 1]), shape=(r, k), spec=VNM(1, 2, 4))
-    return sw_t, (stored.astype(jnp.int32).sum(-1) <= 2).all()
 
 
 def compress_like(dense: jax.Array, sw: SparseWeight) -> jax.Array:

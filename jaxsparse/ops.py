@@ -19,9 +19,9 @@ import numpy as np
 from jaxsparse import dispatch, reference
 from jaxsparse.ffi import calls as cuda_calls
 from jaxsparse.ffi.calls import spmm_unsupported
-from jaxsparse.format import SparseWeight, decompress as _reference_decompress, transpose_2_4
+from jaxsparse.format import SparseWeight, decompress as _reference_decompress, transpose_2_4 as format_transpose_2_4
 
-__all__ = ["decompress", "spmm", "sddmm", "spmm_t", "dx_route", "dx_route_scope", "linear_x_layout", "sparse_linear", "masked_linear", "spmm_unsupported"]
+__all__ = ["decompress", "transpose_2_4", "spmm", "sddmm", "spmm_t", "dx_route", "dx_route_scope", "linear_x_layout", "sparse_linear", "masked_linear", "spmm_unsupported"]
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -110,8 +110,8 @@ def dx_route(route: Optional[str] = None) -> str:
     ``jaxsparse_spmm_t`` kernel for ``M >= 8`` (2:4 stays dense: its pattern runs along dX's output
     columns, so a sparse kernel does dense work on slower MMAs). ``"transposed"``: for weights whose masks were
     chosen with ``select_mask(..., transposable=True)``, the 2:4 forward product of ``W^T``
-    (:func:`jaxsparse.format.transpose_2_4`), on every platform; a weight whose mask is not transposable gets a NaN
-    gradient, never a wrong one. ``None`` reads ``JAXSPARSE_DX``.
+    (:func:`transpose_2_4`, built by ``jaxsparse_transpose_2_4`` on a GPU), on every platform; where a mask is not
+    transposable the gradient is NaN, never wrong. ``None`` reads ``JAXSPARSE_DX``.
     The default follows the measurements in docs/kernel-notes.md: the v1 kernel is slower than the dense
     route at every M measured on the H100 (64:2:8 at 16384x1024x4096: 0.92 ms against 0.20 ms), so it
     is opt-in until a faster version lands; ``benchmarks/linear.py`` times both routes side by side.
@@ -158,13 +158,21 @@ def spmm_t(dy: jax.Array, sw: SparseWeight, route: Optional[str] = None) -> jax.
     return dx.reshape(*dy.shape[:-1], sw.shape[0])
 
 
+def transpose_2_4(sw: SparseWeight) -> SparseWeight:
+    """``W^T`` as a 2:4 weight (:func:`jaxsparse.format.transpose_2_4`: NaN values where the mask is not
+    transposable), by the CUDA handler on a GPU."""
+    _check_weight(sw)
+    if sw.shape[1] % 32:
+        raise ValueError(f"transpose_2_4 needs R (output features) = {sw.shape[1]} to be a multiple of 32: W^T's "
+                         "metadata word holds 8 groups of 4 along R")
+    return dispatch.call("transpose_2_4", format_transpose_2_4, cuda_calls.transpose_2_4, sw,
+                         unsupported=cuda_calls.transpose_2_4_unsupported(sw))
+
+
 def _transposed_dx(dy: jax.Array, sw: SparseWeight) -> jax.Array:
-    """``dy @ W^T`` as the 2:4 forward product of ``W^T`` (the ``"transposed"`` route of :func:`dx_route`)."""
-    swt, ok = transpose_2_4(sw)
-    # A mask that is not transposable poisons W^T's values (a small array), so every entry of dx is NaN without a
-    # pass over dx itself (a jnp.where on dx cost 0.09 ms at 16384 x 4096 on the H100, session 20).
-    swt = swt.replace(values=jnp.where(ok, swt.values, jnp.asarray(jnp.nan, swt.values.dtype)))
-    return spmm(dy, swt)
+    """``dy @ W^T`` as the 2:4 forward product of ``W^T`` (the ``"transposed"`` route of :func:`dx_route`). Where
+    the mask is not transposable ``W^T`` holds NaN, so those columns of dx are NaN, never wrong."""
+    return spmm(dy, transpose_2_4(sw))
 
 
 # ----------------------------------------------------------------------------- the layer product

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from gpu_common import gpu_marks
+from gpu_common import gpu_marks, key
 from jaxsparse import ffi, ops
 from jaxsparse.ffi import calls
 from jaxsparse import format as F
@@ -69,6 +69,41 @@ def test_as_2_4_kernel(spec, k, r, dtype):
     np.testing.assert_array_equal(np.asarray(slots), np.asarray(ref_slots))
     assert sw24.spec == ref24.spec and sw24.shape == ref24.shape
     np.testing.assert_array_equal(np.asarray(F.decompress(sw24)), np.asarray(F.decompress(sw)))
+
+
+@pytest.mark.parametrize("spec, k, r", [("2:4", 256, 96), ("64:2:8", 512, 192), ("128:2:16", 768, 384),
+                                        ("64:2:32", 1024, 320), ("128:2:32", 512, 128)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("transposable", [True, False], ids=["transposable", "plain"])
+def test_transpose_2_4_kernel(spec, k, r, dtype, transposable):
+    """The ``jaxsparse_transpose_2_4`` handler against its reference ``format.transpose_2_4``, bit for bit (values,
+    NaN included, and metadata), on fresh random weights: several V blocks, a thread grid with a tail, every M.
+    A plain mask is not transposable: the NaN quads must match too. The memory of a freed array of W^T's size is
+    offered to the output first (NaN for transposable masks, whose W^T holds none; a finite value never drawn for
+    plain ones), so an element the kernel did not write shows."""
+    w = jax.random.normal(key("transpose_2_4", spec, k, r, str(dtype), transposable), (k, r)).astype(dtype)
+    sw = F.compress(w, F.select_mask(w, spec, transposable=transposable), spec)
+    jnp.full((k, r // 2), jnp.nan if transposable else 12345.0, dtype).block_until_ready()  # freed at once: poison
+    f = jax.jit(ops.transpose_2_4)
+    assert "jaxsparse_transpose_2_4" in f.lower(sw).compile().as_text()
+    out, ref = f(sw), F.transpose_2_4(sw)
+    assert out.shape == ref.shape == (r, k) and out.spec == ref.spec == F.VNM(1, 2, 4) and out.values.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(out.values).view(np.uint16), np.asarray(ref.values).view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(out.metadata), np.asarray(ref.metadata))
+    assert np.isnan(np.asarray(out.values, np.float32)).any() == (not transposable)  # plain: some quad overfull
+    if transposable:
+        np.testing.assert_array_equal(np.asarray(F.decompress(out), np.float32),
+                                      np.asarray(F.decompress(sw), np.float32).T)
+
+
+@pytest.mark.filterwarnings("ignore:jaxsparse.transpose_2_4 runs its pure-JAX reference")
+def test_transpose_2_4_float32_takes_the_reference():
+    """The handler takes 16-bit values only: float32 weights build ``W^T`` with the reference, same result."""
+    w = jax.random.normal(jax.random.PRNGKey(3), (256, 64))
+    sw = F.compress(w, F.select_mask(w, "2:4", transposable=True), "2:4")
+    f = jax.jit(ops.transpose_2_4)
+    assert "jaxsparse_transpose_2_4" not in f.lower(sw).compile().as_text()
+    np.testing.assert_array_equal(np.asarray(F.decompress(f(sw))), np.asarray(F.decompress(sw)).T)
 
 
 def test_decompress_vmap():

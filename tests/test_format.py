@@ -300,13 +300,21 @@ def test_transpose_2_4_is_the_transposed_matrix(spec):
     k, r = 8 * s.m, max(s.v, 32)
     w = jax.random.normal(jax.random.key(4), (k, r), jnp.float32).astype(jnp.bfloat16)
     sw = F.compress(w, F.select_mask(w, spec, transposable=True), spec)
-    swt, ok = F.transpose_2_4(sw)
-    assert bool(ok) and swt.shape == (r, k) and swt.spec == F.VNM(1, 2, 4)
+    swt = F.transpose_2_4(sw)
+    assert swt.shape == (r, k) and swt.spec == F.VNM(1, 2, 4)
     np.testing.assert_array_equal(np.asarray(F.decompress(swt), np.float32),
                                   np.asarray(F.decompress(sw), np.float32).T)
-    # a plain mask is (almost surely) not transposable: flagged, never silently used
+    # a plain mask is (almost surely) not transposable: W^T is NaN in exactly the quads of 4 output features that
+    # hold more than 2 stored values, and right everywhere else
     plain = F.compress(w, F.select_mask(w, spec), spec)
-    assert not bool(F.transpose_2_4(plain)[1])
+    overfull = np.asarray(F.kept_mask(plain)).reshape(k, r // 4, 4).sum(-1) > 2  # [K, R/4]
+    assert overfull.any() and not overfull.all()
+    values_t = np.asarray(F.transpose_2_4(plain).values, np.float32).reshape(k, r // 4, 2)
+    np.testing.assert_array_equal(np.isnan(values_t).all(-1), overfull)
+    np.testing.assert_array_equal(np.isnan(values_t).any(-1), overfull)
+    fine = np.repeat(~overfull, 4, axis=1)  # [K, R]
+    dense_t = np.asarray(F.decompress(F.transpose_2_4(plain)), np.float32)  # [R, K]
+    np.testing.assert_array_equal(dense_t.T[fine], np.asarray(F.decompress(plain), np.float32)[fine])
 
 
 def test_transpose_2_4_needs_whole_metadata_words():

@@ -128,6 +128,24 @@ def as_2_4(sw: SparseWeight) -> tuple[SparseWeight, jax.Array]:
     return SparseWeight(values24, None, meta24, (k, r), VNM(1, 2, 4)), slots
 
 
+def transpose_2_4_unsupported(sw: SparseWeight) -> str | None:
+    """Why ``jaxsparse_transpose_2_4`` cannot take ``sw`` (its shape rules are :func:`format.transpose_2_4`'s), or
+    None."""
+    if jnp.dtype(sw.values.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"W^T's build takes bf16 or fp16 values, got {sw.values.dtype}"
+    return None
+
+
+def transpose_2_4(sw: SparseWeight) -> SparseWeight:
+    """:func:`jaxsparse.format.transpose_2_4` (``W^T`` as a 2:4 weight, NaN where the mask is not transposable) by
+    the CUDA handler ``jaxsparse_transpose_2_4`` in one pass."""
+    k, r = sw.shape
+    results = [((k, r // 2), sw.values.dtype), ((k, r // 32), jnp.uint32)]
+    values_t, meta_t = _call_results("jaxsparse_transpose_2_4", results, sw.values, _columns_operand(sw), sw.metadata,
+                                     v=np.int32(sw.spec.v), m=np.int32(sw.spec.m))
+    return SparseWeight(values_t, None, meta_t, (r, k), VNM(1, 2, 4))
+
+
 def decompress(sw: SparseWeight) -> jax.Array:
     """Dense ``[K, R]`` kernel of ``sw`` by the CUDA handler ``jaxsparse_decompress``."""
     return _call(
