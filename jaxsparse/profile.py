@@ -225,6 +225,8 @@ def classify(name: str, info: OpInfo | None = None) -> str:
     for text in (name, target):
         if text and ("jaxsparse" in text.lower() or "spmm" in text.lower() or "sddmm" in text.lower()
                      or "decompresskernel" in text.lower()):
+            if "jaxsparse_spmm_t" in scopes:  # the input gradient, whichever kernels its route runs (W^T's build
+                return "sparse_dx"            # and the forward kernel on the transposed route)
             if _VIEW_NAME.search(text):  # the 2:4 view of a V:2:M weight: traced for the forward and the SDDMM
                 return "sddmm" if _sparse_scope(scopes) == "bwd" else "sparse_fwd"
             if _SDDMM_NAME.search(text):
@@ -506,6 +508,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--attention", default="softmax", choices=("softmax", "fused"),
                    help="BERT's softmax attention, or cuDNN flash attention (no dropout on the probabilities)")
+    p.add_argument("--transposable-masks", action="store_true",
+                   help="transposable masks, and the input gradient as the 2:4 forward product of W^T "
+                        "(JAXSPARSE_DX=transposed)")
     p.add_argument("--top", type=int, default=10, help="list the N most expensive ops (0: none)")
     p.add_argument("--trace-dir", default=None, help="keep the trace here (TensorBoard/xprof can open it)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the breakdown as JSON")
@@ -514,16 +519,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point ``jaxsparse-profile``."""
+    from jaxsparse import ops
     from jaxsparse.trainstep import StepConfig
 
     args = parse_args(argv)
     config = StepConfig(args.model, args.sparsity, args.batch_size, args.seq_len, args.dtype, args.compressed,
-                        attention=args.attention)
-    prof = profile_step(config, args.steps, args.warmup, args.trace_dir, top=max(args.top, 25))
+                        attention=args.attention, transposable=args.transposable_masks)
+    with ops.dx_route_scope("transposed" if args.transposable_masks else None):
+        prof = profile_step(config, args.steps, args.warmup, args.trace_dir, top=max(args.top, 25))
+    prof.meta["transposable_masks"] = args.transposable_masks
+    prof.meta["dx_route"] = "transposed" if args.transposable_masks else ops.dx_route()
     m = prof.meta
     print(f"jaxsparse-profile: BERT-{m['model']} {m['sparsity']} ({m['mode']}{': ' + m['mode_reason'] if m['mode_reason'] else ''}), "
           f"batch {m['batch_size']} x seq {m['seq_len']} = {m['tokens']} tokens, {m['dtype']} compute, "
-          f"{m['attention']} attention, AdamW, {prof.steps} steps traced")
+          f"{m['attention']} attention, AdamW, {prof.steps} steps traced"
+          + (", transposable masks (dX on W^T)" if args.transposable_masks else ""))
     print(format_table(prof, args.top))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -73,6 +73,11 @@ HLO_EVENTS = [
     ("fusion.40", OpInfo("fusion", f"{FWD}/output/jaxsparse_spmm/dot_general", True, (1,)), "sparse_fwd"),
     ("fusion.41", OpInfo("fusion", f"{BWD}/output/jaxsparse_sddmm/dot_general", True, (0,)), "sddmm"),
     ("fusion.42", OpInfo("fusion", f"{BWD}/output/jaxsparse_spmm_t/dot_general", True, (1,)), "sparse_dx"),
+    # the transposed dX route: W^T's build and the forward kernel on it, both inside the input gradient's scope
+    ("custom-call.12", OpInfo("custom-call", f"{BWD}/output/jaxsparse_spmm_t/jaxsparse_spmm/spmm_xt", False, (),
+                              frozenset({"custom-call"}), "jaxsparse_spmm_xt"), "sparse_dx"),
+    ("custom-call.13", OpInfo("custom-call", f"{BWD}/output/jaxsparse_spmm_t/transpose_2_4", False, (),
+                              frozenset({"custom-call"}), "jaxsparse_transpose_2_4"), "sparse_dx"),
 ]
 
 
