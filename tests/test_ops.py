@@ -349,6 +349,20 @@ def test_transposed_dx_route_refuses_a_plain_mask_with_nan(monkeypatch):
     np.testing.assert_allclose(dx[:, ~overfull], ref[:, ~overfull], rtol=2e-2, atol=2e-2)
 
 
+def test_transpose_2_4_op_checks_before_dispatch():
+    """``ops.transpose_2_4`` names the constraint it cannot take (R a multiple of 32) and what it was given."""
+    w = jax.random.normal(jax.random.PRNGKey(15), (32, 16))
+    sw = F.compress(w, F.select_mask(w, "2:4", transposable=True), "2:4")
+    with pytest.raises(ValueError, match="R \\(output features\\) = 16 to be a multiple of 32"):
+        ops.transpose_2_4(sw)
+    with pytest.raises(ValueError, match="expected a jaxsparse.format.SparseWeight"):
+        ops.transpose_2_4(w)
+    w = jax.random.normal(jax.random.PRNGKey(16), (64, 64)).astype(jnp.bfloat16)
+    sw = F.compress(w, F.select_mask(w, "2:4", transposable=True), "2:4")
+    np.testing.assert_array_equal(np.asarray(F.decompress(ops.transpose_2_4(sw)), np.float32),
+                                  np.asarray(F.decompress(sw), np.float32).T)
+
+
 def test_sddmm_engine_setting(monkeypatch):
     from jaxsparse.ffi import calls
 
