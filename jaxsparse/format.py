@@ -32,6 +32,7 @@ __all__ = [
     "transposable_mask_is_valid",
     "kept_mask",
     "transpose_2_4",
+    "check_transpose_2_4_shape",
 ]
 
 GROUPS_PER_WORD = 8  # metadata groups (4 bits each) in one uint32 word
@@ -493,6 +494,13 @@ def kept_mask(sw: SparseWeight) -> jax.Array:
                                    sw.spec)) > 0
 
 
+def check_transpose_2_4_shape(shape: tuple[int, int]) -> None:
+    """Raises ``ValueError`` unless :func:`transpose_2_4` can take a weight of Flax shape ``(K, R)``."""
+    if shape[1] % (4 * GROUPS_PER_WORD):
+        raise ValueError(f"transpose_2_4 needs R (output features) = {shape[1]} to be a multiple of 32: W^T's "
+                         "metadata word holds 8 groups of 4 along R")
+
+
 @jax.jit
 def transpose_2_4(sw: SparseWeight) -> SparseWeight:
     """``W^T`` as a 2:4 ``SparseWeight`` (Flax kernel shape ``(R, K)``), for a weight with a transposable mask.
@@ -510,10 +518,8 @@ def transpose_2_4(sw: SparseWeight) -> SparseWeight:
     for input feature ``k`` (group ``k // M``, column ``k % M``) and output features ``4j .. 4j+3``, each row's
     two stored columns either hold ``k % M`` or not (jit-able).
     """
+    check_transpose_2_4_shape(sw.shape)
     k, r = sw.shape
-    if r % (4 * GROUPS_PER_WORD):
-        raise ValueError(f"transpose_2_4 needs R (output features) = {r} to be a multiple of 32: W^T's "
-                         "metadata word holds 8 groups of 4 along R")
     m = sw.spec.m
     g = k // m
     # [G, 1, R/4, 4, 2]: the two stored columns (within the group) and values of output feature 4j + i.

@@ -19,7 +19,8 @@ import numpy as np
 from jaxsparse import dispatch, reference
 from jaxsparse.ffi import calls as cuda_calls
 from jaxsparse.ffi.calls import spmm_unsupported
-from jaxsparse.format import SparseWeight, decompress as _reference_decompress, transpose_2_4 as format_transpose_2_4
+from jaxsparse.format import SparseWeight, check_transpose_2_4_shape, decompress as _reference_decompress
+from jaxsparse.format import transpose_2_4 as format_transpose_2_4
 
 __all__ = ["decompress", "transpose_2_4", "spmm", "sddmm", "spmm_t", "dx_route", "dx_route_scope", "linear_x_layout", "sparse_linear", "masked_linear", "spmm_unsupported"]
 
@@ -162,9 +163,7 @@ def transpose_2_4(sw: SparseWeight) -> SparseWeight:
     """``W^T`` as a 2:4 weight (:func:`jaxsparse.format.transpose_2_4`: NaN values where the mask is not
     transposable), by the CUDA handler on a GPU."""
     _check_weight(sw)
-    if sw.shape[1] % 32:
-        raise ValueError(f"transpose_2_4 needs R (output features) = {sw.shape[1]} to be a multiple of 32: W^T's "
-                         "metadata word holds 8 groups of 4 along R")
+    check_transpose_2_4_shape(sw.shape)
     return dispatch.call("transpose_2_4", format_transpose_2_4, cuda_calls.transpose_2_4, sw,
                          unsupported=cuda_calls.transpose_2_4_unsupported(sw))
 
