@@ -428,6 +428,16 @@ def test_sparse_linear_grad_hlo_has_kernels_and_no_transpose(monkeypatch):
         assert f'custom_call_target="{name}"' in text, name
 
 
+@pytest.mark.parametrize("spec", ["2:4", "64:2:8"])
+def test_sparse_linear_grad_hlo_transposed_dx_route(monkeypatch, spec):
+    """The transposed dX route (JAXSPARSE_DX=transposed): W^T comes from jaxsparse_transpose_2_4 and dX from the
+    forward kernel on it; XLA puts no transpose or copy around the calls (dy is read as it is)."""
+    text = _grad_hlo(monkeypatch, spec, dx_route="transposed")
+    assert 'custom_call_target="jaxsparse_transpose_2_4"' in text
+    assert 'custom_call_target="jaxsparse_sddmm"' in text
+    assert 'custom_call_target="jaxsparse_spmm_t"' not in text  # the structured dX kernel is not on this route
+
+
 def test_sparse_linear_grad_hlo_col_major_x_has_no_layout_kernel(monkeypatch):
     """With the SDDMM reading x^T, jaxsparse_transpose makes it: XLA runs no transpose or copy kernel."""
     _skip_unless_col()
