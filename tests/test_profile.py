@@ -131,6 +131,26 @@ def test_real_cpu_profile_buckets_sum_to_measured_total(tmp_path, capsys):
     assert d["buckets"]["sparse_dx"]["count"] >= 12
 
 
+def test_cpu_profile_of_the_transposed_dx_route(tmp_path, capsys):
+    """--transposable-masks: the step traces with transposable masks on the transposed dX route (restored after),
+    records both, and the route's work lands under sparse_dx."""
+    import os
+
+    from jaxsparse import ops
+
+    out = tmp_path / "prof.json"
+    before = os.environ.get(ops.DX_ROUTE_ENV)
+    rc = profile.main(["--model", "tiny", "--sparsity", "64:2:8", "--batch-size", "2", "--seq-len", "32", "--steps",
+                       "1", "--warmup", "1", "--top", "0", "--transposable-masks", "--json", str(out)])
+    assert rc == 0 and os.environ.get(ops.DX_ROUTE_ENV) == before
+    assert "transposable masks (dX on W^T)" in capsys.readouterr().out
+    d = json.loads(out.read_text())
+    assert d["transposable_masks"] is True and d["dx_route"] == "transposed"
+    assert d["buckets"]["sparse_dx"]["ms"] > 0
+    with pytest.raises(ValueError, match="transposable masks need a sparse pattern"):
+        profile.main(["--model", "tiny", "--sparsity", "dense", "--transposable-masks"])
+
+
 _AD_NAMED_HLO = """\
 HloModule jit_loss
 
