@@ -1,6 +1,8 @@
 """The cost of the 2:4 view of a V:2:M weight (``as_2_4``, what the TMA row forward and the SDDMM's tma engine run a
 V:2:M weight as): built by XLA ops (``jaxsparse.format.as_2_4``, the reference) against the ``jaxsparse_as_2_4``
 kernel (``jaxsparse.ffi.calls.as_2_4``), each jitted alone, median of timed repetitions after warm-up.
+Jitted alone, a call this small is bound by the host's dispatch, not the GPU (docs/kernel-notes.md, session 20):
+read the kernel's device time from a profile or from the product it feeds, not from this file.
 
   python3 benchmarks/as_2_4_cost.py      # writes benchmarks/results/<gpu>/as_2_4_cost.json
 """
