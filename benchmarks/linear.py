@@ -106,6 +106,16 @@ def _row(base: dict, product: str, impl: str, ms: float, dense_ms: float, fl: di
                 err=err)
 
 
+def _references(x0, dy0, b, sw: F.SparseWeight, hi) -> tuple[dict, jax.Array]:
+    """Float32 references of the layer's products on one input set (fwd and dX on its first 512 tokens, dW whole,
+    at ``sw``'s kept positions), and ``sw`` decompressed in float32."""
+    wd = F.decompress(sw).astype(jnp.float32)
+    refs = {"fwd": jnp.dot(x0[:512].astype(jnp.float32), wd, precision=hi) + b.astype(jnp.float32),
+            "dW": F.compress_like(jnp.dot(x0.astype(jnp.float32).T, dy0.astype(jnp.float32), precision=hi), sw),
+            "dX": jnp.dot(dy0[:512].astype(jnp.float32), wd.T, precision=hi)}
+    return refs, wd
+
+
 def _transposed_runs(w, x0, dy0, b, spec, select_t, hi) -> tuple[list, F.SparseWeight, F.SparseWeight]:
     """The transposed dX route (``JAXSPARSE_DX=transposed``) on a weight with a transposable mask: dX with ``W^T``
     built every call (``ops.transpose_2_4``, then the 2:4 forward kernel on it: the route as the layer runs it), dX
@@ -117,12 +127,9 @@ def _transposed_runs(w, x0, dy0, b, spec, select_t, hi) -> tuple[list, F.SparseW
 
     sw_t = F.compress(w, select_t(w, spec), spec)
     wt = jax.jit(ops.transpose_2_4)(sw_t)
-    wd = F.decompress(sw_t).astype(jnp.float32)
+    refs, wd = _references(x0, dy0, b, sw_t, hi)
     if not bool((F.decompress(wt).astype(jnp.float32) == wd.T).all()):
         raise SystemExit(f"ops.transpose_2_4 is not W^T at {spec} {w.shape}")
-    refs = {"dX": jnp.dot(dy0[:512].astype(jnp.float32), wd.T, precision=hi),
-            "fwd": jnp.dot(x0[:512].astype(jnp.float32), wd, precision=hi) + b.astype(jnp.float32),
-            "dW": F.compress_like(jnp.dot(x0.astype(jnp.float32).T, dy0.astype(jnp.float32), precision=hi), sw_t)}
     dx = jax.jit(lambda x, dy, sw, b: ops._transposed_dx(dy, sw))
     dx_given = jax.jit(lambda x, dy, swt, b: ops.spmm(dy, swt))
     layer = jax.jit(with_env(lambda x, dy, sw, b: sparse_vjp(x, dy, sw.values, b, sw), JAXSPARSE_DX="transposed"))
@@ -248,12 +255,7 @@ def main() -> None:
                 sw = F.compress(w, select(w, spec), spec)
                 # Errors against float32 references on the first input set (dX, fwd: first 512 tokens).
                 x0, dy0 = xs[0], dys[0]
-                wd = F.decompress(sw).astype(jnp.float32)
-                refs = {
-                    "fwd": jnp.dot(x0[:512].astype(jnp.float32), wd, precision=hi) + b.astype(jnp.float32),
-                    "dW": F.compress_like(jnp.dot(x0.astype(jnp.float32).T, dy0.astype(jnp.float32), precision=hi), sw),
-                    "dX": jnp.dot(dy0[:512].astype(jnp.float32), wd.T, precision=hi),
-                }
+                refs, wd = _references(x0, dy0, b, sw, hi)
                 args0 = (x0, dy0, sw, b)
                 errs = {prod: _err(prod, sparse_fns[prod], args0, refs) for prod in refs}
                 errs["fwd+bwd"] = max(errs.values())

@@ -433,7 +433,7 @@ def _first_two(a: jax.Array, m: jax.Array) -> tuple[jax.Array, jax.Array]:
     elementwise rank arithmetic so that XLA fuses it instead of launching a sort)."""
     lower = jnp.tril(jnp.ones((4, 4), jnp.int32), -1)  # lower[i, j]: j comes before i
     kept_before = (m[..., None, :].astype(jnp.int32) * lower).sum(-1)
-    free_before = ((~m)[..., None, :].astype(jnp.int32) * lower).sum(-1)
+    free_before = jnp.arange(4) - kept_before  # entry i has i entries before it
     rank = jnp.where(m, kept_before, m.astype(jnp.int32).sum(-1, keepdims=True) + free_before)  # [..., 4]
     hit = rank[..., None, :] == jnp.arange(2)[:, None]  # [..., 2, 4]: entry i is the s-th
     pos = (hit * jnp.arange(4)).sum(-1).astype(jnp.int32)

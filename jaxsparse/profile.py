@@ -527,8 +527,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         attention=args.attention, transposable=args.transposable_masks)
     with ops.dx_route_scope("transposed" if args.transposable_masks else None):
         prof = profile_step(config, args.steps, args.warmup, args.trace_dir, top=max(args.top, 25))
-    prof.meta["transposable_masks"] = args.transposable_masks
-    prof.meta["dx_route"] = "transposed" if args.transposable_masks else ops.dx_route()
+        prof.meta.update(transposable_masks=args.transposable_masks, dx_route=ops.dx_route())  # the route traced
     m = prof.meta
     print(f"jaxsparse-profile: BERT-{m['model']} {m['sparsity']} ({m['mode']}{': ' + m['mode_reason'] if m['mode_reason'] else ''}), "
           f"batch {m['batch_size']} x seq {m['seq_len']} = {m['tokens']} tokens, {m['dtype']} compute, "
