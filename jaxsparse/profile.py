@@ -178,7 +178,7 @@ def parse_hlo(text: str) -> dict[str, OpInfo]:
 _COLLECTIVE = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|all[-_]?to[-_]?all|"
                          r"collective[-_]?permute|allreduce|allgather|reducescatter", re.I)
 _SDDMM_NAME = re.compile(r"sddmm", re.I)
-_DX_NAME = re.compile(r"spmm_?t(?![a-z])|spmmt|spmm_?dx|sparse_?dx|spmm_?transpose|spmm_?bwd", re.I)
+_DX_NAME = re.compile(r"spmm_?t(?![a-z])|spmmt|spmm_?dx|sparse_?dx|spmm_?transpose|spmm_?bwd|transpose_?2_?4", re.I)
 _SPMM_NAME = re.compile(r"spmm|jaxsparse_decompress|decompresskernel", re.I)
 _VIEW_NAME = re.compile(r"as_2_4|as24kernel", re.I)
 _GEMM_NAME = re.compile(r"gemm|cublas|cutlass|nvjet|xmma|wgmma|hmma|s16816|tensorop|matmul|__dot|triton_dot", re.I)
@@ -285,6 +285,7 @@ class DeviceEvent:
     hlo_op: str
     duration_ns: float
     line: str
+    start_ns: float = 0.0
 
 
 def _stats(obj) -> dict:
@@ -328,7 +329,8 @@ def device_events(xspace_path: str, module: str | None = None) -> tuple[list[Dev
                 for ev in line.events:
                     st = _stats(ev)
                     if keep(st):
-                        out.append(DeviceEvent(ev.name, str(st.get("hlo_op", "")), float(ev.duration_ns), lname))
+                        out.append(DeviceEvent(ev.name, str(st.get("hlo_op", "")), float(ev.duration_ns), lname,
+                                               float(ev.start_ns)))
         desc = {"plane": ", ".join(p.name for p in gpu), "kind": "gpu",
                 "note": "GPU kernels and memory operations on the device streams"}
     else:
@@ -340,7 +342,8 @@ def device_events(xspace_path: str, module: str | None = None) -> tuple[list[Dev
             for ev in line.events:
                 st = _stats(ev)
                 if "hlo_op" in st and keep(st):
-                    out.append(DeviceEvent(ev.name, str(st["hlo_op"]), float(ev.duration_ns), line.name))
+                    out.append(DeviceEvent(ev.name, str(st["hlo_op"]), float(ev.duration_ns), line.name,
+                                           float(ev.start_ns)))
             if len(out) > n0:
                 lines_read.append(line.name)
         desc = {"plane": "/host:CPU", "kind": "cpu",
@@ -381,17 +384,72 @@ class Profile:
                 "buckets": self.buckets, "top_ops": self.top}
 
 
+_SPMM_TARGETS = ("jaxsparse_spmm", "jaxsparse_spmm_xt")
+
+
+def _spmm_calls(hlo: Mapping[str, OpInfo]) -> tuple[int, int]:
+    """The forward-kernel custom calls of one step in the compiled HLO: (forward products, input-gradient products),
+    the latter those inside the ``jaxsparse_spmm_t`` scope (the transposed dX route runs the forward kernel on W^T)."""
+    fwd = dx = 0
+    for info in hlo.values():
+        if info.custom_call_target in _SPMM_TARGETS:
+            if "jaxsparse_spmm_t" in _scopes(info.op_name):
+                dx += 1
+            else:
+                fwd += 1
+    return fwd, dx
+
+
+def _split_forward_kernel(events: Sequence[DeviceEvent], buckets: list[str], hlo: Mapping[str, OpInfo],
+                          steps: int) -> str:
+    """Re-bucket the forward kernel's events that ran an input gradient; returns a note on what was done.
+
+    Inside XLA's command buffers the GPU events carry no ``hlo_op``, so the forward kernel running the transposed dX
+    route (the 2:4 product of W^T, same kernel as the forward) cannot be told apart by scope. The order can: in a step
+    every forward product precedes every input gradient (each dX needs the loss gradient, which needs every forward
+    output). So when the step's HLO has F forward and D input-gradient calls of the forward kernels and exactly
+    ``steps * (F + D)`` such events came without ``hlo_op``, the first F of each step's run (by start time) stay
+    ``sparse_fwd`` and the next D become ``sparse_dx``. Otherwise nothing changes.
+    """
+    fwd, dx = _spmm_calls(hlo)
+    if dx == 0:
+        return ""
+    idx = [i for i, ev in enumerate(events)
+           if buckets[i] == "sparse_fwd" and not ev.hlo_op and _SPMM_NAME.search(ev.name)
+           and not _VIEW_NAME.search(ev.name) and "decompress" not in ev.name.lower()]
+    if not idx:
+        return ""
+    if len(idx) != steps * (fwd + dx):
+        return (f"{len(idx)} forward-kernel events without hlo_op where the HLO's {fwd} forward and {dx} input-gradient "
+                f"calls over {steps} steps make {steps * (fwd + dx)}: left under sparse forward")
+    idx.sort(key=lambda i: events[i].start_ns)
+    for n, i in enumerate(idx):
+        if n % (fwd + dx) >= fwd:
+            buckets[i] = "sparse_dx"
+    return (f"forward-kernel events split by order: the first {fwd} of each step forward, the next {dx} the "
+            f"transposed dX route")
+
+
 def summarize(events: Iterable[DeviceEvent], hlo: Mapping[str, OpInfo], steps: int, step_ms: float,
               device: dict | None = None, top: int = 25) -> Profile:
-    """Bucket ``events`` (from ``steps`` steps) with :func:`classify`; per-step ms, % of step, counts."""
+    """Bucket ``events`` (from ``steps`` steps) with :func:`classify`; per-step ms, % of step, counts.
+
+    The forward kernel's events that ran the transposed dX route are moved to ``sparse_dx`` by their order in the
+    step where the trace cannot name them (``_split_forward_kernel``; what was done is noted in ``device["split"]``).
+    """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    events = list(events)
+    infos = [hlo.get(ev.hlo_op) if ev.hlo_op else None for ev in events]
+    kinds = [classify(ev.name, info) for ev, info in zip(events, infos)]
+    note = _split_forward_kernel(events, kinds, hlo, steps)
+    device = dict(device or {})
+    if note:
+        device["split"] = note
     sums = {b: 0.0 for b in BUCKETS}
     counts = {b: 0 for b in BUCKETS}
     per_op: dict[tuple[str, str], list] = {}
-    for ev in events:
-        info = hlo.get(ev.hlo_op) if ev.hlo_op else None
-        b = classify(ev.name, info)
+    for ev, info, b in zip(events, infos, kinds):
         sums[b] += ev.duration_ns
         counts[b] += 1
         rec = per_op.setdefault((ev.name, b), [0.0, 0, info.op_name if info else ""])
@@ -404,7 +462,7 @@ def summarize(events: Iterable[DeviceEvent], hlo: Mapping[str, OpInfo], steps: i
     ranked = sorted(per_op.items(), key=lambda kv: -kv[1][0])[:top]
     top_ops = [{"name": n, "bucket": b, "ms": v[0] / 1e6 / steps, "count": v[1] / steps, "op_name": v[2]}
                for (n, b), v in ranked]
-    return Profile(buckets, busy_ms, step_ms, steps, device or {}, top_ops)
+    return Profile(buckets, busy_ms, step_ms, steps, device, top_ops)
 
 
 def format_table(p: Profile, top: int = 0) -> str:
@@ -420,6 +478,7 @@ def format_table(p: Profile, top: int = 0) -> str:
                 f"{100.0:7.1f}  {n:7.0f}")
     dev = p.device
     lines = [f"device: {dev.get('device', '?')}; plane read: {dev.get('plane', '?')} ({dev.get('note', '')})",
+             *([f"note: {dev['split']}"] if dev.get("split") else []),
              *rows,
              f"step time (median wall, synced): {p.step_ms:.3f} ms; busy - step = {p.busy_ms - p.step_ms:+.3f} ms",
              f"sparse kernels (SpMM + SDDMM + dX): {p.sparse_ms:.3f} ms = {100 * p.sparse_ms / p.step_ms if p.step_ms else 0:.1f} % of step",

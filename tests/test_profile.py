@@ -21,6 +21,8 @@ GPU_NAMES = [
     ("void jaxsparse::SpmmTKernel<__nv_bfloat16, 8>(jaxsparse::SpmmTParams)", "sparse_dx"),
     ("jaxsparse_spmm_t", "sparse_dx"),
     ("void jaxsparse::(anonymous namespace)::As24Kernel<unsigned short, 2>(const T1 *, const unsigned char *)", "sparse_fwd"),
+    # W^T's build for the transposed dX route (its name says transpose, but it belongs to the input gradient)
+    ("jaxsparse::(anonymous namespace)::Transpose24Kernel(unsigned int const*, unsigned char const*)", "sparse_dx"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas", "dense_gemm"),
     ("nvjet_hsh_192x192_64x4_2x1_v_bz_coopB_NNT", "dense_gemm"),
     ("cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_256x128_32x3_nn_align8", "dense_gemm"),
@@ -89,6 +91,45 @@ def test_classify_gpu_kernel_names(name, want):
 @pytest.mark.parametrize("name,info,want", HLO_EVENTS, ids=[n for n, _, _ in HLO_EVENTS])
 def test_classify_with_hlo_info(name, info, want):
     assert classify(name, info) == want
+
+
+_WS = ("void jaxsparse::(anonymous namespace)::SpmmWgmmaXtWsKernel<__nv_bfloat16, 128, 256, 4, true, 256, 0>"
+       "(jaxsparse::(anonymous namespace)::SpmmXtParams, CUtensorMap_st, CUtensorMap_st, CUtensorMap_st)")
+
+
+def _route_hlo(fwd: int, dx: int) -> dict:
+    """A step's HLO summary with ``fwd`` forward and ``dx`` transposed-route calls of the forward kernel."""
+    hlo = {f"custom-call.f{i}": OpInfo("custom-call", f"{FWD}/l{i}/l{i}._compressed/spmm", False, (),
+                                       frozenset({"custom-call"}), "jaxsparse_spmm_xt") for i in range(fwd)}
+    hlo.update({f"custom-call.d{i}": OpInfo("custom-call", f"{BWD}/l{i}/jaxsparse_spmm_t/jaxsparse_spmm/spmm_xt",
+                                            False, (), frozenset({"custom-call"}), "jaxsparse_spmm_xt")
+                for i in range(dx)})
+    return hlo
+
+
+def test_transposed_route_events_without_hlo_op_split_by_order():
+    """Inside command buffers the forward kernel's events carry no hlo_op: the ones after each step's forward
+    products (by start time) are the transposed dX route's, with their own durations."""
+    steps, fwd, dx = 2, 3, 3
+    events, t = [], 0.0
+    for _ in range(steps):  # per step: 3 forward products of 1 us, an SDDMM, then 3 dX products of 5 us
+        for _ in range(fwd):
+            events.append(profile.DeviceEvent(_WS, "", 1000.0, "stream 7", t)); t += 2000
+        events.append(profile.DeviceEvent("void jaxsparse::SddmmWgmmaXtKernel<bf16, true>", "", 700.0, "s", t)); t += 1000
+        for _ in range(dx):
+            events.append(profile.DeviceEvent(_WS, "", 5000.0, "stream 7", t)); t += 6000
+    shuffled = events[1::2] + events[0::2]  # the trace's order is not the time order
+    p = profile.summarize(shuffled, _route_hlo(fwd, dx), steps, step_ms=1.0)
+    assert p.buckets["sparse_fwd"]["ms"] == pytest.approx(fwd * 1e-3) and p.buckets["sparse_fwd"]["count"] == fwd
+    assert p.buckets["sparse_dx"]["ms"] == pytest.approx(dx * 5e-3) and p.buckets["sparse_dx"]["count"] == dx
+    assert p.buckets["sddmm"]["count"] == 1
+    assert "split by order" in p.device["split"] and "note: forward-kernel events split" in profile.format_table(p)
+    # a count that does not match the HLO's calls leaves every event where its name puts it, and says so
+    p = profile.summarize(shuffled[:-1], _route_hlo(fwd, dx), steps, step_ms=1.0)
+    assert p.buckets["sparse_dx"]["count"] == 0 and "left under sparse forward" in p.device["split"]
+    # without input-gradient calls in the HLO (the dense dX route) nothing moves and nothing is noted
+    p = profile.summarize(shuffled, _route_hlo(2 * fwd, 0), steps, step_ms=1.0)
+    assert p.buckets["sparse_dx"]["count"] == 0 and "split" not in p.device
 
 
 def test_parse_hlo_reads_dots_scopes_and_contracting_dims():
