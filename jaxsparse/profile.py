@@ -388,16 +388,14 @@ _SPMM_TARGETS = ("jaxsparse_spmm", "jaxsparse_spmm_xt")
 
 
 def _spmm_calls(hlo: Mapping[str, OpInfo]) -> tuple[int, int]:
-    """The forward-kernel custom calls of one step in the compiled HLO: (forward products, input-gradient products),
-    the latter those inside the ``jaxsparse_spmm_t`` scope (the transposed dX route runs the forward kernel on W^T)."""
-    fwd = dx = 0
-    for info in hlo.values():
-        if info.custom_call_target in _SPMM_TARGETS:
-            if "jaxsparse_spmm_t" in _scopes(info.op_name):
-                dx += 1
-            else:
-                fwd += 1
-    return fwd, dx
+    """The forward-kernel custom calls of one step in the compiled HLO: (forward products, input-gradient products).
+
+    The input-gradient products are those of the transposed dX route: one per ``jaxsparse_transpose_2_4`` call (the
+    route builds W^T once for its one product). The count, not the calls' ``op_name``: custom calls lose their named
+    scopes on the way to the compiled module."""
+    calls = sum(info.custom_call_target in _SPMM_TARGETS for info in hlo.values())
+    dx = sum(info.custom_call_target == "jaxsparse_transpose_2_4" for info in hlo.values())
+    return calls - dx, dx
 
 
 def _split_forward_kernel(events: Sequence[DeviceEvent], buckets: list[str], hlo: Mapping[str, OpInfo],
@@ -408,16 +406,14 @@ def _split_forward_kernel(events: Sequence[DeviceEvent], buckets: list[str], hlo
     route (the 2:4 product of W^T, same kernel as the forward) cannot be told apart by scope. The order can: in a step
     every forward product precedes every input gradient (each dX needs the loss gradient, which needs every forward
     output). So when the step's HLO has F forward and D input-gradient calls of the forward kernels and exactly
-    ``steps * (F + D)`` such events came without ``hlo_op``, the first F of each step's run (by start time) stay
+    ``steps * (F + D)`` such events came without ``hlo_op`` (``_spmm_calls``), the first F of each step's run (by start time) stay
     ``sparse_fwd`` and the next D become ``sparse_dx``. Otherwise nothing changes.
     """
     fwd, dx = _spmm_calls(hlo)
-    if dx == 0:
-        return ""
     idx = [i for i, ev in enumerate(events)
-           if buckets[i] == "sparse_fwd" and not ev.hlo_op and _SPMM_NAME.search(ev.name)
+           if buckets[i] == "sparse_fwd" and hlo.get(ev.hlo_op) is None and _SPMM_NAME.search(ev.name)
            and not _VIEW_NAME.search(ev.name) and "decompress" not in ev.name.lower()]
-    if not idx:
+    if dx == 0 or not idx:
         return ""
     if len(idx) != steps * (fwd + dx):
         return (f"{len(idx)} forward-kernel events without hlo_op where the HLO's {fwd} forward and {dx} input-gradient "
@@ -452,7 +448,7 @@ def summarize(events: Iterable[DeviceEvent], hlo: Mapping[str, OpInfo], steps: i
     for ev, info, b in zip(events, infos, kinds):
         sums[b] += ev.duration_ns
         counts[b] += 1
-        rec = per_op.setdefault((ev.name, b), [0.0, 0, info.op_name if info else ""])
+        rec = per_op.setdefault((ev.name, b), [0.0, 0, info.op_name if info else "", ev.hlo_op])
         rec[0] += ev.duration_ns
         rec[1] += 1
     busy_ms = sum(sums.values()) / 1e6 / steps
@@ -460,8 +456,10 @@ def summarize(events: Iterable[DeviceEvent], hlo: Mapping[str, OpInfo], steps: i
                    "pct_busy": 100.0 * sums[b] / sum(sums.values()) if sum(sums.values()) else 0.0,
                    "count": counts[b] / steps} for b in BUCKETS}
     ranked = sorted(per_op.items(), key=lambda kv: -kv[1][0])[:top]
-    top_ops = [{"name": n, "bucket": b, "ms": v[0] / 1e6 / steps, "count": v[1] / steps, "op_name": v[2]}
-               for (n, b), v in ranked]
+    top_ops = [{"name": n, "bucket": b, "ms": v[0] / 1e6 / steps, "count": v[1] / steps, "op_name": v[2],
+                "hlo_op": v[3]} for (n, b), v in ranked]
+    fwd, dx = _spmm_calls(hlo)
+    device["forward_kernel_calls"] = {"hlo_forward": fwd, "hlo_dx": dx}  # per step, from the compiled HLO
     return Profile(buckets, busy_ms, step_ms, steps, device, top_ops)
 
 

@@ -98,12 +98,11 @@ _WS = ("void jaxsparse::(anonymous namespace)::SpmmWgmmaXtWsKernel<__nv_bfloat16
 
 
 def _route_hlo(fwd: int, dx: int) -> dict:
-    """A step's HLO summary with ``fwd`` forward and ``dx`` transposed-route calls of the forward kernel."""
-    hlo = {f"custom-call.f{i}": OpInfo("custom-call", f"{FWD}/l{i}/l{i}._compressed/spmm", False, (),
-                                       frozenset({"custom-call"}), "jaxsparse_spmm_xt") for i in range(fwd)}
-    hlo.update({f"custom-call.d{i}": OpInfo("custom-call", f"{BWD}/l{i}/jaxsparse_spmm_t/jaxsparse_spmm/spmm_xt",
-                                            False, (), frozenset({"custom-call"}), "jaxsparse_spmm_xt")
-                for i in range(dx)})
+    """A step's HLO summary with ``fwd`` forward and ``dx`` transposed-route calls of the forward kernel (each with
+    its W^T build); the custom calls carry no op_name, as in the compiled GPU module."""
+    call = lambda target: OpInfo("custom-call", "", False, (), frozenset({"custom-call"}), target)
+    hlo = {f"custom-call.f{i}": call("jaxsparse_spmm_xt") for i in range(fwd + dx)}
+    hlo.update({f"custom-call.t{i}": call("jaxsparse_transpose_2_4") for i in range(dx)})
     return hlo
 
 
