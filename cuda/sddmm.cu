@@ -538,9 +538,6 @@ __global__ void __launch_bounds__(kWgThreads, 2) SddmmWgmmaKernel(const SddmmPar
 constexpr int kXtBR = 128;
 constexpr int kXtBT = 64;
 constexpr int kXtThreads = 256;
-// XROW: a ninth warp fills the ring alone (session 21): the consumers release each stage on an empty barrier as soon
-// as its products completed, so the loads run STAGES - 1 stages ahead instead of 2.
-constexpr int kXtRowThreads = kXtThreads + 32;
 constexpr int kXtStages = 4;
 constexpr int kXtBox = kXtBT * 128;  // one 64-token x 64-column box of 16-bit values (128-byte swizzled)
 
@@ -557,13 +554,13 @@ struct XtLayout {
   static constexpr int kPipeBytes = kXtStages * kStageBytes;
   static constexpr int kEpiRowFloats = kNC + 4;
   static constexpr int kEpiBytes = kXtBR * kEpiRowFloats * 4;
-  static constexpr int kBarOff = kPipeBytes > kEpiBytes ? kPipeBytes : kEpiBytes;  // full[STAGES], empty[STAGES]
-  static constexpr int kSmemBytes = kBarOff + 2 * 8 * kXtStages + 1024;
+  static constexpr int kBarOff = kPipeBytes > kEpiBytes ? kPipeBytes : kEpiBytes;  // the stages' mbarriers
+  static constexpr int kSmemBytes = kBarOff + 8 * kXtStages + 1024;
   static_assert(kDyHalf % 1024 == 0 && kXcTile % 1024 == 0 && kStageBytes % 1024 == 0, "swizzle atoms");
 };
 
 template <typename T, bool XROW>
-__global__ void __launch_bounds__(XROW ? kXtRowThreads : kXtThreads, 1)
+__global__ void __launch_bounds__(kXtThreads, 1)
     SddmmWgmmaXtKernel(const SddmmParams p, const __grid_constant__ CUtensorMap tma_dy,
                        const __grid_constant__ CUtensorMap tma_xt) {
 #ifdef JAXSPARSE_WGMMA
@@ -573,7 +570,7 @@ __global__ void __launch_bounds__(XROW ? kXtRowThreads : kXtThreads, 1)
   const AlignedSmem aligned = AlignSmem1024(smem_raw);
   unsigned char* smem = aligned.ptr;
   const uint32_t smem_base = aligned.addr;
-  const uint32_t full0 = smem_base + L::kBarOff, empty0 = full0 + 8 * kXtStages;
+  const uint32_t full0 = smem_base + L::kBarOff;
 
   const int tid = threadIdx.x, warp = tid >> 5;
   const int wg = warp >> 2;
@@ -591,10 +588,7 @@ __global__ void __launch_bounds__(XROW ? kXtRowThreads : kXtThreads, 1)
   const bool x_by_tma = XROW || p.cols == nullptr;
 
   if (tid == 0)
-    for (int s = 0; s < kXtStages; ++s) {
-      MbarInit(full0 + 8 * s, 1);   // the loading thread's expect_tx arrival
-      MbarInit(empty0 + 8 * s, 8);  // XROW: every consumer warp done with the stage
-    }
+    for (int s = 0; s < kXtStages; ++s) MbarInit(full0 + 8 * s, 1);  // thread 0's expect_tx arrival
   __syncthreads();
 
   // x^T (gathered, V:2:M): per half, 128 condensed rows x 8 chunks; thread copies chunk xc_c of condensed
@@ -621,23 +615,20 @@ __global__ void __launch_bounds__(XROW ? kXtRowThreads : kXtThreads, 1)
   // Thread 0 loads dy by TMA (two boxes of 64 tokens x 64 rows: the MN-major 128B-swizzled halves) and, at
   // 2:4, x^T too (one box of 64 tokens x 128 rows, K-major 128B-swizzled) or x's columns (XROW: NC / 64 boxes of
   // 64 tokens x 64 columns, MN-major); tokens past T and rows past K arrive as zeros.
-  auto load_boxes = [&](int buf, int kt) {  // the stage's TMA boxes, from one thread
+  auto load_stage = [&](int buf, int kt) {
     const uint32_t base = smem_base + buf * L::kStageBytes, full = full0 + 8 * buf;
     const int t0 = kt * kXtBT;
-    MbarArriveExpectTx(full, 2 * L::kDyHalf + (x_by_tma ? L::kXcTile : 0));
-    TmaLoad2d(base, &tma_dy, row0, t0, full);
-    TmaLoad2d(base + L::kDyHalf, &tma_dy, row0 + 64, t0, full);
-    if (XROW) {  // x [T, K]: columns 4 g0 .. 4 g0 + NC - 1 of tokens t0 .. t0 + 63, NC / 64 boxes
+    if (tid == 0) {
+      MbarArriveExpectTx(full, 2 * L::kDyHalf + (x_by_tma ? L::kXcTile : 0));
+      TmaLoad2d(base, &tma_dy, row0, t0, full);
+      TmaLoad2d(base + L::kDyHalf, &tma_dy, row0 + 64, t0, full);
+      if (XROW) {  // x [T, K]: columns 4 g0 .. 4 g0 + NC - 1 of tokens t0 .. t0 + 63, NC / 64 boxes
 #pragma unroll
-      for (int c = 0; c < NC / 64; ++c) TmaLoad2d(base + L::kXcOff + c * kXtBox, &tma_xt, 4 * g0 + 64 * c, t0, full);
-    } else if (x_by_tma) {
-      TmaLoad2d(base + L::kXcOff, &tma_xt, t0, 4 * g0, full);
+        for (int c = 0; c < NC / 64; ++c) TmaLoad2d(base + L::kXcOff + c * kXtBox, &tma_xt, 4 * g0 + 64 * c, t0, full);
+      } else if (x_by_tma) {
+        TmaLoad2d(base + L::kXcOff, &tma_xt, t0, 4 * g0, full);
+      }
     }
-  };
-  auto load_stage = [&](int buf, int kt) {
-    const uint32_t base = smem_base + buf * L::kStageBytes;
-    const int t0 = kt * kXtBT;
-    if (tid == 0) load_boxes(buf, kt);
     if (!x_by_tma) {
       const bool tok_ok = t0 + xc_c * 8 < p.tokens;  // T % 8 == 0: a chunk is all in or all out
 #pragma unroll
@@ -657,55 +648,6 @@ __global__ void __launch_bounds__(XROW ? kXtRowThreads : kXtThreads, 1)
 #pragma unroll
   for (int i = 0; i < NC / 2; ++i) acc[i] = 0.f;
 
-  // The products of stage `buf` for this thread's warpgroup.
-  auto stage_products = [&](int buf) {
-    const uint32_t a_base = smem_base + buf * L::kStageBytes + wg * L::kDyHalf;
-    const uint32_t b_base = smem_base + buf * L::kStageBytes + L::kXcOff + (one_block ? 0 : wg) * L::kXcTile;
-    WgmmaFenceOperands(acc);
-    WgmmaFence();
-#pragma unroll
-    for (int ks = 0; ks < kXtBT / 16; ++ks) {
-      const uint64_t da = WgmmaDescSw128(a_base + ks * 2048, L::kDyHalf, 1024);
-      if (XROW) {
-        const uint64_t db = WgmmaDescSw128(b_base + ks * 2048, kXtBox, 1024);  // 64-column boxes kXtBox apart
-        Wgmma<NC, T, 1>::Run(acc, da, db);
-      } else {
-        const uint64_t db = WgmmaDescSw128(b_base + ks * 32, 16, 1024);
-        Wgmma<NC, T, 0>::Run(acc, da, db);
-      }
-    }
-    WgmmaCommit();
-    WgmmaWait<1>();  // the previous stage's wgmmas of this warpgroup completed
-    WgmmaFenceOperands(acc);
-  };
-
-  if constexpr (XROW) {
-    // Warp 8 (one thread) fills the ring; warps 0-7 consume and release each stage once its products completed.
-    if (warp == 8) {
-      if (tid == kXtThreads)
-        for (int kt = 0; kt < num_kt; ++kt) {
-          const int s = kt % kXtStages;
-          if (kt >= kXtStages) MbarWait(empty0 + 8 * s, ((kt / kXtStages) & 1) ^ 1);
-          load_boxes(s, kt_begin + kt);
-        }
-    } else {
-      for (int kt = 0; kt < num_kt; ++kt) {
-        const int s = kt % kXtStages;
-        MbarWait(full0 + 8 * s, (kt / kXtStages) & 1);
-        stage_products(s);
-        if ((tid & 31) == 0 && kt > 0) MbarArrive(empty0 + 8 * ((kt - 1) % kXtStages));  // stage kt-1's products done
-      }
-      WgmmaWait<0>();
-      WgmmaFenceOperands(acc);
-    }
-    __syncthreads();  // every product completed and every box landed: the pipeline buffers become the tile
-    float* tile = reinterpret_cast<float*>(smem);
-    if (tid < kXtThreads) StageWgmmaAccumulators<NC>(tile, L::kEpiRowFloats, acc);
-    __syncthreads();
-    if (tid < kXtThreads) StoreKeptPairs<T, kXtBR, GC, kXtThreads>(p, tile, L::kEpiRowFloats, row0, g0);
-    return;
-  }
-
 #pragma unroll
   for (int s = 0; s < kXtStages - 2; ++s) {
     if (s < num_kt) load_stage(s, kt_begin + s);
@@ -722,7 +664,24 @@ __global__ void __launch_bounds__(XROW ? kXtRowThreads : kXtThreads, 1)
       if (next < num_kt) load_stage(next % kXtStages, kt_begin + next);
       CpAsyncCommit();
     }
-    stage_products(buf);
+    const uint32_t a_base = smem_base + buf * L::kStageBytes + wg * L::kDyHalf;
+    const uint32_t b_base = smem_base + buf * L::kStageBytes + L::kXcOff + (one_block ? 0 : wg) * L::kXcTile;
+    WgmmaFenceOperands(acc);
+    WgmmaFence();
+#pragma unroll
+    for (int ks = 0; ks < kXtBT / 16; ++ks) {
+      const uint64_t da = WgmmaDescSw128(a_base + ks * 2048, L::kDyHalf, 1024);
+      if (XROW) {
+        const uint64_t db = WgmmaDescSw128(b_base + ks * 2048, kXtBox, 1024);  // 64-column boxes kXtBox apart
+        Wgmma<NC, T, 1>::Run(acc, da, db);
+      } else {
+        const uint64_t db = WgmmaDescSw128(b_base + ks * 32, 16, 1024);
+        Wgmma<NC, T, 0>::Run(acc, da, db);
+      }
+    }
+    WgmmaCommit();
+    WgmmaWait<1>();  // stage kt-1's wgmmas of this warpgroup completed
+    WgmmaFenceOperands(acc);
   }
   WgmmaWait<0>();
   WgmmaFenceOperands(acc);
@@ -828,7 +787,7 @@ ffi::Error LaunchXt(cudaStream_t stream, const SddmmParams& p, int split, const 
   return LaunchSplit<T>(
       stream, p, split, (p.rows / kXtBR) * gy, kXtBT, partials,
       [&](const SddmmParams& q, int z) {
-        kernel<<<dim3(p.rows / kXtBR, gy, z), XROW ? kXtRowThreads : kXtThreads, kSmem, stream>>>(q, tma_dy, tma_xt);
+        kernel<<<dim3(p.rows / kXtBR, gy, z), kXtThreads, kSmem, stream>>>(q, tma_dy, tma_xt);
         return LastLaunchError("SddmmWgmmaXtKernel");
       },
       1);
