@@ -4,8 +4,11 @@
   ncu --clock-control none --kernel-name regex:SpmmWgmmaXt --launch-skip 2 --launch-count 1 \\
       --section SpeedOfLight --section WarpStateStats --page raw python3 benchmarks/ncu_case.py 2:4 1024 4096 row:auto
 
-SPEC K N TILE: SPEC ``dense`` runs XLA's ``x @ w`` (TILE ignored); a TILE ``row:NAME`` runs the TMA row kernel on
-``x [T, K]`` as it is (through the 2:4 view where M > 4); any other TILE runs the x^T kernel with ``x^T`` given.
+SPEC K N TILE: SPEC ``dense`` runs XLA's ``x @ w`` (TILE ignored but ``dw``); a TILE ``row:NAME`` runs the TMA row
+kernel on ``x [T, K]`` as it is (through the 2:4 view where M > 4); TILE ``dw`` runs the weight gradient instead: XLA's
+``x^T @ dy`` for ``dense``, else the SDDMM on the route ``sparse_linear`` takes (session 21:
+``ncu ... --kernel-name regex:"Sddmm|nvjet|gemm" ... python3 benchmarks/ncu_case.py 2:4 1024 4096 dw``); any other
+TILE runs the x^T kernel with ``x^T`` given.
 """
 import sys
 
@@ -20,7 +23,13 @@ spec, k, n, tile = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 t = 16384
 x = jax.random.normal(jax.random.PRNGKey(0), (t, k), jnp.float32).astype(jnp.bfloat16)
 w = (jax.random.normal(jax.random.PRNGKey(1), (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
-if spec == "dense":
+dy = jax.random.normal(jax.random.PRNGKey(2), (t, n), jnp.float32).astype(jnp.bfloat16)
+if tile == "dw" and spec == "dense":
+    f, args = jax.jit(lambda x, dy: x.T @ dy), (x, dy)
+elif tile == "dw":
+    sw = F.compress(w, F.select_mask(w, spec), spec)
+    f, args = jax.jit(lambda x, dy, sw: calls.sddmm(x, dy, sw)), (x, dy, sw)
+elif spec == "dense":
     f, args = jax.jit(lambda x, w: x @ w), (x, w)
 elif tile.startswith("row:"):
     sw = F.compress(w, F.select_mask(w, spec), spec)
