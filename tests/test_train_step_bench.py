@@ -36,6 +36,10 @@ def test_quick_writes_json(tmp_path, capsys):
         assert r["loss_last"] == r["loss_last"]  # not NaN
     assert rows["dense"]["speedup_vs_dense"] == 1.0
     assert rows["64:2:8"]["speedup_vs_dense"] == pytest.approx(rows["dense"]["step_ms"] / rows["64:2:8"]["step_ms"])
+    # steps back to back with one sync: its own time and speedup
+    assert all(r["step_ms_pipelined"] > 0 for r in rows.values())
+    assert rows["64:2:8"]["speedup_vs_dense_pipelined"] == pytest.approx(
+        rows["dense"]["step_ms_pipelined"] / rows["64:2:8"]["step_ms_pipelined"])
 
 
 def test_mode_falls_back_to_masked_dense_with_the_reason():
