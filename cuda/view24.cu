@@ -140,25 +140,36 @@ ffi::Error As24Impl(cudaStream_t stream, ffi::AnyBuffer values, ffi::Buffer<ffi:
 // dy @ W^T runs on the 2:4 forward kernel.  It is rebuilt every step (the values change every step); the pure-JAX
 // build took 0.06-0.13 ms per BERT-large layer on the H100 (session 20, ten fusions), about the dense dX itself.
 //
-// One thread per (32 output features r0 .. r0+31, group g of M input features): it loads the 32 rows' metadata
-// nibbles and value pairs of group g (adjacent threads: adjacent g, so both loads coalesce) and writes, for each
-// input feature k = g*M + c of the group, W^T's 16 values (32 bytes) and one metadata word for those 32 output
-// features.  The 4 columns the block keeps hold the values; per quad of 4 output features the stored ones come
-// first, ascending, and a quad with fewer pads with its lowest free positions and zeros (as format._first_two).
+// One thread per (32 output features r0 .. r0+31, input feature k = g*M + c): adjacent threads take adjacent groups g,
+// so their loads of the 32 rows' metadata nibbles and value pairs of group g coalesce, and each writes W^T's 16 values
+// (32 bytes) and one metadata word for those 32 output features at k.  If the block keeps column c (the q-th of its 4
+// kept columns), the values are the rows' stored values at position q: per quad of 4 output features the stored ones
+// come first, ascending, and a quad with fewer pads with its lowest free positions and zeros (as format._first_two).
 // A quad with more than 2 stored values (the mask is not transposable there) gets NaN in both slots, so the product
-// is NaN exactly where it would otherwise be wrong.  The other M - 4 input features of the group are all zero here:
-// zeros, positions (0, 1).
+// is NaN exactly where it would otherwise be wrong.  A column the block does not keep is an all-zero stretch of W^T:
+// zeros, positions (0, 1).  (Session 20 ran one thread per (32 output features, group) over all M columns: at
+// 128:2:16 and 1024x4096 that was 8192 threads, 64 per SM, and the build took about 3x its bytes' time; session 21.)
 __global__ void Transpose24Kernel(const uint32_t* __restrict__ value_pairs, const uint8_t* __restrict__ columns,
                                   const uint32_t* __restrict__ metadata, uint16_t* __restrict__ values_t,
                                   uint32_t* __restrict__ meta_t, int rows, int groups, int v, int m, uint16_t nan) {
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= static_cast<int64_t>(rows / 32) * groups) return;
-  const int g = static_cast<int>(idx % groups), chunk = static_cast<int>(idx / groups), r0 = 32 * chunk;
-  int kept[4] = {0, 1, 2, 3};  // M = 4: the group's columns are the kept ones
+  if (idx >= static_cast<int64_t>(rows / 32) * groups * m) return;
+  const int g = static_cast<int>(idx % groups), c = static_cast<int>((idx / groups) % m);
+  const int chunk = static_cast<int>(idx / groups / m), r0 = 32 * chunk;
+  const int64_t row_t = rows / 2, words_t = rows / 32;  // W^T's values and metadata words per input feature
+  const int64_t k = static_cast<int64_t>(g) * m + c;
+  int q = c;  // M = 4: the group's columns are the kept ones
   if (m > 4) {
     const uint8_t* cols = columns + (static_cast<int64_t>(r0 / v) * groups + g) * 4;  // v % 32 == 0: one block
+    q = -1;
 #pragma unroll
-    for (int q = 0; q < 4; ++q) kept[q] = cols[q];
+    for (int j = 0; j < 4; ++j) q = cols[j] == c ? j : q;
+  }
+  if (q < 0) {
+    alignas(16) const uint16_t zeros[16] = {};
+    StoreVec<sizeof(zeros)>(values_t + k * row_t + 16 * chunk, zeros);
+    meta_t[k * words_t + chunk] = 0x44444444u;  // positions (0, 1) in each of the 8 quads
+    return;
   }
   uint32_t nibbles[4] = {0, 0, 0, 0};  // 4 bits per row: positions (among the block's 4 kept columns) p0 | p1 << 2
   uint32_t pairs[32];
@@ -168,51 +179,37 @@ __global__ void Transpose24Kernel(const uint32_t* __restrict__ value_pairs, cons
     nibbles[i / 8] |= ((metadata[r * (groups / 8) + g / 8] >> (4 * (g % 8))) & 0xF) << (4 * (i % 8));
     pairs[i] = value_pairs[r * groups + g];
   }
-  const int64_t row_t = rows / 2, words_t = rows / 32;  // W^T's values and metadata words per input feature
+  alignas(16) uint16_t out[16];
+  uint32_t word = 0;
 #pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    alignas(16) uint16_t out[16];
-    uint32_t word = 0;
+  for (int quad = 0; quad < 8; ++quad) {
+    int count = 0, pa = 0, pb = 1;
+    uint16_t va = 0, vb = 0;
 #pragma unroll
-    for (int quad = 0; quad < 8; ++quad) {
-      int count = 0, pa = 0, pb = 1;
-      uint16_t va = 0, vb = 0;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int row = 4 * quad + i;
-        const uint32_t nib = (nibbles[row / 8] >> (4 * (row % 8))) & 0xF;
-        const bool first = (nib & 3) == static_cast<uint32_t>(q), second = (nib >> 2) == static_cast<uint32_t>(q);
-        if (first || second) {
-          const uint16_t value = static_cast<uint16_t>(first ? pairs[row] : pairs[row] >> 16);
-          if (count == 0) {
-            pa = i;
-            va = value;
-          } else if (count == 1) {
-            pb = i;
-            vb = value;
-          }
-          ++count;
+    for (int i = 0; i < 4; ++i) {
+      const int row = 4 * quad + i;
+      const uint32_t nib = (nibbles[row / 8] >> (4 * (row % 8))) & 0xF;
+      const bool first = (nib & 3) == static_cast<uint32_t>(q), second = (nib >> 2) == static_cast<uint32_t>(q);
+      if (first || second) {
+        const uint16_t value = static_cast<uint16_t>(first ? pairs[row] : pairs[row] >> 16);
+        if (count == 0) {
+          pa = i;
+          va = value;
+        } else if (count == 1) {
+          pb = i;
+          vb = value;
         }
+        ++count;
       }
-      if (count == 1) pb = pa == 0 ? 1 : 0;  // the lowest free position, with a zero value
-      if (count > 2) va = vb = nan;
-      out[2 * quad] = va;
-      out[2 * quad + 1] = vb;
-      word |= static_cast<uint32_t>(pa | (pb << 2)) << (4 * quad);
     }
-    const int64_t k = static_cast<int64_t>(g) * m + kept[q];
-    StoreVec<sizeof(out)>(values_t + k * row_t + 16 * chunk, out);
-    meta_t[k * words_t + chunk] = word;
+    if (count == 1) pb = pa == 0 ? 1 : 0;  // the lowest free position, with a zero value
+    if (count > 2) va = vb = nan;
+    out[2 * quad] = va;
+    out[2 * quad + 1] = vb;
+    word |= static_cast<uint32_t>(pa | (pb << 2)) << (4 * quad);
   }
-  if (m > 4) {  // the group's input features the block does not keep: an all-zero 32-feature stretch of W^T
-    alignas(16) const uint16_t zeros[16] = {};
-    for (int c = 0; c < m; ++c) {
-      if (c == kept[0] || c == kept[1] || c == kept[2] || c == kept[3]) continue;
-      const int64_t k = static_cast<int64_t>(g) * m + c;
-      StoreVec<sizeof(zeros)>(values_t + k * row_t + 16 * chunk, zeros);
-      meta_t[k * words_t + chunk] = 0x44444444u;  // positions (0, 1) in each of the 8 quads
-    }
-  }
+  StoreVec<sizeof(out)>(values_t + k * row_t + 16 * chunk, out);
+  meta_t[k * words_t + chunk] = word;
 }
 
 ffi::Error Transpose24Impl(cudaStream_t stream, ffi::AnyBuffer values, ffi::Buffer<ffi::U8> columns,
@@ -236,7 +233,7 @@ ffi::Error Transpose24Impl(cudaStream_t stream, ffi::AnyBuffer values, ffi::Buff
     return ffi::Error::InvalidArgument("jaxsparse_transpose_2_4: values and W^T's values must share bf16 or fp16");
   if (rows >= (int64_t(1) << 30) || k >= (int64_t(1) << 30))
     return ffi::Error::InvalidArgument("jaxsparse_transpose_2_4: shape too large");
-  const int64_t threads = rows / 32 * groups;
+  const int64_t threads = rows / 32 * groups * m;
   if (threads == 0) return ffi::Error::Success();
   const uint16_t nan = values.element_type() == ffi::BF16 ? 0x7FC0 : 0x7E00;
   const int block = 128;
