@@ -131,6 +131,33 @@ def test_transposed_route_events_without_hlo_op_split_by_order():
     assert p.buckets["sparse_dx"]["count"] == 0 and "split" not in p.device
 
 
+@pytest.mark.parametrize("spec", ["2:4", "64:2:8"])
+def test_transposed_route_hlo_has_one_w_t_build_per_input_gradient(monkeypatch, spec):
+    """What the split counts on, on a real module: lowered for CUDA (on any machine: lowering needs no GPU), a sparse
+    layer's gradient on the transposed route holds one ``jaxsparse_transpose_2_4`` per input-gradient product."""
+    from jaxsparse import ffi, format as fmt, ops
+    from jaxsparse.ffi import calls
+
+    monkeypatch.setattr(ffi, "available", lambda: True)  # take the kernel branch of every dispatch when lowering
+    monkeypatch.setattr(calls, "register", lambda: None)
+    k, r, t = 256, 256, 64
+    w = jax.random.normal(jax.random.PRNGKey(0), (k, r), jnp.float32)
+    sw = fmt.compress(w.astype(jnp.bfloat16), fmt.select_mask(jnp.abs(w), spec, transposable=True), spec)
+    x = jax.random.normal(jax.random.PRNGKey(1), (t, k), jnp.bfloat16)
+
+    def loss(x, values):  # two layers, both sparse: two forward products, two input gradients, two W^T builds
+        s = sw.replace(values=values)
+        h = ops.sparse_linear(x, s)
+        return jnp.sum(jnp.square(ops.sparse_linear(h[:, :k], s).astype(jnp.float32)))  # needs both outputs
+
+    with ops.dx_route_scope("transposed"):
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, sw.values).lower(lowering_platforms=("cuda",))
+    hlo = profile.parse_hlo(lowered.as_text(dialect="hlo"))
+    targets = [i.custom_call_target for i in hlo.values() if i.custom_call_target]
+    assert targets.count("jaxsparse_transpose_2_4") == 2, targets
+    assert profile._spmm_calls(hlo) == (2, 2), targets
+
+
 def test_parse_hlo_reads_dots_scopes_and_contracting_dims():
     def f(x, w, v):
         with jax.named_scope("optimizer"):
