@@ -405,9 +405,10 @@ def _split_forward_kernel(events: Sequence[DeviceEvent], buckets: list[str], hlo
     Inside XLA's command buffers the GPU events carry no ``hlo_op``, so the forward kernel running the transposed dX
     route (the 2:4 product of W^T, same kernel as the forward) cannot be told apart by scope. The order can: in a step
     every forward product precedes every input gradient (each dX needs the loss gradient, which needs every forward
-    output). So when the step's HLO has F forward and D input-gradient calls of the forward kernels and exactly
-    ``steps * (F + D)`` such events came without ``hlo_op`` (``_spmm_calls``), the first F of each step's run (by start time) stay
-    ``sparse_fwd`` and the next D become ``sparse_dx``. Otherwise nothing changes.
+    output). So when the step's HLO has F forward and D input-gradient calls of the forward kernels
+    (``_spmm_calls``) and exactly ``steps * (F + D)`` such events came without an ``hlo_op`` that the HLO names, the
+    first F of each step's run (by start time) stay ``sparse_fwd`` and the next D become ``sparse_dx``. Otherwise
+    nothing changes.
     """
     fwd, dx = _spmm_calls(hlo)
     idx = [i for i, ev in enumerate(events)
@@ -416,8 +417,8 @@ def _split_forward_kernel(events: Sequence[DeviceEvent], buckets: list[str], hlo
     if dx == 0 or not idx:
         return ""
     if len(idx) != steps * (fwd + dx):
-        return (f"{len(idx)} forward-kernel events without hlo_op where the HLO's {fwd} forward and {dx} input-gradient "
-                f"calls over {steps} steps make {steps * (fwd + dx)}: left under sparse forward")
+        return (f"{len(idx)} forward-kernel events without hlo_op where the HLO's {fwd} forward and {dx} "
+                f"input-gradient calls over {steps} steps make {steps * (fwd + dx)}: left under sparse forward")
     idx.sort(key=lambda i: events[i].start_ns)
     for n, i in enumerate(idx):
         if n % (fwd + dx) >= fwd:
