@@ -23,7 +23,7 @@ spec, k, n, tile = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 t = 16384
 x = jax.random.normal(jax.random.PRNGKey(0), (t, k), jnp.float32).astype(jnp.bfloat16)
 w = (jax.random.normal(jax.random.PRNGKey(1), (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
-dy = jax.random.normal(jax.random.PRNGKey(2), (t, n), jnp.float32).astype(jnp.bfloat16)
+dy = jax.random.normal(jax.random.PRNGKey(2), (t, n), jnp.float32).astype(jnp.bfloat16) if tile == "dw" else None
 if tile == "dw" and spec == "dense":
     f, args = jax.jit(lambda x, dy: x.T @ dy), (x, dy)
 elif tile == "dw":

@@ -385,6 +385,7 @@ class Profile:
 
 
 _SPMM_TARGETS = ("jaxsparse_spmm", "jaxsparse_spmm_xt")
+_FORWARD_KERNEL_NAME = re.compile(r"spmm", re.I)  # the SpMM kernels (not the 2:4 view's or decompression's)
 
 
 def _spmm_calls(hlo: Mapping[str, OpInfo]) -> tuple[int, int]:
@@ -398,22 +399,21 @@ def _spmm_calls(hlo: Mapping[str, OpInfo]) -> tuple[int, int]:
     return calls - dx, dx
 
 
-def _split_forward_kernel(events: Sequence[DeviceEvent], buckets: list[str], hlo: Mapping[str, OpInfo],
-                          steps: int) -> str:
+def _split_forward_kernel(events: Sequence[DeviceEvent], infos: Sequence[OpInfo | None], buckets: list[str],
+                          calls: tuple[int, int], steps: int) -> str:
     """Re-bucket the forward kernel's events that ran an input gradient; returns a note on what was done.
 
     Inside XLA's command buffers the GPU events carry no ``hlo_op``, so the forward kernel running the transposed dX
     route (the 2:4 product of W^T, same kernel as the forward) cannot be told apart by scope. The order can: in a step
     every forward product precedes every input gradient (each dX needs the loss gradient, which needs every forward
-    output). So when the step's HLO has F forward and D input-gradient calls of the forward kernels
-    (``_spmm_calls``) and exactly ``steps * (F + D)`` such events came without an ``hlo_op`` that the HLO names, the
+    output). So when the step's HLO has ``calls`` = (F forward, D input-gradient) calls of the forward kernels
+    (``_spmm_calls``) and exactly ``steps * (F + D)`` such events came without HLO information (``infos``), the
     first F of each step's run (by start time) stay ``sparse_fwd`` and the next D become ``sparse_dx``. Otherwise
     nothing changes.
     """
-    fwd, dx = _spmm_calls(hlo)
-    idx = [i for i, ev in enumerate(events)
-           if buckets[i] == "sparse_fwd" and hlo.get(ev.hlo_op) is None and _SPMM_NAME.search(ev.name)
-           and not _VIEW_NAME.search(ev.name) and "decompress" not in ev.name.lower()]
+    fwd, dx = calls
+    idx = [i for i, (ev, info) in enumerate(zip(events, infos))
+           if buckets[i] == "sparse_fwd" and info is None and _FORWARD_KERNEL_NAME.search(ev.name)]
     if dx == 0 or not idx:
         return ""
     if len(idx) != steps * (fwd + dx):
@@ -439,7 +439,8 @@ def summarize(events: Iterable[DeviceEvent], hlo: Mapping[str, OpInfo], steps: i
     events = list(events)
     infos = [hlo.get(ev.hlo_op) if ev.hlo_op else None for ev in events]
     kinds = [classify(ev.name, info) for ev, info in zip(events, infos)]
-    note = _split_forward_kernel(events, kinds, hlo, steps)
+    calls = _spmm_calls(hlo)
+    note = _split_forward_kernel(events, infos, kinds, calls, steps)
     device = dict(device or {})
     if note:
         device["split"] = note
@@ -459,8 +460,7 @@ def summarize(events: Iterable[DeviceEvent], hlo: Mapping[str, OpInfo], steps: i
     ranked = sorted(per_op.items(), key=lambda kv: -kv[1][0])[:top]
     top_ops = [{"name": n, "bucket": b, "ms": v[0] / 1e6 / steps, "count": v[1] / steps, "op_name": v[2],
                 "hlo_op": v[3]} for (n, b), v in ranked]
-    fwd, dx = _spmm_calls(hlo)
-    device["forward_kernel_calls"] = {"hlo_forward": fwd, "hlo_dx": dx}  # per step, from the compiled HLO
+    device["forward_kernel_calls"] = {"hlo_forward": calls[0], "hlo_dx": calls[1]}  # per step, from the compiled HLO
     return Profile(buckets, busy_ms, step_ms, steps, device, top_ops)
 
 
