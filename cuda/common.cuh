@@ -54,15 +54,15 @@ inline std::string ShapeString(const B& b) {
 }
 
 // The forward epilogue's operands: a bias (empty, or [rows] in the input dtype `dt` or float32) and the
-// activation attribute (0 none, 1 gelu).
+// activation attribute (0 none, 1 gelu (tanh), 2 gelu_erf, 3 relu: mma_common.cuh Activate).
 inline ffi::Error CheckEpilogue(const char* target, const ffi::AnyBuffer& bias, int64_t rows, ffi::DataType dt,
                                 int32_t activation) {
   const std::string name(target);
   if (bias.element_count() > 0 && (bias.element_count() != static_cast<size_t>(rows) ||
                                    (bias.element_type() != dt && bias.element_type() != ffi::F32)))
     return ffi::Error::InvalidArgument(name + ": bias must be [R] in the input dtype or float32");
-  if (activation != 0 && activation != 1)
-    return ffi::Error::InvalidArgument(name + ": activation must be 0 (none) or 1 (gelu)");
+  if (activation < 0 || activation > 3)
+    return ffi::Error::InvalidArgument(name + ": activation must be 0 (none), 1 (gelu), 2 (gelu_erf) or 3 (relu)");
   return ffi::Error::Success();
 }
 

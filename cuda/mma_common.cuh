@@ -156,6 +156,33 @@ __device__ __forceinline__ float GeluTanh(float x) {
   return 0.5f * x * (1.f + tanhf(k0 * (x + k1 * x * x * x)));
 }
 
+// The epilogue activations, by the handlers' `activation` attribute (jaxsparse/reference.py ACTIVATIONS names them):
+// 0 none, 1 gelu (tanh approximation), 2 gelu_erf (exact: x Phi(x)), 3 relu.
+constexpr int kMaxActivation = 3;
+__device__ __forceinline__ float Activate(int act, float x) {
+  switch (act) {
+    case 1: return GeluTanh(x);
+    case 2: return 0.5f * x * (1.f + erff(x * 0.7071067811865476f));
+    case 3: return x > 0.f ? x : 0.f;
+    default: return x;
+  }
+}
+
+// The activation's derivative at x (the input gradient's epilogue multiplies by it).
+__device__ __forceinline__ float ActivateGrad(int act, float x) {
+  switch (act) {
+    case 1: {
+      const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+      const float th = tanhf(k0 * (x + k1 * x * x * x));
+      return 0.5f * (1.f + th) + 0.5f * x * (1.f - th * th) * k0 * (1.f + 3.f * k1 * x * x);
+    }
+    case 2:  // Phi(x) + x phi(x)
+      return 0.5f * (1.f + erff(x * 0.7071067811865476f)) + x * 0.3989422804014327f * __expf(-0.5f * x * x);
+    case 3: return x > 0.f ? 1.f : 0.f;
+    default: return 1.f;
+  }
+}
+
 // The bias of output feature `row` as float: 0 without a bias, else read in the input dtype T or float32.
 template <typename T>
 __device__ __forceinline__ float BiasAt(const void* bias, int bias_f32, int row) {
@@ -163,19 +190,43 @@ __device__ __forceinline__ float BiasAt(const void* bias, int bias_f32, int row)
   return bias_f32 ? static_cast<const float*>(bias)[row] : ToFloat(static_cast<const T*>(bias)[row]);
 }
 
+// What a staged tile's store does besides copying it to y (StoreStagedTile): with `y2`, also write act(tile) there
+// (y keeps the pre-activation); with `aux` ([tokens, rows] like y), write tile * act'(aux) to y instead of the tile.
+struct StagedExtra {
+  void* y2 = nullptr;
+  const void* aux = nullptr;
+  int activation = 0;
+};
+
 // Writes an output tile staged in shared memory as [BT tokens][BR features] (token rows `row_bytes` apart)
-// to y [tokens, rows] at (tok0, row0) with 16-byte stores; tokens past `tokens` are skipped.  Called by the
-// THREADS threads numbered `thread` = 0..THREADS-1 after the barrier that follows the staging.
+// to y [tokens, rows] at (tok0, row0) with 16-byte stores (and `extra`'s loads and stores at the same places);
+// tokens past `tokens` are skipped.  Called by the THREADS threads numbered `thread` = 0..THREADS-1 after the
+// barrier that follows the staging.
 template <typename T, int BT, int BR, int THREADS>
 __device__ __forceinline__ void StoreStagedTile(const unsigned char* tile, int row_bytes, T* __restrict__ y, int tokens,
-                                                int rows, int tok0, int row0, int thread) {
+                                                int rows, int tok0, int row0, int thread,
+                                                const StagedExtra& extra = StagedExtra{}) {
   constexpr int kChunks = BR / 8;  // 16-byte chunks per token row of the tile
   for (int i = thread; i < BT * kChunks; i += THREADS) {
     const int t = i / kChunks, c = i % kChunks;
     const int tok = tok0 + t;
     if (tok < tokens) {
-      const uint4 v4 = *reinterpret_cast<const uint4*>(tile + t * row_bytes + c * 16);
-      *reinterpret_cast<uint4*>(y + static_cast<int64_t>(tok) * rows + row0 + c * 8) = v4;
+      uint4 v4 = *reinterpret_cast<const uint4*>(tile + t * row_bytes + c * 16);
+      const int64_t at = static_cast<int64_t>(tok) * rows + row0 + c * 8;
+      if (extra.aux != nullptr) {
+        uint4 a4 = *reinterpret_cast<const uint4*>(static_cast<const T*>(extra.aux) + at);
+        T* g = reinterpret_cast<T*>(&v4);
+        const T* a = reinterpret_cast<const T*>(&a4);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) g[j] = FromFloat<T>(ToFloat(g[j]) * ActivateGrad(extra.activation, ToFloat(a[j])));
+      }
+      *reinterpret_cast<uint4*>(y + at) = v4;
+      if (extra.y2 != nullptr) {
+        T* h = reinterpret_cast<T*>(&v4);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) h[j] = FromFloat<T>(Activate(extra.activation, ToFloat(h[j])));
+        *reinterpret_cast<uint4*>(static_cast<T*>(extra.y2) + at) = v4;
+      }
     }
   }
 }

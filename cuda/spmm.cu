@@ -12,7 +12,7 @@
 //   A values [BM, 16] (32 B per row), metadata [BM] words, the stage's 8 column words (M > 4), and the
 //   dense X slab [BN, 8M] (the gather happens from shared memory into registers).
 // Warps tile BM x BN as (BM/WM) x (BN/WN); a warp owns WM/16 x WN/8 m16n8 accumulator tiles.
-// Epilogue: + bias, optional GELU (tanh approximation, as jax.nn.gelu(approximate=True)), convert,
+// Epilogue: + bias, optional activation (GELU tanh or erf, ReLU: Activate in mma_common.cuh), convert,
 // stage through shared memory as [BN, BM] and write Y with 16-byte row-contiguous stores (tails masked).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -35,7 +35,7 @@ struct SpmmParams {
   void* y;                // [T, R]
   int tokens, k, rows, groups, v;
   int bias_f32;           // bias is float32 (else the input dtype)
-  int activation;         // 0 none, 1 gelu (tanh)
+  int activation;         // 0 none, 1 gelu (tanh), 2 gelu_erf, 3 relu (Activate)
   int meta_mode;          // metadata fragment layout: 0 = half-rows (default), 1 = whole rows (see MetaWord)
 };
 
@@ -255,7 +255,7 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MIN_BLOCKS)
         const int rr = r_lo + (q >> 1) * 8;
         const int tt = t + (q & 1);
         float vq = acc[mi][ni][q] + ((q >> 1) ? bias_hi : bias_lo);
-        if (p.activation == 1) vq = GeluTanh(vq);
+        vq = Activate(p.activation, vq);
         reinterpret_cast<T*>(smem + tt * kYRowBytes)[rr] = FromFloat<T>(vq);
       }
     }

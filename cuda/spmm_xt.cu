@@ -16,7 +16,11 @@
 // them on the two 64-row halves (each over all BT tokens), BR = 64 on two token halves.  Pipeline: loads for stage
 // kt+STAGES-2 issued right after stage kt's barrier; after issuing stage kt a warpgroup waits for its products of
 // stage kt-1 (wgmma.wait_group 1), so one stage's products are in flight while the next is issued.
-// Epilogue: + bias, optional GELU (tanh), convert, stage as [BT tokens][BR features], 16-byte row stores.
+// Epilogue: + bias, optional activation (Activate), convert, stage as [BT tokens][BR features], 16-byte row stores.
+// Two fused modes for a feed-forward block (attribute act_mode; the stores do the extra work, StagedExtra): 1 writes
+// the pre-activation to y and act(it) to a second output (the forward of the block's first layer, whose backward
+// needs the pre-activation), 2 multiplies the product by act'(aux) for a pre-activation aux [T, R] (the input
+// gradient of the block's second layer, which is then the gradient of the first layer's pre-activation).
 // Needs T % 8 == 0 (16-byte rows of x^T) and R % BR == 0, BR <= V; the Python side takes this path only then.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -42,9 +46,21 @@ struct SpmmXtParams {
   void* y;               // [T, R]
   int tokens, k, rows, groups, v, m;
   int bias_f32;          // bias is float32 (else the input dtype)
-  int activation;        // 0 none, 1 gelu (tanh)
+  int activation;        // 0 none, 1 gelu (tanh), 2 gelu_erf, 3 relu (Activate)
+  int act_mode;          // 0: y = act(x W + b); 1: y = x W + b, y2 = act(y); 2: y = (x W) act'(aux)
+  void* y2;              // [T, R] (act_mode 1) or null
+  const void* aux;       // [T, R] (act_mode 2) or null
   int meta_pairs;        // warp-specialized kernel: metadata by TMA pairs where they fit (LaunchWs clears it where not)
 };
+
+// The stores' extra work for act_mode 1 and 2 (none for 0).
+__device__ __forceinline__ StagedExtra Extra(const SpmmXtParams& p) {
+  StagedExtra e;
+  e.y2 = p.act_mode == 1 ? p.y2 : nullptr;
+  e.aux = p.act_mode == 2 ? p.aux : nullptr;
+  e.activation = p.activation;
+  return e;
+}
 
 constexpr int kKc = 64;           // condensed k per stage: one 128-byte swizzle row of 16-bit values per k
 constexpr int kThreads = 256;     // two warpgroups
@@ -206,7 +222,7 @@ __device__ __forceinline__ void XtStageMma(float (&acc)[NCH][NW / 2], uint32_t s
 #endif
 }
 
-// Epilogue of one warpgroup (warp wq of it): + bias, optional GELU, convert, into the staged [BT][BR] tile; with
+// Epilogue of one warpgroup (warp wq of it): + bias, the activation (act_mode 0), convert, into the staged [BT][BR] tile; with
 // CHUNK > 0 only the tokens of chunk `ch` (warpgroup-local tokens [CHUNK ch, CHUNK ch + CHUNK), staged from row
 // t_base).
 template <typename T, int NW, int NCH, int CHUNK = 0>
@@ -225,7 +241,7 @@ __device__ __forceinline__ void StageXtAccumulators(float (&acc)[NCH][NW / 2], u
       const int hi = (i >> 1) & 1;
       const int t = t_base + t8 - (CHUNK > 0 ? CHUNK * ch : 0) + 2 * (lane & 3) + (i & 1);
       float v = acc[c][i] + (hi ? bias_hi : bias_lo);
-      if (p.activation == 1) v = GeluTanh(v);
+      if (p.act_mode == 0) v = Activate(p.activation, v);
       reinterpret_cast<T*>(tile + t * row_bytes)[r_lo + 8 * hi] = FromFloat<T>(v);
     }
   }
@@ -312,7 +328,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
   StageXtAccumulators<T, NW, NCH>(acc, smem, L::kYRowBytes, p, row0, 64 * wr, wt * WN, wq, lane);
   __syncthreads();
   StoreStagedTile<T, BT, BR, kThreads>(smem, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows, tok0, row0,
-                                       threadIdx.x);
+                                       threadIdx.x, Extra(p));
 #else
   __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
 #endif
@@ -533,7 +549,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                                                                                  64 * wr, wt * WN, wq, lane, ch);
         NamedBarSync(1, 256);
         StoreStagedTile<T, L::kEpiTokens, BR, 256>(ytile, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows,
-                                                   tok0 + ch * L::kEpiTokens, row0, ctid);
+                                                   tok0 + ch * L::kEpiTokens, row0, ctid, Extra(p));
       }
     }
   }
@@ -637,9 +653,34 @@ ffi::Error Dispatch(cudaStream_t stream, SpmmXtParams p, int tile, bool x_rows) 
   }
 }
 
+// act_mode's operands: mode 1 needs a second output like y and an activation, mode 2 an aux like y, an activation
+// and no bias; mode 0 takes both empty.
+ffi::Error CheckActMode(int32_t act_mode, int32_t activation, const ffi::AnyBuffer& bias, const ffi::AnyBuffer& aux,
+                        const ffi::AnyBuffer& out, const ffi::AnyBuffer& out2) {
+  auto like_out = [&](const ffi::AnyBuffer& b) {
+    return b.dimensions().size() == 2 && b.dimensions()[0] == out.dimensions()[0] &&
+           b.dimensions()[1] == out.dimensions()[1] && b.element_type() == out.element_type();
+  };
+  if (act_mode < 0 || act_mode > 2)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: act_mode must be 0, 1 (pre-activation and activation) or "
+                                       "2 (times the activation's derivative at aux)");
+  if (act_mode != 0 && activation == 0)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: act_mode 1 and 2 need an activation");
+  if (act_mode == 1 ? !like_out(out2) : out2.element_count() != 0)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: the second output must be [T, R] like y for act_mode 1, "
+                                       "and empty otherwise, got " + ShapeString(out2));
+  if (act_mode == 2 ? !like_out(aux) : aux.element_count() != 0)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: aux must be [T, R] like y for act_mode 2, and empty "
+                                       "otherwise, got " + ShapeString(aux));
+  if (act_mode == 2 && bias.element_count() != 0)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: act_mode 2 takes no bias");
+  return ffi::Error::Success();
+}
+
 ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer values, ffi::Buffer<ffi::U8> columns,
-                      ffi::Buffer<ffi::U32> metadata, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out, int32_t v,
-                      int32_t m, int32_t activation, int32_t tile, int32_t x_rows) {
+                      ffi::Buffer<ffi::U32> metadata, ffi::AnyBuffer bias, ffi::AnyBuffer aux,
+                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out2, int32_t v, int32_t m,
+                      int32_t activation, int32_t act_mode, int32_t tile, int32_t x_rows) {
   if (xt.dimensions().size() != 2 || values.dimensions().size() != 2 || out->dimensions().size() != 2)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T, values and the output must be 2-D");
   if (x_rows != 0 && x_rows != 1)
@@ -661,6 +702,7 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer val
   if (values.element_type() != dt || out->element_type() != dt)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T, values and the output must share one dtype");
   if (ffi::Error e = CheckEpilogue("jaxsparse_spmm_xt", bias, rows, dt, activation); e.failure()) return e;
+  if (ffi::Error e = CheckActMode(act_mode, activation, bias, aux, *out, *out2); e.failure()) return e;
   const bool has_bias = bias.element_count() > 0;
   if (tokens == 0 || rows == 0) return ffi::Error::Success();
   if (tokens >= (int64_t(1) << 30) || k >= (int64_t(1) << 30) || rows >= (int64_t(1) << 30) ||
@@ -682,6 +724,9 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer val
   p.m = m;
   p.bias_f32 = has_bias && bias.element_type() == ffi::F32;
   p.activation = activation;
+  p.act_mode = act_mode;
+  p.y2 = act_mode == 1 ? out2->untyped_data() : nullptr;
+  p.aux = act_mode == 2 ? aux.untyped_data() : nullptr;
   p.meta_pairs = 1;
   if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, tile, x_rows == 1);
   if (dt == ffi::F16) return Dispatch<__half>(stream, p, tile, x_rows == 1);
@@ -699,10 +744,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSpmmXt, jaxsparse::SpmmXtImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // columns [R/V, G, 4] or [0]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // metadata [R, G/8]
                                   .Arg<xla::ffi::AnyBuffer>()               // bias [R] or [0]
+                                  .Arg<xla::ffi::AnyBuffer>()               // aux [T, R] (act_mode 2) or [0]
                                   .Ret<xla::ffi::AnyBuffer>()               // y [T, R]
+                                  .Ret<xla::ffi::AnyBuffer>()               // act(y) [T, R] (act_mode 1) or [0]
                                   .Attr<int32_t>("v")
                                   .Attr<int32_t>("m")
                                   .Attr<int32_t>("activation")
+                                  .Attr<int32_t>("act_mode")
                                   .Attr<int32_t>("tile")
                                   .Attr<int32_t>("x_rows"),  // 0 = x^T [K, T], 1 = x [T, K] (M = 4)
                               JAXSPARSE_GRAPH_SAFE);

@@ -57,6 +57,10 @@ class NMDense(nn.Module):
       bias_init: initializer of the bias.
       sparsity: the final pattern (``"2:4"``, ``"64:2:8"``, ...) or None for a plain dense layer.
       compressed: train the compressed values of an N = 2 ``sparsity`` pattern (see module doc).
+      return_operands: in compressed mode, ``__call__`` returns the layer's ``(SparseWeight, bias)`` in the
+        computation dtype instead of the product, for a caller that fuses it with its neighbour
+        (:func:`jaxsparse.ops.sparse_mlp`); ``x`` then only gives ``K`` and the dtype (an array or a
+        ``jax.ShapeDtypeStruct``). The parameters are those of the plain layer.
     """
 
     features: int
@@ -68,6 +72,7 @@ class NMDense(nn.Module):
     bias_init: Initializer = nn.initializers.zeros_init()
     sparsity: str | None = None
     compressed: bool = False
+    return_operands: bool = False
 
     @property
     def spec(self) -> fmt.VNM | None:
@@ -82,10 +87,16 @@ class NMDense(nn.Module):
         if spec is not None:
             fmt.validate_shape((k, r), spec, compressed=self.compressed)
         bias = self.param("bias", self.bias_init, (r,), self.param_dtype) if self.use_bias else None
+        if self.return_operands and not self.compressed:
+            raise ValueError(f"{self.name}: return_operands needs compressed=True (a master-mode layer has no "
+                             "compressed operands)")
         if self.compressed:
             if spec is None:
                 raise ValueError("NMDense(compressed=True) needs a sparsity spec with N = 2, got None")
-            return self._compressed(x, bias, spec)
+            sw, bias = self._compressed_operands(x, bias, spec)
+            if self.return_operands:
+                return sw, bias
+            return ops.sparse_linear(x.astype(sw.values.dtype), sw, bias)
 
         kernel = self.param("kernel", self.kernel_init, (k, r), self.param_dtype)
         if spec is not None and not self.is_initializing() and self.is_mutable_collection(INPUT_STATS):
@@ -102,7 +113,7 @@ class NMDense(nn.Module):
         y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision)
         return y if bias is None else y + bias
 
-    def _compressed(self, x: Array, bias: Array | None, spec: fmt.VNM) -> Array:
+    def _compressed_operands(self, x: Array, bias: Array | None, spec: fmt.VNM) -> tuple[fmt.SparseWeight, Array | None]:
         k, r = x.shape[-1], self.features
         if self.is_initializing() and not self.has_variable("params", "values"):
             w = self.kernel_init(self.make_rng("params"), (k, r), self.param_dtype)
@@ -117,9 +128,9 @@ class NMDense(nn.Module):
             if values is None or metadata is None or (spec.m > 4 and columns is None):
                 raise ValueError(f"{self.name}: compressed mode needs params/values and {SPARSITY}/metadata"
                                  f"{' and columns' if spec.m > 4 else ''} (see jaxsparse.nn.compress_variables)")
-        dtype = self.dtype or jnp.result_type(x, values)
+        dtype = self.dtype or jnp.result_type(x.dtype, values.dtype)
         sw = fmt.SparseWeight(values.astype(dtype), columns, metadata, (k, r), spec)
-        return ops.sparse_linear(x.astype(dtype), sw, None if bias is None else bias.astype(dtype))
+        return sw, None if bias is None else bias.astype(dtype)
 
 
 def sparse_weight(values: Array, pattern: Mapping[str, Array], shape: tuple[int, int], spec) -> fmt.SparseWeight:

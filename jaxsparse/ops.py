@@ -22,7 +22,9 @@ from jaxsparse.ffi.calls import spmm_unsupported
 from jaxsparse.format import SparseWeight, check_transpose_2_4_shape, decompress as _reference_decompress
 from jaxsparse.format import transpose_2_4 as format_transpose_2_4
 
-__all__ = ["decompress", "transpose_2_4", "spmm", "sddmm", "spmm_t", "dx_route", "dx_route_scope", "linear_x_layout", "sparse_linear", "masked_linear", "spmm_unsupported"]
+__all__ = ["decompress", "transpose_2_4", "spmm", "sddmm", "spmm_t", "spmm_t_activation_grad", "dx_route",
+           "dx_route_scope", "linear_x_layout", "sparse_linear", "sparse_mlp", "FUSED_ACTIVATIONS", "masked_linear",
+           "spmm_unsupported"]
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -174,6 +176,34 @@ def _transposed_dx(dy: jax.Array, sw: SparseWeight) -> jax.Array:
     return spmm(dy, transpose_2_4(sw))
 
 
+def spmm_t_activation_grad(dy: jax.Array, sw: SparseWeight, preactivation: jax.Array, activation: str,
+                           route: Optional[str] = None) -> jax.Array:
+    """``(dy @ W^T) * act'(preactivation)``: the input gradient of a layer whose input was ``act(preactivation)``,
+    carried back through the activation (``[..., K]``, like ``preactivation``).
+
+    On the ``"transposed"`` route of :func:`dx_route` the GPU does the multiply in the product's epilogue (the
+    Hopper kernels' act_mode 2), so ``dy @ W^T`` is never written; otherwise XLA multiplies after :func:`spmm_t`.
+    """
+    _check_weight(sw)
+    _check_activation(dy, sw, "dy", sw.shape[1])
+    if activation not in FUSED_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {FUSED_ACTIVATIONS}, got {activation!r}")
+    if preactivation.shape != (*dy.shape[:-1], sw.shape[0]) or preactivation.dtype != dy.dtype:
+        raise ValueError(f"the pre-activation must be {(*dy.shape[:-1], sw.shape[0])} in {dy.dtype}, got "
+                         f"{preactivation.shape} {preactivation.dtype}")
+    route = dx_route(route)
+    dy2, a2 = _flatten(dy), _flatten(preactivation)
+    if route == "transposed":
+        wt = transpose_2_4(sw)
+        ref = lambda d, w, a: reference.activation_grad(activation, a, reference.spmm(d, w))
+        cuda = lambda d, w, a: cuda_calls.spmm_activation_grad(d, w, a, activation)
+        with jax.named_scope("jaxsparse_spmm_t"):
+            dx = dispatch.call("spmm", ref, cuda, dy2, wt, a2, unsupported=spmm_unsupported(wt))
+    else:
+        dx = reference.activation_grad(activation, a2, spmm_t(dy2, sw, route))
+    return dx.reshape(preactivation.shape)
+
+
 # ----------------------------------------------------------------------------- the layer product
 
 
@@ -190,12 +220,16 @@ def _linear_fwd(x2, sw, bias):
     return spmm(x2, sw, bias), (x2, sw, bias)
 
 
-def _cotangents(dy: jax.Array, sw: SparseWeight, bias: Optional[jax.Array], dvalues: jax.Array):
-    """``(dx, dsw, dbias)`` of the layer product, given the SDDMM's ``dvalues`` (both VJP routes share this)."""
-    dx = spmm_t(dy, sw)
+def _weight_cotangents(dy: jax.Array, sw: SparseWeight, bias: Optional[jax.Array], dvalues: jax.Array):
+    """``(dsw, dbias)`` of a layer product, given the SDDMM's ``dvalues``."""
     dsw = SparseWeight(dvalues, _no_cotangent(sw.columns), _no_cotangent(sw.metadata), sw.shape, sw.spec)
     dbias = None if bias is None else reference.bias_grad(dy, bias.dtype)
-    return dx, dsw, dbias
+    return dsw, dbias
+
+
+def _cotangents(dy: jax.Array, sw: SparseWeight, bias: Optional[jax.Array], dvalues: jax.Array):
+    """``(dx, dsw, dbias)`` of the layer product, given the SDDMM's ``dvalues`` (both VJP routes share this)."""
+    return (spmm_t(dy, sw), *_weight_cotangents(dy, sw, bias, dvalues))
 
 
 def _linear_bwd(residuals, dy):
@@ -270,6 +304,103 @@ def sparse_linear(x: jax.Array, sw: SparseWeight, bias: Optional[jax.Array] = No
     layer = _linear_xt if linear_x_layout(x2.shape[0], sw) == "col" else _linear
     y = layer(x2, sw, bias)
     return y.reshape(*x.shape[:-1], sw.shape[1])
+
+
+# ----------------------------------------------------------------------------- a feed-forward block
+
+FUSED_ACTIVATIONS = ("gelu", "gelu_erf", "relu")
+"""The activations :func:`sparse_mlp` fuses (``jaxsparse.reference.ACTIVATIONS``: ``"gelu"`` is the tanh
+approximation, ``"gelu_erf"`` the exact GELU)."""
+
+
+def _forward_keeping_x(x2: jax.Array, sw: SparseWeight, bias: Optional[jax.Array], activation: Optional[str] = None,
+                       keep_preactivation: bool = False):
+    """One layer's forward on the route :func:`sparse_linear` takes (:func:`linear_x_layout`), and what its SDDMM
+    reads: ``(out, x)``, or ``(out, x^T)`` on the ``"col"`` route. ``out`` is ``act(x @ W + bias)``, or with
+    ``keep_preactivation`` the pair ``(x @ W + bias, act(of it))``, both from the kernel's epilogue on a GPU."""
+    col = linear_x_layout(x2.shape[0], sw) == "col"
+
+    def ref(x, s, b):
+        if keep_preactivation:
+            a = reference.spmm(x, s, b)
+            out = (a, reference.ACTIVATIONS[activation](a.astype(jnp.float32)).astype(a.dtype))
+        else:
+            out = reference.spmm(x, s, b, activation)
+        return out, (x.T if col else x)
+
+    def cuda(x, s, b):
+        if col:
+            xt = cuda_calls.transpose(x)
+            return cuda_calls.spmm_from_xt(xt, s, b, activation, keep_preactivation=keep_preactivation), xt
+        return cuda_calls.spmm(x, s, b, activation, x_layout="row", keep_preactivation=keep_preactivation), x
+
+    with jax.named_scope("jaxsparse_spmm"):
+        return dispatch.call("spmm", ref, cuda, x2, sw, bias, unsupported=spmm_unsupported(sw))
+
+
+def _sddmm_kept(kept: jax.Array, dy: jax.Array, sw: SparseWeight) -> jax.Array:
+    """The SDDMM from what :func:`_forward_keeping_x` kept (x, or x^T on the ``"col"`` route)."""
+    if linear_x_layout(dy.shape[0], sw) == "col":
+        return _sddmm_from_xt(kept, dy, sw)
+    return sddmm(kept, dy, sw)
+
+
+def _mlp_fwd(x2, sw1, b1, sw2, b2, activation):
+    (a, h), x_kept = _forward_keeping_x(x2, sw1, b1, activation, keep_preactivation=True)
+    y, h_kept = _forward_keeping_x(h, sw2, b2)
+    return y, (x_kept, a, h_kept, sw1, b1, sw2, b2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _mlp(x2, sw1, b1, sw2, b2, activation):
+    h, _ = _forward_keeping_x(x2, sw1, b1, activation)
+    return _forward_keeping_x(h, sw2, b2)[0]
+
+
+def _mlp_bwd(activation, residuals, dy):
+    x_kept, a, h_kept, sw1, b1, sw2, b2 = residuals
+    dsw2, db2 = _weight_cotangents(dy, sw2, b2, _sddmm_kept(h_kept, dy, sw2))
+    da = spmm_t_activation_grad(dy, sw2, a, activation)
+    dx, dsw1, db1 = _cotangents(da, sw1, b1, _sddmm_kept(x_kept, da, sw1))
+    return dx, dsw1, db1, dsw2, db2
+
+
+_mlp.defvjp(_mlp_fwd, _mlp_bwd)
+
+
+def sparse_mlp(x: jax.Array, sw1: SparseWeight, b1: Optional[jax.Array], sw2: SparseWeight, b2: Optional[jax.Array],
+               activation: str = "gelu_erf") -> jax.Array:
+    """A feed-forward block ``act(x @ W1 + b1) @ W2 + b2`` of two compressed weights, differentiable in ``x``, both
+    weights' values and both biases: :func:`sparse_linear` twice with the activation fused into the kernels.
+
+    The first product's epilogue writes the pre-activation and the activation (the second product's input) in one
+    pass; the backward multiplies the second layer's input gradient by ``act'`` in its product's epilogue on the
+    ``"transposed"`` dX route (:func:`spmm_t_activation_grad`). XLA's separate elementwise passes over the
+    ``[tokens, F]`` activations (the activation and its gradient) are gone.
+
+    Args:
+      x: ``[..., K]`` in the values' dtype.
+      sw1: ``[K, F]``; ``b1``: ``[F]`` or None.
+      sw2: ``[F, R]``; ``b2``: ``[R]`` or None.
+      activation: one of :data:`FUSED_ACTIVATIONS`.
+
+    Returns:
+      ``[..., R]``.
+    """
+    _check_weight(sw1)
+    _check_weight(sw2)
+    _check_activation(x, sw1, "x", sw1.shape[0])
+    _check_bias(b1, sw1)
+    _check_bias(b2, sw2)
+    if sw2.shape[0] != sw1.shape[1]:
+        raise ValueError(f"the second weight's K ({sw2.shape[0]}) must equal the first's output features "
+                         f"({sw1.shape[1]}), got shapes {sw1.shape} and {sw2.shape}")
+    if sw2.values.dtype != sw1.values.dtype:
+        raise ValueError(f"both weights must share one dtype, got {sw1.values.dtype} and {sw2.values.dtype}")
+    if activation not in FUSED_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {FUSED_ACTIVATIONS}, got {activation!r}")
+    y = _mlp(_flatten(x), sw1, b1, sw2, b2, activation)
+    return y.reshape(*x.shape[:-1], sw2.shape[1])
 
 
 def masked_linear(x: jax.Array, w: jax.Array, mask: jax.Array, bias: Optional[jax.Array] = None) -> jax.Array:

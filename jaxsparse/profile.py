@@ -506,9 +506,11 @@ def _median_step_ms(compiled, args: tuple, steps: int) -> tuple[float, tuple]:
     return statistics.median(times), (params, state, *rest)
 
 
-def profile_step(config, steps: int = 5, warmup: int = 2, trace_dir: str | None = None, top: int = 25) -> Profile:
+def profile_step(config, steps: int = 5, warmup: int = 2, trace_dir: str | None = None, top: int = 25,
+                 hlo_path: str | None = None) -> Profile:
     """Compile the step of ``config`` (a :class:`jaxsparse.trainstep.StepConfig`), time it, trace
-    ``steps`` steps and return the breakdown."""
+    ``steps`` steps and return the breakdown; ``hlo_path`` also keeps the compiled module's text there (the
+    top ops' kernel names are its fusions' names)."""
     import jax
 
     from jaxsparse import trainstep
@@ -520,6 +522,8 @@ def profile_step(config, steps: int = 5, warmup: int = 2, trace_dir: str | None 
         ts = trainstep.build_step(config)
         compiled = ts.fn.lower(*ts.args).compile()
         hlo_text = compiled.as_text()
+        if hlo_path:
+            _write_text(hlo_path, hlo_text)
         module = re.search(r"^HloModule\s+([\w.\-]+)", hlo_text, re.M)
         hlo = parse_hlo(hlo_text)
         args = ts.args
@@ -544,6 +548,12 @@ def profile_step(config, steps: int = 5, warmup: int = 2, trace_dir: str | None 
                  "batch_size": config.batch_size, "seq_len": config.seq_len, "tokens": ts.tokens,
                  "dtype": config.dtype, "attention": config.attention, "jax": jax.__version__, "hlo_module": module.group(1) if module else None}
     return prof
+
+
+def _write_text(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -572,6 +582,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=10, help="list the N most expensive ops (0: none)")
     p.add_argument("--trace-dir", default=None, help="keep the trace here (TensorBoard/xprof can open it)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the breakdown as JSON")
+    p.add_argument("--hlo", default=None, metavar="PATH",
+                   help="also write the compiled step's HLO text (where the top ops' fusions are defined)")
     return p.parse_args(argv)
 
 
@@ -584,7 +596,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = StepConfig(args.model, args.sparsity, args.batch_size, args.seq_len, args.dtype, args.compressed,
                         attention=args.attention, transposable=args.transposable_masks)
     with ops.dx_route_scope("transposed" if args.transposable_masks else None):
-        prof = profile_step(config, args.steps, args.warmup, args.trace_dir, top=max(args.top, 25))
+        prof = profile_step(config, args.steps, args.warmup, args.trace_dir, top=max(args.top, 25), hlo_path=args.hlo)
         prof.meta.update(transposable_masks=args.transposable_masks, dx_route=ops.dx_route())  # the route traced
     m = prof.meta
     print(f"jaxsparse-profile: BERT-{m['model']} {m['sparsity']} ({m['mode']}{': ' + m['mode_reason'] if m['mode_reason'] else ''}), "
@@ -593,9 +605,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           + (", transposable masks (dX on W^T)" if args.transposable_masks else ""))
     print(format_table(prof, args.top))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(prof.to_json(), f, indent=1)
+        _write_text(args.json, json.dumps(prof.to_json(), indent=1))
         print(f"wrote {args.json}")
     return 0
 

@@ -13,13 +13,21 @@ import jax.numpy as jnp
 
 from jaxsparse.format import SparseWeight, compress_like, decompress
 
-__all__ = ["ACTIVATIONS", "spmm", "sddmm", "spmm_t", "bias_grad"]
+__all__ = ["ACTIVATIONS", "activation_grad", "spmm", "sddmm", "spmm_t", "bias_grad"]
 
-# Epilogue activations the kernels fuse; "gelu" is the tanh approximation.
+# Epilogue activations the kernels fuse; "gelu" is the tanh approximation, "gelu_erf" the exact GELU.
 ACTIVATIONS = {
     None: lambda y: y,
     "gelu": lambda y: jax.nn.gelu(y, approximate=True),
+    "gelu_erf": lambda y: jax.nn.gelu(y, approximate=False),
+    "relu": jax.nn.relu,
 }
+
+
+def activation_grad(activation: str, preactivation: jax.Array, grad: jax.Array) -> jax.Array:
+    """``grad * act'(preactivation)`` (the activation's VJP, in float32), in ``grad``'s dtype."""
+    _, vjp = jax.vjp(ACTIVATIONS[activation], preactivation.astype(jnp.float32))
+    return vjp(grad.astype(jnp.float32))[0].astype(grad.dtype)
 
 
 def spmm(x: jax.Array, sw: SparseWeight, bias: Optional[jax.Array] = None, activation: Optional[str] = None) -> jax.Array:

@@ -13,6 +13,8 @@ the last group tile of both kernels is partial; every supported V and M and both
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -507,3 +509,75 @@ def test_dense_dx_route_takes_the_dense_product_without_transposes(monkeypatch, 
     for name in (forward, "jaxsparse_sddmm", "jaxsparse_decompress"):
         assert f'custom_call_target="{name}"' in text, name
     assert 'custom_call_target="jaxsparse_spmm_t"' not in text
+
+
+# ----------------------------------------------------------------------------- sparse_mlp's VJP
+#
+# The feed-forward block act(x W1 + b1) W2 + b2 with the activation fused into the kernels: the first product's
+# epilogue writes the pre-activation and the activation, and on the transposed dX route the second layer's input
+# gradient is multiplied by act' in its epilogue.
+
+
+@pytest.mark.parametrize("spec", ["2:4", "64:2:8", "128:2:16"])
+@pytest.mark.parametrize("activation", ["gelu_erf", "gelu"])
+@pytest.mark.parametrize("dx_route", ["transposed", "dense"])
+def test_sparse_mlp_grad_on_kernels(monkeypatch, spec, activation, dx_route):
+    """``jax.grad`` of ``ops.sparse_mlp`` under ``jit`` (every product forced onto its kernel, outputs poisoned)
+    against float32 references built from the dense weights; 1000 tokens (a tail on every tile)."""
+    from jaxsparse import ops, reference
+
+    _force_backward_kernels(monkeypatch, dx_route)
+    dtype, t, k, f, r = jnp.bfloat16, 1000, 256, 512, 256
+    spec_t = dx_route == "transposed"
+    x, _, sw1 = _make(key("mlp", spec, activation, dx_route, 1), t, k, f, spec, dtype, transposable=spec_t)
+    _, _, sw2 = _make(key("mlp", spec, activation, dx_route, 2), t, f, r, spec, dtype, transposable=spec_t)
+    b1, _ = _bias_and_target(key("mlp-b1", spec), t, f, dtype)
+    b2, target = _bias_and_target(key("mlp-b2", spec), t, r, dtype)
+
+    def loss(x, v1, b1, v2, b2):
+        y = ops.sparse_mlp(x, sw1.replace(values=v1), b1, sw2.replace(values=v2), b2, activation)
+        return jnp.sum(y.astype(jnp.float32) * target)
+
+    poison((4, t, f), dtype)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(x, sw1.values, b1, sw2.values, b2)
+    assert [g.dtype for g in grads] == [dtype] * 5
+
+    w1, w2 = F.decompress(sw1).astype(jnp.float32), F.decompress(sw2).astype(jnp.float32)
+
+    def ref_loss(x, w1, b1, w2, b2):
+        a = jnp.dot(x, w1, precision=HIGHEST) + b1
+        y = jnp.dot(reference.ACTIVATIONS[activation](a), w2, precision=HIGHEST) + b2
+        return jnp.sum(y * target)
+
+    f32 = lambda a: a.astype(jnp.float32)
+    gx, gw1, gb1, gw2, gb2 = jax.grad(ref_loss, argnums=(0, 1, 2, 3, 4))(f32(x), w1, f32(b1), w2, f32(b2))
+    tol = 2 * TOL[dtype]  # two products and an activation's derivative in bf16 between them
+    _compare(grads[0], gx, tol, "dx")
+    _compare(grads[1], F.compress_like(gw1, sw1), tol, "dvalues1")
+    _compare(grads[2][None], gb1[None], tol, "dbias1")
+    _compare(grads[3], F.compress_like(gw2, sw2), tol, "dvalues2")
+    _compare(grads[4][None], gb2[None], tol, "dbias2")
+
+
+@pytest.mark.parametrize("spec", ["2:4", "64:2:8"])
+def test_sparse_mlp_grad_hlo_fuses_the_activation(monkeypatch, spec):
+    """On the transposed dX route the block's gradient holds one forward call that keeps its pre-activation
+    (act_mode 1) and one input-gradient product times act' (act_mode 2), and XLA puts no transpose or copy
+    around the calls."""
+    from jaxsparse import ops
+
+    _force_backward_kernels(monkeypatch, "transposed")
+    monkeypatch.setenv("JAXSPARSE_SPMM_X", "row")
+    monkeypatch.setenv("JAXSPARSE_SDDMM_X", "row")
+    x, _, sw1 = _make(key("mlp-hlo", spec, 1), 256, 256, 512, spec, jnp.bfloat16, transposable=True)
+    _, _, sw2 = _make(key("mlp-hlo", spec, 2), 256, 512, 256, spec, jnp.bfloat16, transposable=True)
+
+    def loss(x, v1, v2):
+        y = ops.sparse_mlp(x, sw1.replace(values=v1), None, sw2.replace(values=v2), None, "gelu_erf")
+        return jnp.sum(y.astype(jnp.float32))
+
+    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(x, sw1.values, sw2.values).compile().as_text()
+    assert not layout_moves(text), layout_moves(text)
+    assert len(re.findall(r"act_mode = 1 ", text)) == 1, "one forward call keeps the pre-activation"
+    assert len(re.findall(r"act_mode = 2 ", text)) == 1, "one input gradient is multiplied by act'"
+    assert not re.search(r"= \S+ erf\(", text), "XLA computes no GELU: the kernels do"

@@ -192,3 +192,24 @@ def test_fused_attention_runs_cudnn_on_the_gpu():
     bias = jnp.zeros((2, 1, 1, 128), jnp.float32)
     hlo = jax.jit(bert.fused_attention).lower(q, k, v, bias).compile().as_text()
     assert "__cudnn$fmha" in hlo
+
+
+@pytest.mark.parametrize("hidden_act", ["gelu", "gelu_new", "relu"])
+def test_compressed_feed_forward_runs_as_one_sparse_mlp(hidden_act):
+    """With compressed layers the FFN is one ``jaxsparse.ops.sparse_mlp`` (``fuse_feed_forward``, the default): the
+    same parameters, logits and gradients as the two layers and the activation it replaces."""
+    cfg = bert.BertConfig.preset("tiny", hidden_act=hidden_act)
+    ids = jax.random.randint(jax.random.key(0), (2, 16), 0, cfg.vocab_size)
+    models = [bert.BertForSequenceClassification(dataclasses.replace(cfg, fuse_feed_forward=fuse), sparsity="64:2:8",
+                                                 compressed=True, num_labels=3) for fuse in (True, False)]
+    variables = [m.init(jax.random.key(1), ids) for m in models]
+    assert jax.tree_util.tree_structure(variables[0]) == jax.tree_util.tree_structure(variables[1])
+    v = variables[0]
+
+    def loss(params, model):
+        return jnp.sum(jnp.sin(model.apply({**v, "params": params}, ids)))
+
+    (l0, g0), (l1, g1) = (jax.jit(jax.value_and_grad(loss), static_argnums=1)(v["params"], m) for m in models)
+    np.testing.assert_allclose(l0, l1, rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

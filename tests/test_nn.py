@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from jaxsparse import format as fmt
+from jaxsparse import ops
 from jaxsparse.nn import NMDense, compress_tree, compress_variables
 
 K, R = 64, 32
@@ -135,6 +136,7 @@ PMAP_SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np, optax
     assert jax.local_device_count() == 2, jax.devices()
     from jaxsparse import format as fmt
+from jaxsparse import ops
     from jaxsparse.nn import NMDense
     from jaxsparse.pruning import gmp_prune, masks_of, model_variables
     import flax.linen as nn
@@ -197,3 +199,16 @@ def test_precision_and_spec_free_layers_apply_the_mask():
         y = layer.apply({**variables, "sparsity": {"mask": mask}}, x)
         expected = x @ (variables["params"]["kernel"] * mask) + variables["params"]["bias"]
         np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_return_operands_gives_the_compressed_weight_and_bias():
+    """``return_operands``: the layer's ``(SparseWeight, bias)`` over the same parameters as the plain layer, whose
+    product they give; a master-mode layer has none to give."""
+    x = _x()
+    plain = NMDense(R, sparsity="2:4", compressed=True, dtype=jnp.float32)
+    variables = plain.init(jax.random.key(0), x)
+    sw, bias = NMDense(R, sparsity="2:4", compressed=True, dtype=jnp.float32,
+                       return_operands=True).apply(variables, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    np.testing.assert_allclose(ops.sparse_linear(x, sw, bias), plain.apply(variables, x), rtol=1e-6)
+    with pytest.raises(ValueError, match="return_operands needs compressed=True"):
+        NMDense(R, sparsity="2:4", return_operands=True).init(jax.random.key(0), x)

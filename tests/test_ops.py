@@ -447,3 +447,62 @@ def test_dx_route_scope_sets_and_restores(monkeypatch):
         with ops.dx_route_scope("sparse"):
             pass
     assert os.environ[ops.DX_ROUTE_ENV] == "kernel"
+
+
+# ----------------------------------------------------------------------------- sparse_mlp
+
+
+@pytest.mark.parametrize("spec", ["2:4", "64:2:8", "128:2:16"])
+@pytest.mark.parametrize("activation", ops.FUSED_ACTIVATIONS)
+@pytest.mark.parametrize("dx_route", ["dense", "transposed"])
+def test_sparse_mlp_is_two_layers_and_the_activation(monkeypatch, spec, activation, dx_route):
+    """``sparse_mlp`` (float32) equals ``sparse_linear``, the activation, ``sparse_linear``: value and every
+    gradient, on the dense and the transposed dX routes, with and without the second bias."""
+    monkeypatch.setenv(ops.DX_ROUTE_ENV, dx_route)
+    transposable = dx_route == "transposed"
+    x, sw1, b1, _ = make(21, spec, k=256, r=512, transposable=transposable)
+    _, sw2, b2, _ = make(22, spec, k=512, r=128, transposable=transposable)
+    act = reference.ACTIVATIONS[activation]
+    target = jax.random.normal(jax.random.PRNGKey(23), (*x.shape[:-1], 128))
+
+    def fused(x, v1, b1, v2, b2):
+        y = ops.sparse_mlp(x, sw1.replace(values=v1), b1, sw2.replace(values=v2), b2, activation)
+        return jnp.sum(jnp.tanh(y) * target)
+
+    def layers(x, v1, b1, v2, b2):
+        h = act(ops.sparse_linear(x, sw1.replace(values=v1), b1))
+        return jnp.sum(jnp.tanh(ops.sparse_linear(h, sw2.replace(values=v2), b2)) * target)
+
+    for bias2 in (b2, None):
+        args = (x, sw1.values, b1, sw2.values, bias2)
+        argnums = (0, 1, 2, 3, 4) if bias2 is not None else (0, 1, 2, 3)
+        np.testing.assert_allclose(jax.jit(fused)(*args), jax.jit(layers)(*args), rtol=1e-5)
+        got = jax.jit(jax.grad(fused, argnums=argnums))(*args)
+        want = jax.jit(jax.grad(layers, argnums=argnums))(*args)
+        for g, w in zip(got, want):
+            assert rel_err(g, w) < 1e-5
+
+
+def test_spmm_t_activation_grad_is_the_product_times_the_derivative(monkeypatch):
+    x, sw, _, dense = make(24, "64:2:8", transposable=True)
+    dy = jax.random.normal(jax.random.PRNGKey(25), (*x.shape[:-1], sw.shape[1]))
+    a = jax.random.normal(jax.random.PRNGKey(26), x.shape)
+    want = jax.vjp(reference.ACTIVATIONS["gelu_erf"], a)[1](dy @ dense.T)[0]
+    for route in ops.DX_ROUTES:
+        got = jax.jit(lambda d, a: ops.spmm_t_activation_grad(d, sw, a, "gelu_erf", route=route))(dy, a)
+        assert got.shape == x.shape and rel_err(got, want) < 1e-5, route
+
+
+def test_sparse_mlp_rejects_what_it_cannot_take():
+    x, sw1, b1, _ = make(27, "2:4", k=256, r=512)
+    _, sw2, b2, _ = make(28, "2:4", k=512, r=128)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        ops.sparse_mlp(x, sw1, b1, sw2, b2, "tanh")
+    with pytest.raises(ValueError, match="second weight's K \\(256\\) must equal the first's output features"):
+        ops.sparse_mlp(x, sw1, b1, sw1, b1)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        ops.sparse_mlp(x, sw1, b2, sw2, b2)
+    with pytest.raises(ValueError, match="both weights must share one dtype"):
+        ops.sparse_mlp(x, sw1, b1, sw2.replace(values=sw2.values.astype(jnp.bfloat16)), b2)
+    with pytest.raises(ValueError, match="pre-activation must be"):
+        ops.spmm_t_activation_grad(jnp.zeros((4, 128)), sw2, jnp.zeros((4, 256)), "gelu")

@@ -272,3 +272,80 @@ def test_spmm_xt_repeatable_and_routes():
     x64, sw64, _ = _make(key("xt-rej"), 16, 512, 192, "64:2:8", dtype, with_bias=False)
     with pytest.raises(ValueError, match="R % 128"):
         calls.spmm(x64, sw64, None, None, x_layout="col")
+
+
+# ----------------------------------------------------------------------------- the feed-forward epilogues
+#
+# act_mode 1 (the pre-activation and act(it), both written by the epilogue) and act_mode 2 (the product times
+# act'(aux)), on each route the layer products take: the mma row kernel (XLA does the extra work there), the TMA row
+# kernel (2:4, and 64:2:8 through its 2:4 view) and the x^T kernel with a warp-specialized and a plain tile.
+
+FUSED_ROUTES = [("2:4", "row-mma"), ("2:4", "row-tma"), ("64:2:8", "row-tma"), ("128:2:16", "xt-auto"),
+                ("128:2:16", "xt-128x128"), ("64:2:8", "xt-64x128")]
+
+
+def _fused_route(monkeypatch, route: str) -> None:
+    """Sends calls.spmm and calls.spmm_activation_grad down ``route`` (through the environment they read)."""
+    if route.startswith("row-"):
+        monkeypatch.setenv(calls.SPMM_X_LAYOUT_ENV, "row")
+        monkeypatch.setenv(calls.SPMM_ROW_KERNEL_ENV, route.removeprefix("row-"))
+        monkeypatch.delenv(calls.SPMM_XT_TILE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(calls.SPMM_X_LAYOUT_ENV, "col")
+        monkeypatch.setenv(calls.SPMM_XT_TILE_ENV, route.removeprefix("xt-"))
+
+
+def _rel_err(out, ref) -> float:
+    out32 = np.asarray(out.astype(jnp.float32))
+    assert np.isfinite(out32).all(), f"non-finite outputs: {np.argwhere(~np.isfinite(out32))[:5]}"
+    ref = np.asarray(ref, np.float32)
+    return float(np.linalg.norm(out32 - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+@xt_marks
+@pytest.mark.parametrize("spec, route", FUSED_ROUTES)
+@pytest.mark.parametrize("activation", ["gelu_erf", "gelu", "relu"])
+def test_spmm_keep_preactivation(monkeypatch, spec, route, activation):
+    """``keep_preactivation``: the pre-activation (bias included) and act(it); a token tail (1000 = 3 x 256 + 232)."""
+    from jaxsparse import reference
+
+    _fused_route(monkeypatch, route)
+    dtype, t = jnp.bfloat16, 1000
+    x, sw, bias = _make(key("keep-pre", spec, route, activation), t, 512, 384, spec, dtype, with_bias=True)
+    poison((2, t, 384), dtype)
+    a, h = jax.jit(lambda x, sw, b: calls.spmm(x, sw, b, activation, keep_preactivation=True))(x, sw, bias)
+    assert a.shape == h.shape == (t, 384) and a.dtype == h.dtype == dtype
+    pre = _reference(x, sw, bias, None)
+    assert _rel_err(a, pre) < TOL[dtype]
+    act = reference.ACTIVATIONS[activation]
+    assert _rel_err(h, act(pre)) < TOL[dtype]
+    # From the kernel's own rounded pre-activation, the activation is exact up to one rounding.
+    assert _rel_err(h, act(a.astype(jnp.float32))) < 4e-3
+
+
+@xt_marks
+@pytest.mark.parametrize("spec, route", FUSED_ROUTES)
+@pytest.mark.parametrize("activation", ["gelu_erf", "gelu", "relu"])
+def test_spmm_activation_grad(monkeypatch, spec, route, activation):
+    """``(x @ W) * act'(aux)`` against the float32 product times the activation's VJP (a token tail again)."""
+    from jaxsparse import reference
+
+    _fused_route(monkeypatch, route)
+    dtype, t = jnp.bfloat16, 1000
+    x, sw, _ = _make(key("act-grad", spec, route, activation), t, 512, 384, spec, dtype, with_bias=False)
+    aux = jax.random.normal(key("act-grad-aux", spec, route, activation), (t, 384), jnp.float32).astype(dtype)
+    poison((t, 384), dtype)
+    g = jax.jit(lambda x, sw, a: calls.spmm_activation_grad(x, sw, a, activation))(x, sw, aux)
+    assert g.shape == (t, 384) and g.dtype == dtype
+    ref = reference.activation_grad(activation, aux.astype(jnp.float32), _reference(x, sw, None, None))
+    assert _rel_err(g, ref) < TOL[dtype]
+
+
+def test_fused_epilogue_rejects():
+    x, sw, bias = _make(key("fused-rejects"), 64, 512, 384, "2:4", jnp.bfloat16, with_bias=True)
+    with pytest.raises(ValueError, match="keep_preactivation needs an activation"):
+        calls.spmm(x, sw, bias, None, keep_preactivation=True)
+    with pytest.raises(ValueError, match="pre-activation must be"):
+        calls.spmm_activation_grad(x, sw, jnp.zeros((64, 128), jnp.bfloat16), "gelu")
+    with pytest.raises(ValueError, match="activation must be one of"):
+        calls.spmm(x, sw, bias, "tanh")

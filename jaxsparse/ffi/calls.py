@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsparse import reference
 from jaxsparse.ffi import register
 from jaxsparse.format import VNM, SparseWeight
 from jaxsparse.format import as_2_4 as format_as_2_4
@@ -154,6 +155,11 @@ def decompress(sw: SparseWeight) -> jax.Array:
     )
 
 
+# The handlers' `activation` attribute for each epilogue activation (jaxsparse.reference.ACTIVATIONS defines them;
+# cuda/mma_common.cuh Activate computes them).
+ACTIVATION_CODES = {None: 0, "gelu": 1, "gelu_erf": 2, "relu": 3}
+
+
 def _spmm_checks(name: str, sw: SparseWeight, dtype, bias: jax.Array | None, activation: str | None) -> None:
     """The checks both SpMM entry points share: operand dtype, the kernels' constraint list, bias, activation."""
     if sw.values.dtype != dtype:
@@ -164,21 +170,23 @@ def _spmm_checks(name: str, sw: SparseWeight, dtype, bias: jax.Array | None, act
     r = sw.shape[1]
     if bias is not None and (bias.shape != (r,) or bias.dtype not in (dtype, jnp.float32)):
         raise ValueError(f"{name}: bias must be [R] = [{r}] in {dtype} or float32, got {bias.shape} {bias.dtype}")
-    if activation not in (None, "gelu"):
-        raise ValueError(f"{name}: activation must be None or 'gelu', got {activation!r}")
+    if activation not in ACTIVATION_CODES:
+        raise ValueError(f"{name}: activation must be one of {list(ACTIVATION_CODES)}, got {activation!r}")
 
 
 def spmm(x: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activation: str | None = None,
-         x_layout: str | None = None, row_kernel: str | None = None) -> jax.Array:
-    """``act(x @ W + bias)`` on the GPU: ``x [T, K] -> [T, R]`` in ``x.dtype``.
+         x_layout: str | None = None, row_kernel: str | None = None, keep_preactivation: bool = False):
+    """``act(x @ W + bias)`` on the GPU: ``x [T, K] -> [T, R]`` in ``x.dtype``; with ``keep_preactivation`` the pair
+    ``(x @ W + bias, act(of it))``, both written by the Hopper kernels' epilogue (act_mode 1; the ``mma`` kernel writes
+    the first and XLA computes the second).
 
     ``x_layout`` (see :func:`spmm_x_layout`): ``"row"`` reads ``x`` as it is, with the kernel
     :func:`spmm_row_kernel` picks (``row_kernel``); ``"col"`` transposes ``x`` (:func:`transpose`) and runs the
     Hopper kernel :func:`spmm_from_xt`. Kernel constraints (``ValueError`` here, before anything is launched): ``x`` 2-D
     bf16/fp16 with the dtype of ``sw.values``; ``K`` equal to ``sw.shape[0]``; spec ``2:4`` (V = 1) or
     ``V:2:M`` with ``V`` in {64, 128} and ``M`` in {8, 16, 32}; ``R % 64 == 0``; ``K % (8*M) == 0``;
-    ``bias`` ``[R]`` in the input dtype or float32; ``activation`` None or ``"gelu"`` (tanh approximation).
-    Any ``T`` on the row route.
+    ``bias`` ``[R]`` in the input dtype or float32; ``activation`` one of ``ACTIVATION_CODES`` (``"gelu"`` is the tanh
+    approximation, ``"gelu_erf"`` the exact GELU; ``keep_preactivation`` needs one). Any ``T`` on the row route.
     """
     if x.ndim != 2:
         raise ValueError(f"spmm: x must be 2-D [T, K], got shape {x.shape}")
@@ -187,10 +195,14 @@ def spmm(x: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activati
     if x.shape[1] != k:
         raise ValueError(f"spmm: x has K = {x.shape[1]} but the weight has K = {k}")
     _spmm_checks("spmm", sw, x.dtype, bias, activation)
+    _check_act_mode("spmm", activation, keep_preactivation)
     if spmm_x_layout(x.shape[0], sw, x_layout) == "col":
-        return _spmm_xt_call(transpose(x), sw, bias, activation)
+        return _spmm_xt_call(transpose(x), sw, bias, activation, act_mode=int(keep_preactivation))
     if spmm_row_kernel(sw, row_kernel) == "tma":  # V:2:M through its 2:4 view (as_2_4)
-        return _spmm_xt_call(x, as_2_4(sw)[0], bias, activation, x_rows=True)
+        return _spmm_xt_call(x, as_2_4(sw)[0], bias, activation, x_rows=True, act_mode=int(keep_preactivation))
+    if keep_preactivation:
+        y = spmm(x, sw, bias, None, "row", "mma")
+        return y, _reference_activation(activation, y)
     b = bias if bias is not None else jnp.zeros((0,), x.dtype)
     return _call(
         "jaxsparse_spmm",
@@ -203,8 +215,39 @@ def spmm(x: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activati
         b,
         v=np.int32(spec.v),
         m=np.int32(spec.m),
-        activation=np.int32(0 if activation is None else 1),
+        activation=np.int32(ACTIVATION_CODES[activation]),
     )
+
+
+def _check_act_mode(name: str, activation: str | None, keep_preactivation: bool) -> None:
+    if keep_preactivation and activation is None:
+        raise ValueError(f"{name}: keep_preactivation needs an activation")
+
+
+def _reference_activation(activation: str, y: jax.Array) -> jax.Array:
+    return reference.ACTIVATIONS[activation](y.astype(jnp.float32)).astype(y.dtype)
+
+
+def spmm_activation_grad(x: jax.Array, sw: SparseWeight, preactivation: jax.Array, activation: str) -> jax.Array:
+    """``(x @ W) * act'(preactivation)`` on the GPU, ``[T, R]`` in ``x.dtype``: the input gradient of a feed-forward
+    block's second layer times its activation's derivative, which is the gradient of the first layer's
+    pre-activation. The product is rounded to ``x.dtype`` before the multiply, as an unfused product's output would
+    be. The Hopper kernels do the multiply in their epilogue (act_mode 2: the stores read ``preactivation`` where
+    they write); elsewhere XLA does it after :func:`spmm`. ``preactivation`` ``[T, R]`` in ``x.dtype``; no bias.
+    """
+    if x.ndim != 2 or x.shape[1] != sw.shape[0]:
+        raise ValueError(f"spmm_activation_grad: x must be [T, {sw.shape[0]}], got {x.shape}")
+    _spmm_checks("spmm_activation_grad", sw, x.dtype, None, activation)
+    if activation is None:
+        raise ValueError("spmm_activation_grad: needs an activation")
+    if preactivation.shape != (x.shape[0], sw.shape[1]) or preactivation.dtype != x.dtype:
+        raise ValueError(f"spmm_activation_grad: the pre-activation must be [{x.shape[0]}, {sw.shape[1]}] in {x.dtype}, "
+                         f"got {preactivation.shape} {preactivation.dtype}")
+    if spmm_x_layout(x.shape[0], sw) == "col":
+        return _spmm_xt_call(transpose(x), sw, None, activation, act_mode=2, aux=preactivation)
+    if spmm_row_kernel(sw) == "tma":
+        return _spmm_xt_call(x, as_2_4(sw)[0], None, activation, x_rows=True, act_mode=2, aux=preactivation)
+    return reference.activation_grad(activation, preactivation, spmm(x, sw))
 
 
 SPMM_X_LAYOUT_ENV = "JAXSPARSE_SPMM_X"
@@ -286,22 +329,27 @@ def spmm_xt_tile(tile: str | None = None) -> int:
 
 
 def spmm_from_xt(xt: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activation: str | None = None,
-                 tile: str | None = None) -> jax.Array:
+                 tile: str | None = None, keep_preactivation: bool = False):
     """:func:`spmm` from ``x^T [K, T]`` by the Hopper handler ``jaxsparse_spmm_xt`` (what ``x_layout="col"``
-    runs after :func:`transpose`): ``[T, R]`` in ``xt.dtype``. Needs ``T % 8 == 0``, ``R % 128 == 0`` and a
-    Hopper GPU with the sm_90a build, besides :func:`spmm`'s list. ``tile``: see :func:`spmm_xt_tile`."""
+    runs after :func:`transpose`): ``[T, R]`` in ``xt.dtype`` (a pair with ``keep_preactivation``, as :func:`spmm`).
+    Needs ``T % 8 == 0``, ``R % 128 == 0`` and a Hopper GPU with the sm_90a build, besides :func:`spmm`'s list.
+    ``tile``: see :func:`spmm_xt_tile`."""
     k, r = sw.shape
     if xt.ndim != 2 or xt.shape[0] != k:
         raise ValueError(f"spmm_from_xt: need x^T [{k}, T], got {xt.shape}")
     _spmm_checks("spmm_from_xt", sw, xt.dtype, bias, activation)
+    _check_act_mode("spmm_from_xt", activation, keep_preactivation)
     spmm_x_layout(xt.shape[1], sw, "col")  # raises ValueError naming the constraint the shapes miss
-    return _spmm_xt_call(xt, sw, bias, activation, tile)
+    return _spmm_xt_call(xt, sw, bias, activation, tile, act_mode=int(keep_preactivation))
 
 
 def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str | None = None,
-                  x_rows: bool = False) -> jax.Array:
-    """The ``jaxsparse_spmm_xt`` call, operands checked: ``xt`` is x^T [K, T], or x [T, K] with ``x_rows``."""
+                  x_rows: bool = False, act_mode: int = 0, aux: jax.Array | None = None):
+    """The ``jaxsparse_spmm_xt`` call, operands checked: ``xt`` is x^T [K, T], or x [T, K] with ``x_rows``.
+    ``act_mode`` 1 returns ``(pre-activation, activation)``; 2 multiplies by the activation's derivative at
+    ``aux`` (cuda/spmm_xt.cu)."""
     b = bias if bias is not None else jnp.zeros((0,), xt.dtype)
+    empty = jnp.zeros((0,), xt.dtype)
     tokens = xt.shape[0] if x_rows else xt.shape[1]
     name = _setting(tile, SPMM_XT_TILE_ENV)
     tile_id = spmm_xt_tile(name)
@@ -311,12 +359,14 @@ def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str |
     if x_rows and name not in SPMM_ROW_TILES:
         raise ValueError(f"spmm: the TMA row kernel reads x [T, K] with tile {', '.join(SPMM_ROW_TILES)}, got {name} "
                          f"({SPMM_XT_TILE_ENV}; or {SPMM_ROW_KERNEL_ENV}=mma)")
-    return _call(
-        "jaxsparse_spmm_xt", (tokens, sw.shape[1]), xt.dtype, xt, sw.values,
-        _columns_operand(sw), sw.metadata, b, v=np.int32(sw.spec.v), m=np.int32(sw.spec.m),
-        activation=np.int32(0 if activation is None else 1), tile=np.int32(tile_id),
-        x_rows=np.int32(x_rows),
+    out = ((tokens, sw.shape[1]), xt.dtype)
+    results = _call_results(
+        "jaxsparse_spmm_xt", [out, out if act_mode == 1 else ((0,), xt.dtype)], xt, sw.values,
+        _columns_operand(sw), sw.metadata, b, aux if act_mode == 2 else empty, v=np.int32(sw.spec.v),
+        m=np.int32(sw.spec.m), activation=np.int32(ACTIVATION_CODES[activation]), act_mode=np.int32(act_mode),
+        tile=np.int32(tile_id), x_rows=np.int32(x_rows),
     )
+    return tuple(results) if act_mode == 1 else results[0]
 
 
 SDDMM_SPLIT_ENV = "JAXSPARSE_SDDMM_SPLIT"

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from jaxsparse import ops
 from jaxsparse.nn import NMDense
 
 __all__ = [
@@ -58,6 +59,10 @@ class BertConfig:
     # tensor is ever written), XLA's product elsewhere; it has no dropout on the probabilities, so it
     # needs attention_probs_dropout_prob == 0.
     attention_impl: str = "softmax"
+    # Not a Hugging Face field either: with compressed sparse layers, run the FFN (intermediate -> act -> output)
+    # as one jaxsparse.ops.sparse_mlp, whose kernels fuse the activation and its gradient (hidden_act in
+    # FUSED_FFN_ACTIVATIONS). False keeps two sparse_linear calls and XLA's activation.
+    fuse_feed_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -125,6 +130,9 @@ ACTIVATIONS = {
     "relu": nn.relu,
 }
 
+# hidden_act -> the name jaxsparse.ops.sparse_mlp fuses it under (the same functions as ACTIVATIONS).
+FUSED_FFN_ACTIVATIONS = {"gelu": "gelu_erf", "gelu_new": "gelu", "relu": "relu"}
+
 
 class _Sparse(nn.Module):
     """Shared options of the encoder blocks."""
@@ -134,9 +142,22 @@ class _Sparse(nn.Module):
     compressed: bool = False
     dtype: Any = jnp.float32
 
-    def dense(self, features: int, name: str) -> NMDense:
+    def dense(self, features: int, name: str, return_operands: bool = False) -> NMDense:
         return NMDense(features, dtype=self.dtype, sparsity=self.sparsity, compressed=self.compressed,
-                       kernel_init=nn.initializers.normal(self.config.initializer_range), name=name)
+                       kernel_init=nn.initializers.normal(self.config.initializer_range), name=name,
+                       return_operands=return_operands)
+
+    def feed_forward(self, h: jax.Array) -> jax.Array:
+        """``output(act(intermediate(h)))``: one :func:`jaxsparse.ops.sparse_mlp` when the layers are compressed
+        (``config.fuse_feed_forward``), else two layers and the activation in between."""
+        cfg = self.config
+        if not (self.compressed and self.sparsity is not None and cfg.fuse_feed_forward):
+            return self.dense(cfg.hidden_size, "output")(ACTIVATIONS[cfg.hidden_act](
+                self.dense(cfg.intermediate_size, "intermediate")(h)))
+        sw1, b1 = self.dense(cfg.intermediate_size, "intermediate", return_operands=True)(h)
+        hidden = jax.ShapeDtypeStruct((*h.shape[:-1], cfg.intermediate_size), sw1.values.dtype)
+        sw2, b2 = self.dense(cfg.hidden_size, "output", return_operands=True)(hidden)
+        return ops.sparse_mlp(h.astype(sw1.values.dtype), sw1, b1, sw2, b2, FUSED_FFN_ACTIVATIONS[cfg.hidden_act])
 
     def norm(self, name: str) -> nn.LayerNorm:
         return nn.LayerNorm(epsilon=self.config.layer_norm_eps, dtype=self.dtype, name=name)
@@ -213,8 +234,7 @@ class BertLayer(_Sparse):
         cfg = self.config
         opts = dict(config=cfg, sparsity=self.sparsity, compressed=self.compressed, dtype=self.dtype)
         h = BertAttention(**opts, name="attention")(h, bias, deterministic)
-        ffn = ACTIVATIONS[cfg.hidden_act](self.dense(cfg.intermediate_size, "intermediate")(h))
-        out = self.dense(cfg.hidden_size, "output")(ffn)
+        out = self.feed_forward(h)
         out = nn.Dropout(cfg.hidden_dropout_prob)(out, deterministic=deterministic)
         return self.norm("LayerNorm")(out + h)
 
