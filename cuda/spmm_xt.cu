@@ -275,6 +275,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
   }
   __syncthreads();
 
+  if (p.act_mode == 2) PrefetchTileL2<T, BT, BR, kThreads>(p.aux, p.tokens, p.rows, tok0, row0, tid);
   float acc[NCH][NW / 2];
 #pragma unroll
   for (int c = 0; c < NCH; ++c)
@@ -492,6 +493,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     int it = 0;
     for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
       const int row0 = (tile % nfb) * BR, tok0 = (tile / nfb) * BT;
+      if (p.act_mode == 2) PrefetchTileL2<T, BT, BR, 256>(p.aux, p.tokens, p.rows, tok0, row0, ctid);
       float acc[NCH][NW / 2];
 #pragma unroll
       for (int c = 0; c < NCH; ++c)
