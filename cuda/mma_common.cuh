@@ -168,7 +168,7 @@ __device__ __forceinline__ float Activate(int act, float x) {
   }
 }
 
-// The activation's derivative at x (the input gradient's epilogue multiplies by it).
+// The activation's derivative at x (ActivateWithGrad gives both).
 __device__ __forceinline__ float ActivateGrad(int act, float x) {
   switch (act) {
     case 1: {
@@ -183,6 +183,18 @@ __device__ __forceinline__ float ActivateGrad(int act, float x) {
   }
 }
 
+// act(x) and act'(x) together, sharing the exact GELU's Phi(x).
+__device__ __forceinline__ void ActivateWithGrad(int act, float x, float& f, float& df) {
+  if (act == 2) {
+    const float phi_cdf = 0.5f * (1.f + erff(x * 0.7071067811865476f));
+    f = x * phi_cdf;
+    df = phi_cdf + x * 0.3989422804014327f * __expf(-0.5f * x * x);
+    return;
+  }
+  f = Activate(act, x);
+  df = ActivateGrad(act, x);
+}
+
 // The bias of output feature `row` as float: 0 without a bias, else read in the input dtype T or float32.
 template <typename T>
 __device__ __forceinline__ float BiasAt(const void* bias, int bias_f32, int row) {
@@ -190,8 +202,8 @@ __device__ __forceinline__ float BiasAt(const void* bias, int bias_f32, int row)
   return bias_f32 ? static_cast<const float*>(bias)[row] : ToFloat(static_cast<const T*>(bias)[row]);
 }
 
-// What a staged tile's store does besides copying it to y (StoreStagedTile): with `y2`, also write act(tile) there
-// (y keeps the pre-activation); with `aux` ([tokens, rows] like y), write tile * act'(aux) to y instead of the tile.
+// What a staged tile's store does besides copying it to y (StoreStagedTile): with `y2`, write act(tile) to y and
+// act'(tile) to y2 (the tile holds a pre-activation); with `aux` ([tokens, rows] like y), write tile * aux to y.
 struct StagedExtra {
   void* y2 = nullptr;
   const void* aux = nullptr;
@@ -201,9 +213,7 @@ struct StagedExtra {
 // Writes an output tile staged in shared memory as [BT tokens][BR features] (token rows `row_bytes` apart)
 // to y [tokens, rows] at (tok0, row0) with 16-byte stores (and `extra`'s loads and stores at the same places);
 // tokens past `tokens` are skipped.  Called by the THREADS threads numbered `thread` = 0..THREADS-1 after the
-// barrier that follows the staging.  The aux loads go kAuxBatch at a time, so that their latencies overlap (one
-// at a time, each store waited for its load: the 64:2:8 step's act_mode-2 products took 0.24 ms more each,
-// session 22).
+// barrier that follows the staging.  The aux loads go kAuxBatch at a time, so that their latencies overlap.
 template <typename T, int BT, int BR, int THREADS>
 __device__ __forceinline__ void StoreStagedTile(const unsigned char* tile, int row_bytes, T* __restrict__ y, int tokens,
                                                 int rows, int tok0, int row0, int thread,
@@ -231,7 +241,7 @@ __device__ __forceinline__ void StoreStagedTile(const unsigned char* tile, int r
         T* g = reinterpret_cast<T*>(&v4);
         const T* a = reinterpret_cast<const T*>(&a4[b]);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) g[j] = FromFloat<T>(ToFloat(g[j]) * ActivateGrad(extra.activation, ToFloat(a[j])));
+        for (int j = 0; j < 8; ++j) g[j] = FromFloat<T>(ToFloat(g[j]) * ToFloat(a[j]));
         *reinterpret_cast<uint4*>(y + at(i)) = v4;
       }
     }
@@ -240,13 +250,20 @@ __device__ __forceinline__ void StoreStagedTile(const unsigned char* tile, int r
   for (int i = thread; i < kTotal; i += THREADS) {
     if (tok0 + i / kChunks < tokens) {
       uint4 v4 = staged(i);
-      *reinterpret_cast<uint4*>(y + at(i)) = v4;
       if (extra.y2 != nullptr) {
+        uint4 d4;
         T* h = reinterpret_cast<T*>(&v4);
+        T* d = reinterpret_cast<T*>(&d4);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) h[j] = FromFloat<T>(Activate(extra.activation, ToFloat(h[j])));
-        *reinterpret_cast<uint4*>(static_cast<T*>(extra.y2) + at(i)) = v4;
+        for (int j = 0; j < 8; ++j) {
+          float f, df;
+          ActivateWithGrad(extra.activation, ToFloat(h[j]), f, df);
+          h[j] = FromFloat<T>(f);
+          d[j] = FromFloat<T>(df);
+        }
+        *reinterpret_cast<uint4*>(static_cast<T*>(extra.y2) + at(i)) = d4;
       }
+      *reinterpret_cast<uint4*>(y + at(i)) = v4;
     }
   }
 }

@@ -22,7 +22,7 @@ from jaxsparse.ffi.calls import spmm_unsupported
 from jaxsparse.format import SparseWeight, check_transpose_2_4_shape, decompress as _reference_decompress
 from jaxsparse.format import transpose_2_4 as format_transpose_2_4
 
-__all__ = ["decompress", "transpose_2_4", "spmm", "sddmm", "spmm_t", "spmm_t_activation_grad", "dx_route",
+__all__ = ["decompress", "transpose_2_4", "spmm", "sddmm", "spmm_t", "spmm_t_scaled", "dx_route",
            "dx_route_scope", "linear_x_layout", "sparse_linear", "sparse_mlp", "FUSED_ACTIVATIONS", "masked_linear",
            "spmm_unsupported"]
 
@@ -176,32 +176,33 @@ def _transposed_dx(dy: jax.Array, sw: SparseWeight) -> jax.Array:
     return spmm(dy, transpose_2_4(sw))
 
 
-def spmm_t_activation_grad(dy: jax.Array, sw: SparseWeight, preactivation: jax.Array, activation: str,
-                           route: Optional[str] = None) -> jax.Array:
-    """``(dy @ W^T) * act'(preactivation)``: the input gradient of a layer whose input was ``act(preactivation)``,
-    carried back through the activation (``[..., K]``, like ``preactivation``).
+def spmm_t_scaled(dy: jax.Array, sw: SparseWeight, scale: jax.Array, route: Optional[str] = None) -> jax.Array:
+    """``(dy @ W^T) * scale`` (``[..., K]``, like ``scale``): with ``scale = act'(z)``, the input gradient of a layer
+    whose input was ``act(z)``, carried back through the activation to ``z``.
 
-    On the ``"transposed"`` route of :func:`dx_route` the GPU does the multiply in the product's epilogue (the
-    Hopper kernels' act_mode 2), so ``dy @ W^T`` is never written; otherwise XLA multiplies after :func:`spmm_t`.
+    On the ``"transposed"`` route of :func:`dx_route` the GPU multiplies in the product's epilogue (the Hopper
+    kernels' act_mode 2), so ``dy @ W^T`` is never written; otherwise XLA multiplies after :func:`spmm_t`.
     """
     _check_weight(sw)
     _check_activation(dy, sw, "dy", sw.shape[1])
-    if activation not in FUSED_ACTIVATIONS:
-        raise ValueError(f"activation must be one of {FUSED_ACTIVATIONS}, got {activation!r}")
-    if preactivation.shape != (*dy.shape[:-1], sw.shape[0]) or preactivation.dtype != dy.dtype:
-        raise ValueError(f"the pre-activation must be {(*dy.shape[:-1], sw.shape[0])} in {dy.dtype}, got "
-                         f"{preactivation.shape} {preactivation.dtype}")
+    if scale.shape != (*dy.shape[:-1], sw.shape[0]) or scale.dtype != dy.dtype:
+        raise ValueError(f"the scale must be {(*dy.shape[:-1], sw.shape[0])} in {dy.dtype}, got "
+                         f"{scale.shape} {scale.dtype}")
     route = dx_route(route)
-    dy2, a2 = _flatten(dy), _flatten(preactivation)
+    dy2, s2 = _flatten(dy), _flatten(scale)
     if route == "transposed":
         wt = transpose_2_4(sw)
-        ref = lambda d, w, a: reference.activation_grad(activation, a, reference.spmm(d, w))
-        cuda = lambda d, w, a: cuda_calls.spmm_activation_grad(d, w, a, activation)
+        ref = lambda d, w, c: _times(reference.spmm(d, w), c)
         with jax.named_scope("jaxsparse_spmm_t"):
-            dx = dispatch.call("spmm", ref, cuda, dy2, wt, a2, unsupported=spmm_unsupported(wt))
+            dx = dispatch.call("spmm", ref, cuda_calls.spmm_scaled, dy2, wt, s2, unsupported=spmm_unsupported(wt))
     else:
-        dx = reference.activation_grad(activation, a2, spmm_t(dy2, sw, route))
-    return dx.reshape(preactivation.shape)
+        dx = _times(spmm_t(dy2, sw, route), s2)
+    return dx.reshape(scale.shape)
+
+
+def _times(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a * b`` in float32, in ``a``'s dtype."""
+    return (a.astype(jnp.float32) * b.astype(jnp.float32)).astype(a.dtype)
 
 
 # ----------------------------------------------------------------------------- the layer product
@@ -314,16 +315,18 @@ approximation, ``"gelu_erf"`` the exact GELU)."""
 
 
 def _forward_keeping_x(x2: jax.Array, sw: SparseWeight, bias: Optional[jax.Array], activation: Optional[str] = None,
-                       keep_preactivation: bool = False):
+                       with_derivative: bool = False):
     """One layer's forward on the route :func:`sparse_linear` takes (:func:`linear_x_layout`), and what its SDDMM
     reads: ``(out, x)``, or ``(out, x^T)`` on the ``"col"`` route. ``out`` is ``act(x @ W + bias)``, or with
-    ``keep_preactivation`` the pair ``(x @ W + bias, act(of it))``, both from the kernel's epilogue on a GPU."""
+    ``with_derivative`` the pair ``(act(z), act'(z))`` for ``z = x @ W + bias``, both from the kernel's epilogue on a
+    GPU (``z`` is rounded to the input dtype first, as the product's output would be)."""
     col = linear_x_layout(x2.shape[0], sw) == "col"
 
     def ref(x, s, b):
-        if keep_preactivation:
-            a = reference.spmm(x, s, b)
-            out = (a, reference.ACTIVATIONS[activation](a.astype(jnp.float32)).astype(a.dtype))
+        if with_derivative:
+            z = reference.spmm(x, s, b)
+            act = reference.ACTIVATIONS[activation](z.astype(jnp.float32)).astype(z.dtype)
+            out = (act, reference.activation_derivative(activation, z))
         else:
             out = reference.spmm(x, s, b, activation)
         return out, (x.T if col else x)
@@ -331,8 +334,8 @@ def _forward_keeping_x(x2: jax.Array, sw: SparseWeight, bias: Optional[jax.Array
     def cuda(x, s, b):
         if col:
             xt = cuda_calls.transpose(x)
-            return cuda_calls.spmm_from_xt(xt, s, b, activation, keep_preactivation=keep_preactivation), xt
-        return cuda_calls.spmm(x, s, b, activation, x_layout="row", keep_preactivation=keep_preactivation), x
+            return cuda_calls.spmm_from_xt(xt, s, b, activation, with_derivative=with_derivative), xt
+        return cuda_calls.spmm(x, s, b, activation, x_layout="row", with_derivative=with_derivative), x
 
     with jax.named_scope("jaxsparse_spmm"):
         return dispatch.call("spmm", ref, cuda, x2, sw, bias, unsupported=spmm_unsupported(sw))
@@ -346,9 +349,9 @@ def _sddmm_kept(kept: jax.Array, dy: jax.Array, sw: SparseWeight) -> jax.Array:
 
 
 def _mlp_fwd(x2, sw1, b1, sw2, b2, activation):
-    (a, h), x_kept = _forward_keeping_x(x2, sw1, b1, activation, keep_preactivation=True)
+    (h, dact), x_kept = _forward_keeping_x(x2, sw1, b1, activation, with_derivative=True)
     y, h_kept = _forward_keeping_x(h, sw2, b2)
-    return y, (x_kept, a, h_kept, sw1, b1, sw2, b2)
+    return y, (x_kept, dact, h_kept, sw1, b1, sw2, b2)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -358,10 +361,10 @@ def _mlp(x2, sw1, b1, sw2, b2, activation):
 
 
 def _mlp_bwd(activation, residuals, dy):
-    x_kept, a, h_kept, sw1, b1, sw2, b2 = residuals
+    x_kept, dact, h_kept, sw1, b1, sw2, b2 = residuals
     dsw2, db2 = _weight_cotangents(dy, sw2, b2, _sddmm_kept(h_kept, dy, sw2))
-    da = spmm_t_activation_grad(dy, sw2, a, activation)
-    dx, dsw1, db1 = _cotangents(da, sw1, b1, _sddmm_kept(x_kept, da, sw1))
+    dz = spmm_t_scaled(dy, sw2, dact)
+    dx, dsw1, db1 = _cotangents(dz, sw1, b1, _sddmm_kept(x_kept, dz, sw1))
     return dx, dsw1, db1, dsw2, db2
 
 
@@ -373,10 +376,10 @@ def sparse_mlp(x: jax.Array, sw1: SparseWeight, b1: Optional[jax.Array], sw2: Sp
     """A feed-forward block ``act(x @ W1 + b1) @ W2 + b2`` of two compressed weights, differentiable in ``x``, both
     weights' values and both biases: :func:`sparse_linear` twice with the activation fused into the kernels.
 
-    The first product's epilogue writes the pre-activation and the activation (the second product's input) in one
-    pass; the backward multiplies the second layer's input gradient by ``act'`` in its product's epilogue on the
-    ``"transposed"`` dX route (:func:`spmm_t_activation_grad`). XLA's separate elementwise passes over the
-    ``[tokens, F]`` activations (the activation and its gradient) are gone.
+    The first product's epilogue writes the activation (the second product's input) and its derivative (kept for
+    the backward) in one pass; the backward multiplies the second layer's input gradient by that derivative in its
+    product's epilogue on the ``"transposed"`` dX route (:func:`spmm_t_scaled`). XLA's separate elementwise passes
+    over the ``[tokens, F]`` activations (the activation, and its gradient) are gone.
 
     Args:
       x: ``[..., K]`` in the values' dtype.

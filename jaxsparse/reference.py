@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jaxsparse.format import SparseWeight, compress_like, decompress
 
-__all__ = ["ACTIVATIONS", "activation_grad", "spmm", "sddmm", "spmm_t", "bias_grad"]
+__all__ = ["ACTIVATIONS", "activation_derivative", "spmm", "sddmm", "spmm_t", "bias_grad"]
 
 # Epilogue activations the kernels fuse; "gelu" is the tanh approximation, "gelu_erf" the exact GELU.
 ACTIVATIONS = {
@@ -24,10 +24,10 @@ ACTIVATIONS = {
 }
 
 
-def activation_grad(activation: str, preactivation: jax.Array, grad: jax.Array) -> jax.Array:
-    """``grad * act'(preactivation)`` (the activation's VJP, in float32), in ``grad``'s dtype."""
-    _, vjp = jax.vjp(ACTIVATIONS[activation], preactivation.astype(jnp.float32))
-    return vjp(grad.astype(jnp.float32))[0].astype(grad.dtype)
+def activation_derivative(activation: str, z: jax.Array) -> jax.Array:
+    """``act'(z)`` elementwise (the activation's JVP along ones, in float32), in ``z``'s dtype."""
+    z32 = z.astype(jnp.float32)
+    return jax.jvp(ACTIVATIONS[activation], (z32,), (jnp.ones_like(z32),))[1].astype(z.dtype)
 
 
 def spmm(x: jax.Array, sw: SparseWeight, bias: Optional[jax.Array] = None, activation: Optional[str] = None) -> jax.Array:

@@ -276,16 +276,16 @@ def test_spmm_xt_repeatable_and_routes():
 
 # ----------------------------------------------------------------------------- the feed-forward epilogues
 #
-# act_mode 1 (the pre-activation and act(it), both written by the epilogue) and act_mode 2 (the product times
-# act'(aux)), on each route the layer products take: the mma row kernel (XLA does the extra work there), the TMA row
-# kernel (2:4, and 64:2:8 through its 2:4 view) and the x^T kernel with a warp-specialized and a plain tile.
+# act_mode 1 (act(z) and act'(z), both written by the epilogue) and act_mode 2 (the product times a scale), on each
+# route the layer products take: the mma row kernel (XLA does the extra work there), the TMA row kernel (2:4, and
+# 64:2:8 through its 2:4 view) and the x^T kernel with a warp-specialized and a plain tile.
 
 FUSED_ROUTES = [("2:4", "row-mma"), ("2:4", "row-tma"), ("64:2:8", "row-tma"), ("128:2:16", "xt-auto"),
                 ("128:2:16", "xt-128x128"), ("64:2:8", "xt-64x128")]
 
 
 def _fused_route(monkeypatch, route: str) -> None:
-    """Sends calls.spmm and calls.spmm_activation_grad down ``route`` (through the environment they read)."""
+    """Sends calls.spmm and calls.spmm_scaled down ``route`` (through the environment they read)."""
     if route.startswith("row-"):
         monkeypatch.setenv(calls.SPMM_X_LAYOUT_ENV, "row")
         monkeypatch.setenv(calls.SPMM_ROW_KERNEL_ENV, route.removeprefix("row-"))
@@ -305,47 +305,40 @@ def _rel_err(out, ref) -> float:
 @xt_marks
 @pytest.mark.parametrize("spec, route", FUSED_ROUTES)
 @pytest.mark.parametrize("activation", ["gelu_erf", "gelu", "relu"])
-def test_spmm_keep_preactivation(monkeypatch, spec, route, activation):
-    """``keep_preactivation``: the pre-activation (bias included) and act(it); a token tail (1000 = 3 x 256 + 232)."""
+def test_spmm_with_derivative(monkeypatch, spec, route, activation):
+    """``with_derivative``: act(z) and act'(z) for z = x W + b; a token tail (1000 = 3 x 256 + 232)."""
     from jaxsparse import reference
 
     _fused_route(monkeypatch, route)
     dtype, t = jnp.bfloat16, 1000
-    x, sw, bias = _make(key("keep-pre", spec, route, activation), t, 512, 384, spec, dtype, with_bias=True)
+    x, sw, bias = _make(key("with-deriv", spec, route, activation), t, 512, 384, spec, dtype, with_bias=True)
     poison((2, t, 384), dtype)
-    a, h = jax.jit(lambda x, sw, b: calls.spmm(x, sw, b, activation, keep_preactivation=True))(x, sw, bias)
-    assert a.shape == h.shape == (t, 384) and a.dtype == h.dtype == dtype
-    pre = _reference(x, sw, bias, None)
-    assert _rel_err(a, pre) < TOL[dtype]
-    act = reference.ACTIVATIONS[activation]
-    assert _rel_err(h, act(pre)) < TOL[dtype]
-    # From the kernel's own rounded pre-activation, the activation is exact up to one rounding.
-    assert _rel_err(h, act(a.astype(jnp.float32))) < 4e-3
+    h, d = jax.jit(lambda x, sw, b: calls.spmm(x, sw, b, activation, with_derivative=True))(x, sw, bias)
+    assert h.shape == d.shape == (t, 384) and h.dtype == d.dtype == dtype
+    z = _reference(x, sw, bias, None)
+    assert _rel_err(h, reference.ACTIVATIONS[activation](z)) < TOL[dtype]
+    assert _rel_err(d, reference.activation_derivative(activation, z)) < TOL[dtype]
 
 
 @xt_marks
 @pytest.mark.parametrize("spec, route", FUSED_ROUTES)
-@pytest.mark.parametrize("activation", ["gelu_erf", "gelu", "relu"])
-def test_spmm_activation_grad(monkeypatch, spec, route, activation):
-    """``(x @ W) * act'(aux)`` against the float32 product times the activation's VJP (a token tail again)."""
-    from jaxsparse import reference
-
+def test_spmm_scaled(monkeypatch, spec, route):
+    """``(x @ W) * scale`` against the float32 product times the scale (a token tail again)."""
     _fused_route(monkeypatch, route)
     dtype, t = jnp.bfloat16, 1000
-    x, sw, _ = _make(key("act-grad", spec, route, activation), t, 512, 384, spec, dtype, with_bias=False)
-    aux = jax.random.normal(key("act-grad-aux", spec, route, activation), (t, 384), jnp.float32).astype(dtype)
+    x, sw, _ = _make(key("scaled", spec, route), t, 512, 384, spec, dtype, with_bias=False)
+    scale = jax.random.uniform(key("scaled-by", spec, route), (t, 384), jnp.float32, -0.2, 1.2).astype(dtype)
     poison((t, 384), dtype)
-    g = jax.jit(lambda x, sw, a: calls.spmm_activation_grad(x, sw, a, activation))(x, sw, aux)
+    g = jax.jit(calls.spmm_scaled)(x, sw, scale)
     assert g.shape == (t, 384) and g.dtype == dtype
-    ref = reference.activation_grad(activation, aux.astype(jnp.float32), _reference(x, sw, None, None))
-    assert _rel_err(g, ref) < TOL[dtype]
+    assert _rel_err(g, _reference(x, sw, None, None) * scale.astype(jnp.float32)) < TOL[dtype]
 
 
 def test_fused_epilogue_rejects():
     x, sw, bias = _make(key("fused-rejects"), 64, 512, 384, "2:4", jnp.bfloat16, with_bias=True)
-    with pytest.raises(ValueError, match="keep_preactivation needs an activation"):
-        calls.spmm(x, sw, bias, None, keep_preactivation=True)
-    with pytest.raises(ValueError, match="pre-activation must be"):
-        calls.spmm_activation_grad(x, sw, jnp.zeros((64, 128), jnp.bfloat16), "gelu")
+    with pytest.raises(ValueError, match="with_derivative needs an activation"):
+        calls.spmm(x, sw, bias, None, with_derivative=True)
+    with pytest.raises(ValueError, match="the scale must be"):
+        calls.spmm_scaled(x, sw, jnp.zeros((64, 128), jnp.bfloat16))
     with pytest.raises(ValueError, match="activation must be one of"):
         calls.spmm(x, sw, bias, "tanh")

@@ -175,10 +175,10 @@ def _spmm_checks(name: str, sw: SparseWeight, dtype, bias: jax.Array | None, act
 
 
 def spmm(x: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activation: str | None = None,
-         x_layout: str | None = None, row_kernel: str | None = None, keep_preactivation: bool = False):
-    """``act(x @ W + bias)`` on the GPU: ``x [T, K] -> [T, R]`` in ``x.dtype``; with ``keep_preactivation`` the pair
-    ``(x @ W + bias, act(of it))``, both written by the Hopper kernels' epilogue (act_mode 1; the ``mma`` kernel writes
-    the first and XLA computes the second).
+         x_layout: str | None = None, row_kernel: str | None = None, with_derivative: bool = False):
+    """``act(x @ W + bias)`` on the GPU: ``x [T, K] -> [T, R]`` in ``x.dtype``; with ``with_derivative`` the pair
+    ``(act(z), act'(z))`` for ``z = x @ W + bias``, both written by the Hopper kernels' epilogue (act_mode 1; after the
+    ``mma`` kernel XLA computes them).
 
     ``x_layout`` (see :func:`spmm_x_layout`): ``"row"`` reads ``x`` as it is, with the kernel
     :func:`spmm_row_kernel` picks (``row_kernel``); ``"col"`` transposes ``x`` (:func:`transpose`) and runs the
@@ -186,7 +186,7 @@ def spmm(x: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activati
     bf16/fp16 with the dtype of ``sw.values``; ``K`` equal to ``sw.shape[0]``; spec ``2:4`` (V = 1) or
     ``V:2:M`` with ``V`` in {64, 128} and ``M`` in {8, 16, 32}; ``R % 64 == 0``; ``K % (8*M) == 0``;
     ``bias`` ``[R]`` in the input dtype or float32; ``activation`` one of ``ACTIVATION_CODES`` (``"gelu"`` is the tanh
-    approximation, ``"gelu_erf"`` the exact GELU; ``keep_preactivation`` needs one). Any ``T`` on the row route.
+    approximation, ``"gelu_erf"`` the exact GELU; ``with_derivative`` needs one). Any ``T`` on the row route.
     """
     if x.ndim != 2:
         raise ValueError(f"spmm: x must be 2-D [T, K], got shape {x.shape}")
@@ -195,14 +195,14 @@ def spmm(x: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activati
     if x.shape[1] != k:
         raise ValueError(f"spmm: x has K = {x.shape[1]} but the weight has K = {k}")
     _spmm_checks("spmm", sw, x.dtype, bias, activation)
-    _check_act_mode("spmm", activation, keep_preactivation)
+    _check_act_mode("spmm", activation, with_derivative)
     if spmm_x_layout(x.shape[0], sw, x_layout) == "col":
-        return _spmm_xt_call(transpose(x), sw, bias, activation, act_mode=int(keep_preactivation))
+        return _spmm_xt_call(transpose(x), sw, bias, activation, act_mode=int(with_derivative))
     if spmm_row_kernel(sw, row_kernel) == "tma":  # V:2:M through its 2:4 view (as_2_4)
-        return _spmm_xt_call(x, as_2_4(sw)[0], bias, activation, x_rows=True, act_mode=int(keep_preactivation))
-    if keep_preactivation:
-        y = spmm(x, sw, bias, None, "row", "mma")
-        return y, _reference_activation(activation, y)
+        return _spmm_xt_call(x, as_2_4(sw)[0], bias, activation, x_rows=True, act_mode=int(with_derivative))
+    if with_derivative:
+        z = spmm(x, sw, bias, None, "row", "mma")
+        return _reference_activation(activation, z), reference.activation_derivative(activation, z)
     b = bias if bias is not None else jnp.zeros((0,), x.dtype)
     return _call(
         "jaxsparse_spmm",
@@ -219,35 +219,33 @@ def spmm(x: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activati
     )
 
 
-def _check_act_mode(name: str, activation: str | None, keep_preactivation: bool) -> None:
-    if keep_preactivation and activation is None:
-        raise ValueError(f"{name}: keep_preactivation needs an activation")
+def _check_act_mode(name: str, activation: str | None, with_derivative: bool) -> None:
+    if with_derivative and activation is None:
+        raise ValueError(f"{name}: with_derivative needs an activation")
 
 
 def _reference_activation(activation: str, y: jax.Array) -> jax.Array:
     return reference.ACTIVATIONS[activation](y.astype(jnp.float32)).astype(y.dtype)
 
 
-def spmm_activation_grad(x: jax.Array, sw: SparseWeight, preactivation: jax.Array, activation: str) -> jax.Array:
-    """``(x @ W) * act'(preactivation)`` on the GPU, ``[T, R]`` in ``x.dtype``: the input gradient of a feed-forward
-    block's second layer times its activation's derivative, which is the gradient of the first layer's
-    pre-activation. The product is rounded to ``x.dtype`` before the multiply, as an unfused product's output would
-    be. The Hopper kernels do the multiply in their epilogue (act_mode 2: the stores read ``preactivation`` where
-    they write); elsewhere XLA does it after :func:`spmm`. ``preactivation`` ``[T, R]`` in ``x.dtype``; no bias.
+def spmm_scaled(x: jax.Array, sw: SparseWeight, scale: jax.Array) -> jax.Array:
+    """``(x @ W) * scale`` on the GPU, ``[T, R]`` in ``x.dtype`` (the product is rounded to ``x.dtype`` before the
+    multiply, as an unfused product's output would be): the input gradient of a feed-forward block's second layer
+    times ``act'(z)`` of its first (from :func:`spmm` ``with_derivative``) is the gradient of that ``z``. The Hopper
+    kernels multiply in their epilogue (act_mode 2: the stores read ``scale`` where they write); elsewhere XLA
+    multiplies after :func:`spmm`. ``scale`` ``[T, R]`` in ``x.dtype``.
     """
     if x.ndim != 2 or x.shape[1] != sw.shape[0]:
-        raise ValueError(f"spmm_activation_grad: x must be [T, {sw.shape[0]}], got {x.shape}")
-    _spmm_checks("spmm_activation_grad", sw, x.dtype, None, activation)
-    if activation is None:
-        raise ValueError("spmm_activation_grad: needs an activation")
-    if preactivation.shape != (x.shape[0], sw.shape[1]) or preactivation.dtype != x.dtype:
-        raise ValueError(f"spmm_activation_grad: the pre-activation must be [{x.shape[0]}, {sw.shape[1]}] in {x.dtype}, "
-                         f"got {preactivation.shape} {preactivation.dtype}")
+        raise ValueError(f"spmm_scaled: x must be [T, {sw.shape[0]}], got {x.shape}")
+    _spmm_checks("spmm_scaled", sw, x.dtype, None, None)
+    if scale.shape != (x.shape[0], sw.shape[1]) or scale.dtype != x.dtype:
+        raise ValueError(f"spmm_scaled: the scale must be [{x.shape[0]}, {sw.shape[1]}] in {x.dtype}, "
+                         f"got {scale.shape} {scale.dtype}")
     if spmm_x_layout(x.shape[0], sw) == "col":
-        return _spmm_xt_call(transpose(x), sw, None, activation, act_mode=2, aux=preactivation)
+        return _spmm_xt_call(transpose(x), sw, None, None, act_mode=2, aux=scale)
     if spmm_row_kernel(sw) == "tma":
-        return _spmm_xt_call(x, as_2_4(sw)[0], None, activation, x_rows=True, act_mode=2, aux=preactivation)
-    return reference.activation_grad(activation, preactivation, spmm(x, sw))
+        return _spmm_xt_call(x, as_2_4(sw)[0], None, None, x_rows=True, act_mode=2, aux=scale)
+    return (spmm(x, sw).astype(jnp.float32) * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 SPMM_X_LAYOUT_ENV = "JAXSPARSE_SPMM_X"
@@ -329,25 +327,24 @@ def spmm_xt_tile(tile: str | None = None) -> int:
 
 
 def spmm_from_xt(xt: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activation: str | None = None,
-                 tile: str | None = None, keep_preactivation: bool = False):
+                 tile: str | None = None, with_derivative: bool = False):
     """:func:`spmm` from ``x^T [K, T]`` by the Hopper handler ``jaxsparse_spmm_xt`` (what ``x_layout="col"``
-    runs after :func:`transpose`): ``[T, R]`` in ``xt.dtype`` (a pair with ``keep_preactivation``, as :func:`spmm`).
+    runs after :func:`transpose`): ``[T, R]`` in ``xt.dtype`` (a pair with ``with_derivative``, as :func:`spmm`).
     Needs ``T % 8 == 0``, ``R % 128 == 0`` and a Hopper GPU with the sm_90a build, besides :func:`spmm`'s list.
     ``tile``: see :func:`spmm_xt_tile`."""
     k, r = sw.shape
     if xt.ndim != 2 or xt.shape[0] != k:
         raise ValueError(f"spmm_from_xt: need x^T [{k}, T], got {xt.shape}")
     _spmm_checks("spmm_from_xt", sw, xt.dtype, bias, activation)
-    _check_act_mode("spmm_from_xt", activation, keep_preactivation)
+    _check_act_mode("spmm_from_xt", activation, with_derivative)
     spmm_x_layout(xt.shape[1], sw, "col")  # raises ValueError naming the constraint the shapes miss
-    return _spmm_xt_call(xt, sw, bias, activation, tile, act_mode=int(keep_preactivation))
+    return _spmm_xt_call(xt, sw, bias, activation, tile, act_mode=int(with_derivative))
 
 
 def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str | None = None,
                   x_rows: bool = False, act_mode: int = 0, aux: jax.Array | None = None):
     """The ``jaxsparse_spmm_xt`` call, operands checked: ``xt`` is x^T [K, T], or x [T, K] with ``x_rows``.
-    ``act_mode`` 1 returns ``(pre-activation, activation)``; 2 multiplies by the activation's derivative at
-    ``aux`` (cuda/spmm_xt.cu)."""
+    ``act_mode`` 1 returns ``(act(z), act'(z))``; 2 multiplies the product by ``aux`` (cuda/spmm_xt.cu)."""
     b = bias if bias is not None else jnp.zeros((0,), xt.dtype)
     empty = jnp.zeros((0,), xt.dtype)
     tokens = xt.shape[0] if x_rows else xt.shape[1]
