@@ -80,7 +80,8 @@ def run_config(cfg: dict, turn: dict | None = None) -> dict:
 
     transposable = bool(cfg.get("transposable")) and cfg["sparsity"] != "dense"
     step_cfg = StepConfig(cfg["model"], cfg["sparsity"], cfg["batch_size"], cfg["seq_len"], cfg["dtype"],
-                          attention=cfg.get("attention", "softmax"), transposable=transposable)
+                          attention=cfg.get("attention", "softmax"), transposable=transposable,
+                          fuse_feed_forward=cfg.get("fuse_feed_forward", True))
     # An in-process run's other configurations keep their own dX route.
     with ops.dx_route_scope("transposed" if transposable else None):
         return _time_step(step_cfg, cfg, turn)
@@ -308,6 +309,9 @@ def main(argv=None) -> int:
     ap.add_argument("--transposable", action="store_true",
                     help="sparse configurations choose transposable masks and run dX as the 2:4 forward product of "
                          "W^T (JAXSPARSE_DX=transposed)")
+    ap.add_argument("--unfused-ffn", action="store_true",
+                    help="compressed FFNs as two layers and XLA's activation (BertConfig.fuse_feed_forward=False), "
+                         "instead of one jaxsparse.ops.sparse_mlp with the activation in the kernels")
     ap.add_argument("--worker-timeout", type=float, default=900.0, help="seconds per worker (--concurrent: all)")
     ap.add_argument("--out", default=None, help="json path (default benchmarks/results/<gpu>/train_step[_quick].json)")
     ap.add_argument("--plot", default=None, help="png path (default docs/train_step.png; none in --quick)")
@@ -335,6 +339,7 @@ def main(argv=None) -> int:
             for s in sparsities:
                 configs.append({"model": model, "seq_len": seq, "batch_size": batch, "sparsity": s, "dtype": a.dtype,
                                 "attention": a.attention, "steps": steps, "warmup": warmup,
+                                "fuse_feed_forward": not a.unfused_ffn,
                                 **({"transposable": True} if a.transposable and s != "dense" else {})})
     t0 = time.time()
     if a.concurrent and not a.in_process:

@@ -51,6 +51,8 @@ class StepConfig:
       transposable: choose transposable masks (``jaxsparse.format.select_mask``'s option). The input gradient
         takes the ``"transposed"`` route only where ``JAXSPARSE_DX=transposed`` is set when the step is traced
         (``benchmarks/train_step.py --transposable`` sets it).
+      fuse_feed_forward: :attr:`jaxsparse.models.bert.BertConfig.fuse_feed_forward` (compressed FFNs as one
+        :func:`jaxsparse.ops.sparse_mlp`, the activation in the kernels' epilogues).
     """
 
     model: str = "tiny"
@@ -62,6 +64,7 @@ class StepConfig:
     seed: int = 0
     attention: str = "softmax"
     transposable: bool = False
+    fuse_feed_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.model not in bert.PRESETS:
@@ -78,9 +81,8 @@ class StepConfig:
 
     def bert_config(self) -> bert.BertConfig:
         """The preset's :class:`~jaxsparse.models.bert.BertConfig` with this attention."""
-        if self.attention == "fused":
-            return bert.BertConfig.preset(self.model, attention_probs_dropout_prob=0.0, attention_impl="fused")
-        return bert.BertConfig.preset(self.model)
+        fused = dict(attention_probs_dropout_prob=0.0, attention_impl="fused") if self.attention == "fused" else {}
+        return bert.BertConfig.preset(self.model, fuse_feed_forward=self.fuse_feed_forward, **fused)
 
 
 @dataclasses.dataclass
