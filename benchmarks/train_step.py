@@ -230,6 +230,13 @@ def add_relative(rows: list[dict]) -> None:
                                 if ok and r.get("peak_bytes") and dense.get("peak_bytes") else None)
 
 
+def _ffn(r: dict) -> str:
+    """How a row's FFNs ran: ``fused`` (one sparse_mlp), ``unfused``, or ``-`` where no layer is compressed."""
+    if r.get("mode") != "compressed":
+        return "-"
+    return "fused" if r.get("fuse_feed_forward", True) else "unfused"
+
+
 def print_table(rows: list[dict]) -> None:
     out = []
     for r in rows:
@@ -239,7 +246,7 @@ def print_table(rows: list[dict]) -> None:
             continue
         out.append({
             "model": r["model"], "seq": r["seq_len"], "batch": r["batch_size"], "sparsity": r["sparsity"],
-            "attention": r.get("attention", "softmax"), "mode": r["mode"], "step ms": f"{r['step_ms']:.2f}", "tokens/s": f"{r['tokens_per_s']:.0f}",
+            "attention": r.get("attention", "softmax"), "ffn": _ffn(r), "mode": r["mode"], "step ms": f"{r['step_ms']:.2f}", "tokens/s": f"{r['tokens_per_s']:.0f}",
             "peak GiB": f"{r['peak_bytes'] / 2**30:.2f}" if r.get("peak_bytes") else "n/a",
             "speedup": f"{r['speedup_vs_dense']:.3f}x" if r.get("speedup_vs_dense") else "-",
             "pipelined ms": f"{r['step_ms_pipelined']:.2f}" if r.get("step_ms_pipelined") else "n/a",
@@ -247,7 +254,7 @@ def print_table(rows: list[dict]) -> None:
                                   else "-"),
             "memory": f"{r['memory_vs_dense']:.3f}x" if r.get("memory_vs_dense") else "-",
         })
-    print(common.table(out, ["model", "seq", "batch", "sparsity", "attention", "mode", "step ms", "tokens/s", "peak GiB",
+    print(common.table(out, ["model", "seq", "batch", "sparsity", "attention", "ffn", "mode", "step ms", "tokens/s", "peak GiB",
                              "speedup", "pipelined ms", "speedup pipelined", "memory"]))
     for r in rows:
         if r.get("mode") == "masked":
@@ -266,7 +273,8 @@ def plot(rows: list[dict], path: str) -> str | None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     groups = sorted({(r["model"], r["seq_len"], r["batch_size"]) for r in rows})
     for g in groups:
-        sel = [r for r in rows if (r["model"], r["seq_len"], r["batch_size"]) == g and "error" not in r]
+        sel = [r for r in rows if (r["model"], r["seq_len"], r["batch_size"]) == g and "error" not in r
+               and r.get("fuse_feed_forward", True)]
         xs = [SPARSITIES.index(r["sparsity"]) if r["sparsity"] in SPARSITIES else i for i, r in enumerate(sel)]
         label = f"{g[0]} seq {g[1]} batch {g[2]}"
         ax1.plot(xs, [r["speedup_vs_dense"] or float("nan") for r in sel], "o-", label=label)
@@ -309,9 +317,10 @@ def main(argv=None) -> int:
     ap.add_argument("--transposable", action="store_true",
                     help="sparse configurations choose transposable masks and run dX as the 2:4 forward product of "
                          "W^T (JAXSPARSE_DX=transposed)")
-    ap.add_argument("--unfused-ffn", action="store_true",
-                    help="compressed FFNs as two layers and XLA's activation (BertConfig.fuse_feed_forward=False), "
-                         "instead of one jaxsparse.ops.sparse_mlp with the activation in the kernels")
+    ap.add_argument("--ffn", default="fused", choices=("fused", "unfused", "both"),
+                    help="compressed FFNs as one jaxsparse.ops.sparse_mlp with the activation in the kernels (fused), "
+                         "as two layers and XLA's activation (unfused, BertConfig.fuse_feed_forward=False), or each "
+                         "sparse configuration both ways in one run")
     ap.add_argument("--worker-timeout", type=float, default=900.0, help="seconds per worker (--concurrent: all)")
     ap.add_argument("--out", default=None, help="json path (default benchmarks/results/<gpu>/train_step[_quick].json)")
     ap.add_argument("--plot", default=None, help="png path (default docs/train_step.png; none in --quick)")
@@ -337,10 +346,12 @@ def main(argv=None) -> int:
             if batch is None:
                 ap.error(f"no batch size in BATCH for {model} seq {seq}: pass --batch-size")
             for s in sparsities:
-                configs.append({"model": model, "seq_len": seq, "batch_size": batch, "sparsity": s, "dtype": a.dtype,
-                                "attention": a.attention, "steps": steps, "warmup": warmup,
-                                "fuse_feed_forward": not a.unfused_ffn,
-                                **({"transposable": True} if a.transposable and s != "dense" else {})})
+                ffns = [True] if s == "dense" else {"fused": [True], "unfused": [False], "both": [True, False]}[a.ffn]
+                for fuse in ffns:
+                    configs.append({"model": model, "seq_len": seq, "batch_size": batch, "sparsity": s,
+                                    "dtype": a.dtype, "attention": a.attention, "steps": steps, "warmup": warmup,
+                                    "fuse_feed_forward": fuse,
+                                    **({"transposable": True} if a.transposable and s != "dense" else {})})
     t0 = time.time()
     if a.concurrent and not a.in_process:
         rows = _concurrent(configs, a.worker_timeout)
