@@ -7,8 +7,9 @@ what the 64:2:8 forward's 2:4 view and the transposed dX route run):
 * ``act_mode 0``: the sparse product with bias (what every other layer runs);
 * ``act_mode 1``: the product's epilogue writes act(z) and act'(z) (``calls.spmm(..., with_derivative=True)``);
   against it ``unfused 1``: the product with bias, then XLA's pass computing both;
-* ``act_mode 2``: the product times a scale in its epilogue (``calls.spmm_scaled``); against it ``unfused 2``: the
-  product, then XLA's multiply.
+* ``unfused 2``: the product, then XLA's multiply by a scale (what ``sparse_mlp``'s backward runs). Session 22 also
+  timed an epilogue that multiplied (act_mode 2, since removed): 0.314 ms against this row's 0.310
+  (``results/<gpu>/session22/ffn_epilogue_with_act_mode_2.json``).
 
 Each row: median ms (``common.time_jax``), the floor of its bytes and products (HBM 3.0 TB/s, 2:4 at twice the
 dense 790 TFLOP/s) and time over floor. Writes ``benchmarks/results/<gpu>/ffn_epilogue.json``.
@@ -66,7 +67,6 @@ def main(argv=None) -> int:
         "act_mode 0": (jax.jit(lambda x, s: calls.spmm(x, sw, bias)), 1, 0),
         "act_mode 1": (jax.jit(lambda x, s: calls.spmm(x, sw, bias, act, with_derivative=True)), 2, 0),
         "unfused 1": (jax.jit(lambda x, s: unfused_derivative(x)), 2, 0),
-        "act_mode 2": (jax.jit(lambda x, s: calls.spmm_scaled(x, sw, s)), 1, 1),
         "unfused 2": (jax.jit(lambda x, s: (calls.spmm(x, sw).astype(jnp.float32) * s).astype(dt)), 1, 1),
     }
     rows = []

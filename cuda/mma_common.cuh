@@ -203,50 +203,24 @@ __device__ __forceinline__ float BiasAt(const void* bias, int bias_f32, int row)
 }
 
 // What a staged tile's store does besides copying it to y (StoreStagedTile): with `y2`, write act(tile) to y and
-// act'(tile) to y2 (the tile holds a pre-activation); with `aux` ([tokens, rows] like y), write tile * aux to y.
+// act'(tile) to y2 (the tile holds a pre-activation).
 struct StagedExtra {
   void* y2 = nullptr;
-  const void* aux = nullptr;
   int activation = 0;
 };
 
 // Writes an output tile staged in shared memory as [BT tokens][BR features] (token rows `row_bytes` apart)
 // to y [tokens, rows] at (tok0, row0) with 16-byte stores (and `extra`'s loads and stores at the same places);
 // tokens past `tokens` are skipped.  Called by the THREADS threads numbered `thread` = 0..THREADS-1 after the
-// barrier that follows the staging.  The aux loads go kAuxBatch at a time, so that their latencies overlap.
+// barrier that follows the staging.
 template <typename T, int BT, int BR, int THREADS>
 __device__ __forceinline__ void StoreStagedTile(const unsigned char* tile, int row_bytes, T* __restrict__ y, int tokens,
                                                 int rows, int tok0, int row0, int thread,
                                                 const StagedExtra& extra = StagedExtra{}) {
   constexpr int kChunks = BR / 8;  // 16-byte chunks per token row of the tile
   constexpr int kTotal = BT * kChunks;
-  constexpr int kAuxBatch = 4;
   auto at = [&](int i) { return static_cast<int64_t>(tok0 + i / kChunks) * rows + row0 + (i % kChunks) * 8; };
   auto staged = [&](int i) { return *reinterpret_cast<const uint4*>(tile + (i / kChunks) * row_bytes + (i % kChunks) * 16); };
-  if (extra.aux != nullptr) {
-    for (int i0 = thread; i0 < kTotal; i0 += kAuxBatch * THREADS) {
-      uint4 a4[kAuxBatch];
-#pragma unroll
-      for (int b = 0; b < kAuxBatch; ++b) {
-        const int i = i0 + b * THREADS;
-        a4[b] = i < kTotal && tok0 + i / kChunks < tokens
-                    ? *reinterpret_cast<const uint4*>(static_cast<const T*>(extra.aux) + at(i))
-                    : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int b = 0; b < kAuxBatch; ++b) {
-        const int i = i0 + b * THREADS;
-        if (i >= kTotal || tok0 + i / kChunks >= tokens) continue;
-        uint4 v4 = staged(i);
-        T* g = reinterpret_cast<T*>(&v4);
-        const T* a = reinterpret_cast<const T*>(&a4[b]);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) g[j] = FromFloat<T>(ToFloat(g[j]) * ToFloat(a[j]));
-        *reinterpret_cast<uint4*>(y + at(i)) = v4;
-      }
-    }
-    return;
-  }
   for (int i = thread; i < kTotal; i += THREADS) {
     if (tok0 + i / kChunks < tokens) {
       uint4 v4 = staged(i);
@@ -264,21 +238,6 @@ __device__ __forceinline__ void StoreStagedTile(const unsigned char* tile, int r
         *reinterpret_cast<uint4*>(static_cast<T*>(extra.y2) + at(i)) = d4;
       }
       *reinterpret_cast<uint4*>(y + at(i)) = v4;
-    }
-  }
-}
-
-// Asks L2 for the [BT tokens][BR features] tile of a [tokens, rows] array at (tok0, row0) (one prefetch per 128-byte
-// line), so that the epilogue's loads of it (StagedExtra::aux) find it there: issued when a tile's main loop starts.
-template <typename T, int BT, int BR, int THREADS>
-__device__ __forceinline__ void PrefetchTileL2(const void* a, int tokens, int rows, int tok0, int row0, int thread) {
-  constexpr int kLines = BR * static_cast<int>(sizeof(T)) / 128;  // lines per token row (BR >= 64)
-  static_assert(BR * sizeof(T) % 128 == 0, "whole lines");
-  for (int i = thread; i < BT * kLines; i += THREADS) {
-    const int tok = tok0 + i / kLines;
-    if (tok < tokens) {
-      const T* line = static_cast<const T*>(a) + static_cast<int64_t>(tok) * rows + row0 + (i % kLines) * (128 / sizeof(T));
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
     }
   }
 }

@@ -17,11 +17,12 @@
 // kt+STAGES-2 issued right after stage kt's barrier; after issuing stage kt a warpgroup waits for its products of
 // stage kt-1 (wgmma.wait_group 1), so one stage's products are in flight while the next is issued.
 // Epilogue: + bias, optional activation (Activate), convert, stage as [BT tokens][BR features], 16-byte row stores.
-// Two fused modes for a feed-forward block (attribute act_mode; the stores do the extra work, StagedExtra): 1 writes
-// act(z) to y and act'(z) to a second output, z = x W + b (the forward of the block's first layer, whose backward
-// needs act'(z)), 2 writes the product times aux [T, R] (the input gradient of the block's second layer times act'(z):
-// the gradient of the first layer's z).  Computing act' in the forward keeps the backward's epilogue to a multiply
-// (with act' computed there, the 64:2:8 step's 24 such products took 0.22 ms more each; session 22).
+// With attribute act_mode 1 (a feed-forward block's first layer, jaxsparse.ops.sparse_mlp) the stores write act(z)
+// to y and act'(z) to a second output, z = x W + b (StagedExtra): the backward needs act'(z), and the activation's
+// separate pass over z is gone.  Session 22 also built the backward's half (the input gradient times act'(z) in the
+// epilogue, reading it where the stores write) and measured it no faster than XLA's multiply after the product
+// (0.314 against 0.310 ms at 16384 x 1024 x 4096, benchmarks/ffn_epilogue.py), which XLA also fuses with the bias
+// gradient's reduction: it was removed.
 // Needs T % 8 == 0 (16-byte rows of x^T) and R % BR == 0, BR <= V; the Python side takes this path only then.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -48,17 +49,15 @@ struct SpmmXtParams {
   int tokens, k, rows, groups, v, m;
   int bias_f32;          // bias is float32 (else the input dtype)
   int activation;        // 0 none, 1 gelu (tanh), 2 gelu_erf, 3 relu (Activate)
-  int act_mode;          // 0: y = act(x W + b); 1: y = act(z), y2 = act'(z) for z = x W + b; 2: y = (x W) aux
+  int act_mode;          // 0: y = act(x W + b); 1: y = act(z), y2 = act'(z) for z = x W + b
   void* y2;              // [T, R] (act_mode 1) or null
-  const void* aux;       // [T, R] (act_mode 2) or null
   int meta_pairs;        // warp-specialized kernel: metadata by TMA pairs where they fit (LaunchWs clears it where not)
 };
 
-// The stores' extra work for act_mode 1 and 2 (none for 0).
+// The stores' extra work for act_mode 1 (none for 0).
 __device__ __forceinline__ StagedExtra Extra(const SpmmXtParams& p) {
   StagedExtra e;
   e.y2 = p.act_mode == 1 ? p.y2 : nullptr;
-  e.aux = p.act_mode == 2 ? p.aux : nullptr;
   e.activation = p.activation;
   return e;
 }
@@ -276,7 +275,6 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
   }
   __syncthreads();
 
-  if (p.act_mode == 2) PrefetchTileL2<T, BT, BR, kThreads>(p.aux, p.tokens, p.rows, tok0, row0, tid);
   float acc[NCH][NW / 2];
 #pragma unroll
   for (int c = 0; c < NCH; ++c)
@@ -494,7 +492,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     int it = 0;
     for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
       const int row0 = (tile % nfb) * BR, tok0 = (tile / nfb) * BT;
-      if (p.act_mode == 2) PrefetchTileL2<T, BT, BR, 256>(p.aux, p.tokens, p.rows, tok0, row0, ctid);
       float acc[NCH][NW / 2];
 #pragma unroll
       for (int c = 0; c < NCH; ++c)
@@ -656,34 +653,24 @@ ffi::Error Dispatch(cudaStream_t stream, SpmmXtParams p, int tile, bool x_rows) 
   }
 }
 
-// act_mode's operands: mode 1 needs a second output like y and an activation, mode 2 an aux like y, no activation
-// and no bias; mode 0 takes both empty.
-ffi::Error CheckActMode(int32_t act_mode, int32_t activation, const ffi::AnyBuffer& bias, const ffi::AnyBuffer& aux,
-                        const ffi::AnyBuffer& out, const ffi::AnyBuffer& out2) {
-  auto like_out = [&](const ffi::AnyBuffer& b) {
-    return b.dimensions().size() == 2 && b.dimensions()[0] == out.dimensions()[0] &&
-           b.dimensions()[1] == out.dimensions()[1] && b.element_type() == out.element_type();
-  };
-  if (act_mode < 0 || act_mode > 2)
-    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: act_mode must be 0, 1 (the activation and its derivative) "
-                                       "or 2 (times aux)");
-  if ((act_mode == 1 && activation == 0) || (act_mode == 2 && activation != 0))
-    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: act_mode 1 needs an activation and act_mode 2 takes none");
-  if (act_mode == 1 ? !like_out(out2) : out2.element_count() != 0)
+// act_mode's operands: mode 1 needs an activation and a second output like y; mode 0 takes it empty.
+ffi::Error CheckActMode(int32_t act_mode, int32_t activation, const ffi::AnyBuffer& out, const ffi::AnyBuffer& out2) {
+  if (act_mode != 0 && act_mode != 1)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: act_mode must be 0 or 1 (the activation and its derivative)");
+  if (act_mode == 1 && activation == 0)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: act_mode 1 needs an activation");
+  const bool like_out = out2.dimensions().size() == 2 && out2.dimensions()[0] == out.dimensions()[0] &&
+                        out2.dimensions()[1] == out.dimensions()[1] && out2.element_type() == out.element_type();
+  if (act_mode == 1 ? !like_out : out2.element_count() != 0)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: the second output must be [T, R] like y for act_mode 1, "
                                        "and empty otherwise, got " + ShapeString(out2));
-  if (act_mode == 2 ? !like_out(aux) : aux.element_count() != 0)
-    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: aux must be [T, R] like y for act_mode 2, and empty "
-                                       "otherwise, got " + ShapeString(aux));
-  if (act_mode == 2 && bias.element_count() != 0)
-    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: act_mode 2 takes no bias");
   return ffi::Error::Success();
 }
 
 ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer values, ffi::Buffer<ffi::U8> columns,
-                      ffi::Buffer<ffi::U32> metadata, ffi::AnyBuffer bias, ffi::AnyBuffer aux,
-                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out2, int32_t v, int32_t m,
-                      int32_t activation, int32_t act_mode, int32_t tile, int32_t x_rows) {
+                      ffi::Buffer<ffi::U32> metadata, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
+                      ffi::Result<ffi::AnyBuffer> out2, int32_t v, int32_t m, int32_t activation, int32_t act_mode,
+                      int32_t tile, int32_t x_rows) {
   if (xt.dimensions().size() != 2 || values.dimensions().size() != 2 || out->dimensions().size() != 2)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T, values and the output must be 2-D");
   if (x_rows != 0 && x_rows != 1)
@@ -705,7 +692,7 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer val
   if (values.element_type() != dt || out->element_type() != dt)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T, values and the output must share one dtype");
   if (ffi::Error e = CheckEpilogue("jaxsparse_spmm_xt", bias, rows, dt, activation); e.failure()) return e;
-  if (ffi::Error e = CheckActMode(act_mode, activation, bias, aux, *out, *out2); e.failure()) return e;
+  if (ffi::Error e = CheckActMode(act_mode, activation, *out, *out2); e.failure()) return e;
   const bool has_bias = bias.element_count() > 0;
   if (tokens == 0 || rows == 0) return ffi::Error::Success();
   if (tokens >= (int64_t(1) << 30) || k >= (int64_t(1) << 30) || rows >= (int64_t(1) << 30) ||
@@ -729,7 +716,6 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer val
   p.activation = activation;
   p.act_mode = act_mode;
   p.y2 = act_mode == 1 ? out2->untyped_data() : nullptr;
-  p.aux = act_mode == 2 ? aux.untyped_data() : nullptr;
   p.meta_pairs = 1;
   if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, tile, x_rows == 1);
   if (dt == ffi::F16) return Dispatch<__half>(stream, p, tile, x_rows == 1);
@@ -747,7 +733,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSpmmXt, jaxsparse::SpmmXtImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // columns [R/V, G, 4] or [0]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // metadata [R, G/8]
                                   .Arg<xla::ffi::AnyBuffer>()               // bias [R] or [0]
-                                  .Arg<xla::ffi::AnyBuffer>()               // aux [T, R] (act_mode 2) or [0]
                                   .Ret<xla::ffi::AnyBuffer>()               // y [T, R]
                                   .Ret<xla::ffi::AnyBuffer>()               // act(y) [T, R] (act_mode 1) or [0]
                                   .Attr<int32_t>("v")

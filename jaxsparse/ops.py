@@ -22,7 +22,7 @@ from jaxsparse.ffi.calls import spmm_unsupported
 from jaxsparse.format import SparseWeight, check_transpose_2_4_shape, decompress as _reference_decompress
 from jaxsparse.format import transpose_2_4 as format_transpose_2_4
 
-__all__ = ["decompress", "transpose_2_4", "spmm", "sddmm", "spmm_t", "spmm_t_scaled", "dx_route",
+__all__ = ["decompress", "transpose_2_4", "spmm", "sddmm", "spmm_t", "dx_route",
            "dx_route_scope", "linear_x_layout", "sparse_linear", "sparse_mlp", "FUSED_ACTIVATIONS", "masked_linear",
            "spmm_unsupported"]
 
@@ -174,30 +174,6 @@ def _transposed_dx(dy: jax.Array, sw: SparseWeight) -> jax.Array:
     """``dy @ W^T`` as the 2:4 forward product of ``W^T`` (the ``"transposed"`` route of :func:`dx_route`). Where
     the mask is not transposable ``W^T`` holds NaN, so those columns of dx are NaN, never wrong."""
     return spmm(dy, transpose_2_4(sw))
-
-
-def spmm_t_scaled(dy: jax.Array, sw: SparseWeight, scale: jax.Array, route: Optional[str] = None) -> jax.Array:
-    """``(dy @ W^T) * scale`` (``[..., K]``, like ``scale``): with ``scale = act'(z)``, the input gradient of a layer
-    whose input was ``act(z)``, carried back through the activation to ``z``.
-
-    On the ``"transposed"`` route of :func:`dx_route` the GPU multiplies in the product's epilogue (the Hopper
-    kernels' act_mode 2), so ``dy @ W^T`` is never written; otherwise XLA multiplies after :func:`spmm_t`.
-    """
-    _check_weight(sw)
-    _check_activation(dy, sw, "dy", sw.shape[1])
-    if scale.shape != (*dy.shape[:-1], sw.shape[0]) or scale.dtype != dy.dtype:
-        raise ValueError(f"the scale must be {(*dy.shape[:-1], sw.shape[0])} in {dy.dtype}, got "
-                         f"{scale.shape} {scale.dtype}")
-    route = dx_route(route)
-    dy2, s2 = _flatten(dy), _flatten(scale)
-    if route == "transposed":
-        wt = transpose_2_4(sw)
-        ref = lambda d, w, c: _times(reference.spmm(d, w), c)
-        with jax.named_scope("jaxsparse_spmm_t"):
-            dx = dispatch.call("spmm", ref, cuda_calls.spmm_scaled, dy2, wt, s2, unsupported=spmm_unsupported(wt))
-    else:
-        dx = _times(spmm_t(dy2, sw, route), s2)
-    return dx.reshape(scale.shape)
 
 
 def _times(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -363,7 +339,7 @@ def _mlp(x2, sw1, b1, sw2, b2, activation):
 def _mlp_bwd(activation, residuals, dy):
     x_kept, dact, h_kept, sw1, b1, sw2, b2 = residuals
     dsw2, db2 = _weight_cotangents(dy, sw2, b2, _sddmm_kept(h_kept, dy, sw2))
-    dz = spmm_t_scaled(dy, sw2, dact)
+    dz = _times(spmm_t(dy, sw2), dact)  # XLA fuses the multiply with dz's bias-gradient reduction
     dx, dsw1, db1 = _cotangents(dz, sw1, b1, _sddmm_kept(x_kept, dz, sw1))
     return dx, dsw1, db1, dsw2, db2
 
@@ -377,9 +353,9 @@ def sparse_mlp(x: jax.Array, sw1: SparseWeight, b1: Optional[jax.Array], sw2: Sp
     weights' values and both biases: :func:`sparse_linear` twice with the activation fused into the kernels.
 
     The first product's epilogue writes the activation (the second product's input) and its derivative (kept for
-    the backward) in one pass; the backward multiplies the second layer's input gradient by that derivative in its
-    product's epilogue on the ``"transposed"`` dX route (:func:`spmm_t_scaled`). XLA's separate elementwise passes
-    over the ``[tokens, F]`` activations (the activation, and its gradient) are gone.
+    the backward) in one pass, so XLA's activation pass over the ``[tokens, F]`` pre-activation is gone; the backward
+    multiplies the second layer's input gradient by that derivative in XLA's bias-gradient reduction
+    (docs/kernel-notes.md, session 22: an epilogue multiply measured no faster).
 
     Args:
       x: ``[..., K]`` in the values' dtype.

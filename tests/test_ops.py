@@ -483,15 +483,6 @@ def test_sparse_mlp_is_two_layers_and_the_activation(monkeypatch, spec, activati
             assert rel_err(g, w) < 1e-5
 
 
-def test_spmm_t_scaled_is_the_input_gradient_times_the_scale():
-    x, sw, _, dense = make(24, "64:2:8", transposable=True)
-    dy = jax.random.normal(jax.random.PRNGKey(25), (*x.shape[:-1], sw.shape[1]))
-    scale = jax.random.normal(jax.random.PRNGKey(26), x.shape)
-    for route in ops.DX_ROUTES:
-        got = jax.jit(lambda d, c: ops.spmm_t_scaled(d, sw, c, route=route))(dy, scale)
-        assert got.shape == x.shape and rel_err(got, (dy @ dense.T) * scale) < 1e-5, route
-
-
 @pytest.mark.parametrize("activation", ops.FUSED_ACTIVATIONS)
 def test_activation_derivative_is_the_gradient(activation):
     z = jnp.linspace(-6, 6, 101)
@@ -510,5 +501,3 @@ def test_sparse_mlp_rejects_what_it_cannot_take():
         ops.sparse_mlp(x, sw1, b2, sw2, b2)
     with pytest.raises(ValueError, match="both weights must share one dtype"):
         ops.sparse_mlp(x, sw1, b1, sw2.replace(values=sw2.values.astype(jnp.bfloat16)), b2)
-    with pytest.raises(ValueError, match="the scale must be"):
-        ops.spmm_t_scaled(jnp.zeros((4, 128)), sw2, jnp.zeros((4, 256)))

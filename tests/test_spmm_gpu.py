@@ -276,8 +276,7 @@ def test_spmm_xt_repeatable_and_routes():
 
 # ----------------------------------------------------------------------------- the feed-forward epilogues
 #
-# act_mode 1 (act(z) and act'(z), both written by the epilogue) and act_mode 2 (the product times a scale), on each
-# route the layer products take: the mma row kernel (XLA does the extra work there), the TMA row kernel (2:4, and
+# act_mode 1 (act(z) and act'(z), both written by the epilogue), on each route the layer products take: the mma row kernel (XLA does the extra work there), the TMA row kernel (2:4, and
 # 64:2:8 through its 2:4 view) and the x^T kernel with a warp-specialized and a plain tile.
 
 FUSED_ROUTES = [("2:4", "row-mma"), ("2:4", "row-tma"), ("64:2:8", "row-tma"), ("128:2:16", "xt-auto"),
@@ -285,7 +284,7 @@ FUSED_ROUTES = [("2:4", "row-mma"), ("2:4", "row-tma"), ("64:2:8", "row-tma"), (
 
 
 def _fused_route(monkeypatch, route: str) -> None:
-    """Sends calls.spmm and calls.spmm_scaled down ``route`` (through the environment they read)."""
+    """Sends calls.spmm down ``route`` (through the environment it reads)."""
     if route.startswith("row-"):
         monkeypatch.setenv(calls.SPMM_X_LAYOUT_ENV, "row")
         monkeypatch.setenv(calls.SPMM_ROW_KERNEL_ENV, route.removeprefix("row-"))
@@ -320,25 +319,9 @@ def test_spmm_with_derivative(monkeypatch, spec, route, activation):
     assert _rel_err(d, reference.activation_derivative(activation, z)) < TOL[dtype]
 
 
-@xt_marks
-@pytest.mark.parametrize("spec, route", FUSED_ROUTES)
-def test_spmm_scaled(monkeypatch, spec, route):
-    """``(x @ W) * scale`` against the float32 product times the scale (a token tail again)."""
-    _fused_route(monkeypatch, route)
-    dtype, t = jnp.bfloat16, 1000
-    x, sw, _ = _make(key("scaled", spec, route), t, 512, 384, spec, dtype, with_bias=False)
-    scale = jax.random.uniform(key("scaled-by", spec, route), (t, 384), jnp.float32, -0.2, 1.2).astype(dtype)
-    poison((t, 384), dtype)
-    g = jax.jit(calls.spmm_scaled)(x, sw, scale)
-    assert g.shape == (t, 384) and g.dtype == dtype
-    assert _rel_err(g, _reference(x, sw, None, None) * scale.astype(jnp.float32)) < TOL[dtype]
-
-
 def test_fused_epilogue_rejects():
     x, sw, bias = _make(key("fused-rejects"), 64, 512, 384, "2:4", jnp.bfloat16, with_bias=True)
     with pytest.raises(ValueError, match="with_derivative needs an activation"):
         calls.spmm(x, sw, bias, None, with_derivative=True)
-    with pytest.raises(ValueError, match="the scale must be"):
-        calls.spmm_scaled(x, sw, jnp.zeros((64, 128), jnp.bfloat16))
     with pytest.raises(ValueError, match="activation must be one of"):
         calls.spmm(x, sw, bias, "tanh")

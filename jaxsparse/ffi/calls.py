@@ -228,26 +228,6 @@ def _reference_activation(activation: str, y: jax.Array) -> jax.Array:
     return reference.ACTIVATIONS[activation](y.astype(jnp.float32)).astype(y.dtype)
 
 
-def spmm_scaled(x: jax.Array, sw: SparseWeight, scale: jax.Array) -> jax.Array:
-    """``(x @ W) * scale`` on the GPU, ``[T, R]`` in ``x.dtype`` (the product is rounded to ``x.dtype`` before the
-    multiply, as an unfused product's output would be): the input gradient of a feed-forward block's second layer
-    times ``act'(z)`` of its first (from :func:`spmm` ``with_derivative``) is the gradient of that ``z``. The Hopper
-    kernels multiply in their epilogue (act_mode 2: the stores read ``scale`` where they write); elsewhere XLA
-    multiplies after :func:`spmm`. ``scale`` ``[T, R]`` in ``x.dtype``.
-    """
-    if x.ndim != 2 or x.shape[1] != sw.shape[0]:
-        raise ValueError(f"spmm_scaled: x must be [T, {sw.shape[0]}], got {x.shape}")
-    _spmm_checks("spmm_scaled", sw, x.dtype, None, None)
-    if scale.shape != (x.shape[0], sw.shape[1]) or scale.dtype != x.dtype:
-        raise ValueError(f"spmm_scaled: the scale must be [{x.shape[0]}, {sw.shape[1]}] in {x.dtype}, "
-                         f"got {scale.shape} {scale.dtype}")
-    if spmm_x_layout(x.shape[0], sw) == "col":
-        return _spmm_xt_call(transpose(x), sw, None, None, act_mode=2, aux=scale)
-    if spmm_row_kernel(sw) == "tma":
-        return _spmm_xt_call(x, as_2_4(sw)[0], None, None, x_rows=True, act_mode=2, aux=scale)
-    return (spmm(x, sw).astype(jnp.float32) * scale.astype(jnp.float32)).astype(x.dtype)
-
-
 SPMM_X_LAYOUT_ENV = "JAXSPARSE_SPMM_X"
 SPMM_X_LAYOUTS = ("auto", "row", "col")
 SPMM_ROW_KERNEL_ENV = "JAXSPARSE_SPMM_ROW_KERNEL"
@@ -342,11 +322,10 @@ def spmm_from_xt(xt: jax.Array, sw: SparseWeight, bias: jax.Array | None = None,
 
 
 def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str | None = None,
-                  x_rows: bool = False, act_mode: int = 0, aux: jax.Array | None = None):
+                  x_rows: bool = False, act_mode: int = 0):
     """The ``jaxsparse_spmm_xt`` call, operands checked: ``xt`` is x^T [K, T], or x [T, K] with ``x_rows``.
-    ``act_mode`` 1 returns ``(act(z), act'(z))``; 2 multiplies the product by ``aux`` (cuda/spmm_xt.cu)."""
+    ``act_mode`` 1 returns ``(act(z), act'(z))`` (cuda/spmm_xt.cu)."""
     b = bias if bias is not None else jnp.zeros((0,), xt.dtype)
-    empty = jnp.zeros((0,), xt.dtype)
     tokens = xt.shape[0] if x_rows else xt.shape[1]
     name = _setting(tile, SPMM_XT_TILE_ENV)
     tile_id = spmm_xt_tile(name)
@@ -359,7 +338,7 @@ def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str |
     out = ((tokens, sw.shape[1]), xt.dtype)
     results = _call_results(
         "jaxsparse_spmm_xt", [out, out if act_mode == 1 else ((0,), xt.dtype)], xt, sw.values,
-        _columns_operand(sw), sw.metadata, b, aux if act_mode == 2 else empty, v=np.int32(sw.spec.v),
+        _columns_operand(sw), sw.metadata, b, v=np.int32(sw.spec.v),
         m=np.int32(sw.spec.m), activation=np.int32(ACTIVATION_CODES[activation]), act_mode=np.int32(act_mode),
         tile=np.int32(tile_id), x_rows=np.int32(x_rows),
     )
