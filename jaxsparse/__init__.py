@@ -1,12 +1,12 @@
 """jaxsparse: V:N:M sparse training for JAX/Flax on NVIDIA Sparse Tensor Cores.
 
 Modules: ``format`` (the V:N:M spec, mask selection, compression), ``reference`` (pure-JAX kernels),
-``ops`` (validated, dispatched sparse products and ``sparse_linear``), ``dispatch`` (kernel or reference),
+``ops`` (validated, dispatched sparse products, ``sparse_linear`` and the fused feed-forward ``sparse_mlp``), ``dispatch`` (kernel or reference),
 ``ffi`` (the CUDA extension), ``nn`` (``NMDense``), ``pruning`` (``gmp_prune``).
 """
 
 from jaxsparse.format import VNM, SparseWeight, check_mask, compress, decompress, select_mask
-from jaxsparse.ops import masked_linear, sparse_linear
+from jaxsparse.ops import masked_linear, sparse_linear, sparse_mlp
 
 __version__ = "0.1.0"
 
@@ -19,4 +19,5 @@ __all__ = [
     "select_mask",
     "masked_linear",
     "sparse_linear",
+    "sparse_mlp",
 ]

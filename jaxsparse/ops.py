@@ -176,11 +176,6 @@ def _transposed_dx(dy: jax.Array, sw: SparseWeight) -> jax.Array:
     return spmm(dy, transpose_2_4(sw))
 
 
-def _times(a: jax.Array, b: jax.Array) -> jax.Array:
-    """``a * b`` in float32, in ``a``'s dtype."""
-    return (a.astype(jnp.float32) * b.astype(jnp.float32)).astype(a.dtype)
-
-
 # ----------------------------------------------------------------------------- the layer product
 
 
@@ -188,106 +183,9 @@ def _no_cotangent(a: Optional[jax.Array]):
     return None if a is None else np.zeros(a.shape, dtype=jax.dtypes.float0)
 
 
-@jax.custom_vjp
-def _linear(x2: jax.Array, sw: SparseWeight, bias: Optional[jax.Array]) -> jax.Array:
-    return spmm(x2, sw, bias)
-
-
-def _linear_fwd(x2, sw, bias):
-    return spmm(x2, sw, bias), (x2, sw, bias)
-
-
-def _weight_cotangents(dy: jax.Array, sw: SparseWeight, bias: Optional[jax.Array], dvalues: jax.Array):
-    """``(dsw, dbias)`` of a layer product, given the SDDMM's ``dvalues``."""
-    dsw = SparseWeight(dvalues, _no_cotangent(sw.columns), _no_cotangent(sw.metadata), sw.shape, sw.spec)
-    dbias = None if bias is None else reference.bias_grad(dy, bias.dtype)
-    return dsw, dbias
-
-
-def _cotangents(dy: jax.Array, sw: SparseWeight, bias: Optional[jax.Array], dvalues: jax.Array):
-    """``(dx, dsw, dbias)`` of the layer product, given the SDDMM's ``dvalues`` (both VJP routes share this)."""
-    return (spmm_t(dy, sw), *_weight_cotangents(dy, sw, bias, dvalues))
-
-
-def _linear_bwd(residuals, dy):
-    x2, sw, bias = residuals
-    return _cotangents(dy, sw, bias, sddmm(x2, dy, sw))
-
-
-_linear.defvjp(_linear_fwd, _linear_bwd)
-
-
-# The x^T route (Hopper): the forward transposes x once, runs the x^T SpMM and keeps x^T as the residual,
-# which the backward's SDDMM reads as it is: one transpose per layer serves both products.
-
-
-def _spmm_keeping_xt(x2: jax.Array, sw: SparseWeight, bias: Optional[jax.Array]) -> tuple[jax.Array, jax.Array]:
-    def ref(x, s, b):
-        return reference.spmm(x, s, b, None), x.T
-
-    def cuda(x, s, b):
-        xt = cuda_calls.transpose(x)
-        return cuda_calls.spmm_from_xt(xt, s, b), xt
-
-    with jax.named_scope("jaxsparse_spmm"):
-        return dispatch.call("spmm", ref, cuda, x2, sw, bias, unsupported=spmm_unsupported(sw))
-
-
-def _sddmm_from_xt(xt: jax.Array, dy: jax.Array, sw: SparseWeight) -> jax.Array:
-    ref = lambda a, d, s: reference.sddmm(a.T, d, s, None)
-    with jax.named_scope("jaxsparse_sddmm"):
-        return dispatch.call("sddmm", ref, cuda_calls.sddmm_from_xt, xt, dy, sw,
-                             unsupported=cuda_calls.sddmm_unsupported(sw))
-
-
-@jax.custom_vjp
-def _linear_xt(x2: jax.Array, sw: SparseWeight, bias: Optional[jax.Array]) -> jax.Array:
-    return spmm(x2, sw, bias)
-
-
-def _linear_xt_fwd(x2, sw, bias):
-    y, xt = _spmm_keeping_xt(x2, sw, bias)
-    return y, (xt, sw, bias)
-
-
-def _linear_xt_bwd(residuals, dy):
-    xt, sw, bias = residuals
-    return _cotangents(dy, sw, bias, _sddmm_from_xt(xt, dy, sw))
-
-
-_linear_xt.defvjp(_linear_xt_fwd, _linear_xt_bwd)
-
-
-def linear_x_layout(tokens: int, sw: SparseWeight) -> str:
-    """The layer route :func:`sparse_linear` takes: ``"col"`` (the x^T route above) when
-    :func:`jaxsparse.ffi.calls.spmm_x_layout` says so (``JAXSPARSE_SPMM_X``; a Hopper GPU by default) and the
-    kernels take ``sw``; ``"row"`` otherwise."""
-    if spmm_unsupported(sw) or cuda_calls.sddmm_unsupported(sw):
-        return "row"
-    return cuda_calls.spmm_x_layout(tokens, sw, shares_xt=True)
-
-
-def sparse_linear(x: jax.Array, sw: SparseWeight, bias: Optional[jax.Array] = None) -> jax.Array:
-    """``x @ W + bias`` for a compressed ``W``, differentiable in ``x``, ``sw.values`` and ``bias``.
-
-    The gradient with respect to ``sw.values`` is the dense weight gradient sampled at the kept
-    positions (SDDMM), never a dense ``[K, R]`` array on the kernel path. On a Hopper GPU the layer
-    takes the x^T route (:func:`linear_x_layout`): one transpose of ``x`` feeds the forward and the SDDMM.
-    """
-    _check_weight(sw)
-    _check_activation(x, sw, "x", sw.shape[0])
-    _check_bias(bias, sw)
-    x2 = _flatten(x)
-    layer = _linear_xt if linear_x_layout(x2.shape[0], sw) == "col" else _linear
-    y = layer(x2, sw, bias)
-    return y.reshape(*x.shape[:-1], sw.shape[1])
-
-
-# ----------------------------------------------------------------------------- a feed-forward block
-
-FUSED_ACTIVATIONS = ("gelu", "gelu_erf", "relu")
-"""The activations :func:`sparse_mlp` fuses (``jaxsparse.reference.ACTIVATIONS``: ``"gelu"`` is the tanh
-approximation, ``"gelu_erf"`` the exact GELU)."""
+# The layer's route (linear_x_layout): on "col" (Hopper, V:2:M) the forward transposes x once, runs the x^T SpMM and
+# keeps x^T, which the backward's SDDMM reads as it is: one transpose per layer serves both products; on "row" x is
+# read as it is by both.
 
 
 def _forward_keeping_x(x2: jax.Array, sw: SparseWeight, bias: Optional[jax.Array], activation: Optional[str] = None,
@@ -322,6 +220,78 @@ def _sddmm_kept(kept: jax.Array, dy: jax.Array, sw: SparseWeight) -> jax.Array:
     if linear_x_layout(dy.shape[0], sw) == "col":
         return _sddmm_from_xt(kept, dy, sw)
     return sddmm(kept, dy, sw)
+
+
+def _sddmm_from_xt(xt: jax.Array, dy: jax.Array, sw: SparseWeight) -> jax.Array:
+    ref = lambda a, d, s: reference.sddmm(a.T, d, s, None)
+    with jax.named_scope("jaxsparse_sddmm"):
+        return dispatch.call("sddmm", ref, cuda_calls.sddmm_from_xt, xt, dy, sw,
+                             unsupported=cuda_calls.sddmm_unsupported(sw))
+
+
+def _weight_cotangents(dy: jax.Array, sw: SparseWeight, bias: Optional[jax.Array], dvalues: jax.Array):
+    """``(dsw, dbias)`` of a layer product, given the SDDMM's ``dvalues``."""
+    dsw = SparseWeight(dvalues, _no_cotangent(sw.columns), _no_cotangent(sw.metadata), sw.shape, sw.spec)
+    dbias = None if bias is None else reference.bias_grad(dy, bias.dtype)
+    return dsw, dbias
+
+
+def _cotangents(dy: jax.Array, sw: SparseWeight, bias: Optional[jax.Array], dvalues: jax.Array):
+    """``(dx, dsw, dbias)`` of a layer product, given the SDDMM's ``dvalues``."""
+    return (spmm_t(dy, sw), *_weight_cotangents(dy, sw, bias, dvalues))
+
+
+@jax.custom_vjp
+def _linear(x2: jax.Array, sw: SparseWeight, bias: Optional[jax.Array]) -> jax.Array:
+    return spmm(x2, sw, bias)
+
+
+def _linear_fwd(x2, sw, bias):
+    y, kept = _forward_keeping_x(x2, sw, bias)
+    return y, (kept, sw, bias)
+
+
+def _linear_bwd(residuals, dy):
+    kept, sw, bias = residuals
+    return _cotangents(dy, sw, bias, _sddmm_kept(kept, dy, sw))
+
+
+_linear.defvjp(_linear_fwd, _linear_bwd)
+
+
+def linear_x_layout(tokens: int, sw: SparseWeight) -> str:
+    """The layer route :func:`sparse_linear` and :func:`sparse_mlp` take: ``"col"`` (the x^T route above) when
+    :func:`jaxsparse.ffi.calls.spmm_x_layout` says so (``JAXSPARSE_SPMM_X``; a Hopper GPU by default) and the
+    kernels take ``sw``; ``"row"`` otherwise."""
+    if spmm_unsupported(sw) or cuda_calls.sddmm_unsupported(sw):
+        return "row"
+    return cuda_calls.spmm_x_layout(tokens, sw, shares_xt=True)
+
+
+def sparse_linear(x: jax.Array, sw: SparseWeight, bias: Optional[jax.Array] = None) -> jax.Array:
+    """``x @ W + bias`` for a compressed ``W``, differentiable in ``x``, ``sw.values`` and ``bias``.
+
+    The gradient with respect to ``sw.values`` is the dense weight gradient sampled at the kept
+    positions (SDDMM), never a dense ``[K, R]`` array on the kernel path. On a Hopper GPU the layer
+    takes the x^T route (:func:`linear_x_layout`): one transpose of ``x`` feeds the forward and the SDDMM.
+    """
+    _check_weight(sw)
+    _check_activation(x, sw, "x", sw.shape[0])
+    _check_bias(bias, sw)
+    y = _linear(_flatten(x), sw, bias)
+    return y.reshape(*x.shape[:-1], sw.shape[1])
+
+
+# ----------------------------------------------------------------------------- a feed-forward block
+
+FUSED_ACTIVATIONS = ("gelu", "gelu_erf", "relu")
+"""The activations :func:`sparse_mlp` fuses (``jaxsparse.reference.ACTIVATIONS``: ``"gelu"`` is the tanh
+approximation, ``"gelu_erf"`` the exact GELU)."""
+
+
+def _times(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a * b`` in float32, in ``a``'s dtype."""
+    return (a.astype(jnp.float32) * b.astype(jnp.float32)).astype(a.dtype)
 
 
 def _mlp_fwd(x2, sw1, b1, sw2, b2, activation):

@@ -136,7 +136,6 @@ PMAP_SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np, optax
     assert jax.local_device_count() == 2, jax.devices()
     from jaxsparse import format as fmt
-from jaxsparse import ops
     from jaxsparse.nn import NMDense
     from jaxsparse.pruning import gmp_prune, masks_of, model_variables
     import flax.linen as nn
