@@ -149,9 +149,11 @@ class _Sparse(nn.Module):
 
     def feed_forward(self, h: jax.Array) -> jax.Array:
         """``output(act(intermediate(h)))``: one :func:`jaxsparse.ops.sparse_mlp` when the layers are compressed
-        (``config.fuse_feed_forward``), else two layers and the activation in between."""
+        (``config.fuse_feed_forward``, and ``hidden_act`` in :data:`FUSED_FFN_ACTIVATIONS`), else two layers and the
+        activation in between."""
         cfg = self.config
-        if not (self.compressed and self.sparsity is not None and cfg.fuse_feed_forward):
+        if not (self.compressed and self.sparsity is not None and cfg.fuse_feed_forward
+                and cfg.hidden_act in FUSED_FFN_ACTIVATIONS):
             return self.dense(cfg.hidden_size, "output")(ACTIVATIONS[cfg.hidden_act](
                 self.dense(cfg.intermediate_size, "intermediate")(h)))
         sw1, b1 = self.dense(cfg.intermediate_size, "intermediate", return_operands=True)(h)
