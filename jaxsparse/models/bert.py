@@ -60,8 +60,8 @@ class BertConfig:
     # needs attention_probs_dropout_prob == 0.
     attention_impl: str = "softmax"
     # Not a Hugging Face field either: with compressed sparse layers, run the FFN (intermediate -> act -> output)
-    # as one jaxsparse.ops.sparse_mlp, whose kernels fuse the activation and its gradient (hidden_act in
-    # FUSED_FFN_ACTIVATIONS). False keeps two sparse_linear calls and XLA's activation.
+    # as one jaxsparse.ops.sparse_mlp, whose first product's epilogue writes the activation and its derivative
+    # (hidden_act in FUSED_FFN_ACTIVATIONS). False keeps two sparse_linear calls and XLA's activation.
     fuse_feed_forward: bool = True
 
     def __post_init__(self) -> None:
