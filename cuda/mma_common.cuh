@@ -149,50 +149,50 @@ template <>
 __device__ __forceinline__ __half FromFloat<__half>(float v) {
   return __float2half_rn(v);
 }
-// GELU, tanh approximation (the same function as jax.nn.gelu(approximate=True)).
-__device__ __forceinline__ float GeluTanh(float x) {
-  const float k0 = 0.7978845608028654f;  // sqrt(2 / pi)
-  const float k1 = 0.044715f;
-  return 0.5f * x * (1.f + tanhf(k0 * (x + k1 * x * x * x)));
-}
+// GELU, tanh approximation (the same function as jax.nn.gelu(approximate=True)): 0.5 x (1 + tanh(u)),
+// u = k0 (x + k1 x^3).
+constexpr float kGeluK0 = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluK1 = 0.044715f;
+__device__ __forceinline__ float GeluTanhU(float x) { return kGeluK0 * (x + kGeluK1 * x * x * x); }
+__device__ __forceinline__ float GeluTanh(float x) { return 0.5f * x * (1.f + tanhf(GeluTanhU(x))); }
+
+// Phi(x), the standard normal CDF: the exact GELU is x Phi(x).
+__device__ __forceinline__ float NormalCdf(float x) { return 0.5f * (1.f + erff(x * 0.7071067811865476f)); }
 
 // The epilogue activations, by the handlers' `activation` attribute (jaxsparse/reference.py ACTIVATIONS names them):
 // 0 none, 1 gelu (tanh approximation), 2 gelu_erf (exact: x Phi(x)), 3 relu.
-constexpr int kMaxActivation = 3;
 __device__ __forceinline__ float Activate(int act, float x) {
   switch (act) {
     case 1: return GeluTanh(x);
-    case 2: return 0.5f * x * (1.f + erff(x * 0.7071067811865476f));
+    case 2: return x * NormalCdf(x);
     case 3: return x > 0.f ? x : 0.f;
     default: return x;
   }
 }
 
-// The activation's derivative at x (ActivateWithGrad gives both).
-__device__ __forceinline__ float ActivateGrad(int act, float x) {
+// act(x) and its derivative act'(x) together (the tanh and the CDF computed once for both).
+__device__ __forceinline__ void ActivateWithGrad(int act, float x, float& f, float& df) {
   switch (act) {
     case 1: {
-      const float k0 = 0.7978845608028654f, k1 = 0.044715f;
-      const float th = tanhf(k0 * (x + k1 * x * x * x));
-      return 0.5f * (1.f + th) + 0.5f * x * (1.f - th * th) * k0 * (1.f + 3.f * k1 * x * x);
+      const float th = tanhf(GeluTanhU(x));
+      f = 0.5f * x * (1.f + th);
+      df = 0.5f * (1.f + th) + 0.5f * x * (1.f - th * th) * kGeluK0 * (1.f + 3.f * kGeluK1 * x * x);
+      return;
     }
-    case 2:  // Phi(x) + x phi(x)
-      return 0.5f * (1.f + erff(x * 0.7071067811865476f)) + x * 0.3989422804014327f * __expf(-0.5f * x * x);
-    case 3: return x > 0.f ? 1.f : 0.f;
-    default: return 1.f;
+    case 2: {  // Phi(x) + x phi(x)
+      const float cdf = NormalCdf(x);
+      f = x * cdf;
+      df = cdf + x * 0.3989422804014327f * __expf(-0.5f * x * x);
+      return;
+    }
+    case 3:
+      f = x > 0.f ? x : 0.f;
+      df = x > 0.f ? 1.f : 0.f;
+      return;
+    default:
+      f = x;
+      df = 1.f;
   }
-}
-
-// act(x) and act'(x) together, sharing the exact GELU's Phi(x).
-__device__ __forceinline__ void ActivateWithGrad(int act, float x, float& f, float& df) {
-  if (act == 2) {
-    const float phi_cdf = 0.5f * (1.f + erff(x * 0.7071067811865476f));
-    f = x * phi_cdf;
-    df = phi_cdf + x * 0.3989422804014327f * __expf(-0.5f * x * x);
-    return;
-  }
-  f = Activate(act, x);
-  df = ActivateGrad(act, x);
 }
 
 // The bias of output feature `row` as float: 0 without a bias, else read in the input dtype T or float32.
@@ -210,8 +210,8 @@ struct StagedExtra {
 };
 
 // Writes an output tile staged in shared memory as [BT tokens][BR features] (token rows `row_bytes` apart)
-// to y [tokens, rows] at (tok0, row0) with 16-byte stores (and `extra`'s loads and stores at the same places);
-// tokens past `tokens` are skipped.  Called by the THREADS threads numbered `thread` = 0..THREADS-1 after the
+// to y [tokens, rows] at (tok0, row0) with 16-byte stores (and `extra`'s stores at the same places); tokens past
+// `tokens` are skipped.  Called by the THREADS threads numbered `thread` = 0..THREADS-1 after the
 // barrier that follows the staging.
 template <typename T, int BT, int BR, int THREADS>
 __device__ __forceinline__ void StoreStagedTile(const unsigned char* tile, int row_bytes, T* __restrict__ y, int tokens,

@@ -49,18 +49,12 @@ struct SpmmXtParams {
   int tokens, k, rows, groups, v, m;
   int bias_f32;          // bias is float32 (else the input dtype)
   int activation;        // 0 none, 1 gelu (tanh), 2 gelu_erf, 3 relu (Activate)
-  int act_mode;          // 0: y = act(x W + b); 1: y = act(z), y2 = act'(z) for z = x W + b
-  void* y2;              // [T, R] (act_mode 1) or null
+  void* y2;              // null: y = act(x W + b); else (act_mode 1) y = act(z), y2 = act'(z) for z = x W + b
   int meta_pairs;        // warp-specialized kernel: metadata by TMA pairs where they fit (LaunchWs clears it where not)
 };
 
-// The stores' extra work for act_mode 1 (none for 0).
-__device__ __forceinline__ StagedExtra Extra(const SpmmXtParams& p) {
-  StagedExtra e;
-  e.y2 = p.act_mode == 1 ? p.y2 : nullptr;
-  e.activation = p.activation;
-  return e;
-}
+// The stores' extra work for act_mode 1 (none without y2).
+__device__ __forceinline__ StagedExtra Extra(const SpmmXtParams& p) { return StagedExtra{p.y2, p.activation}; }
 
 constexpr int kKc = 64;           // condensed k per stage: one 128-byte swizzle row of 16-bit values per k
 constexpr int kThreads = 256;     // two warpgroups
@@ -222,7 +216,7 @@ __device__ __forceinline__ void XtStageMma(float (&acc)[NCH][NW / 2], uint32_t s
 #endif
 }
 
-// Epilogue of one warpgroup (warp wq of it): + bias, the activation (act_mode 0), convert, into the staged [BT][BR] tile; with
+// Epilogue of one warpgroup (warp wq of it): + bias, the activation (unless act_mode 1), convert, into the staged [BT][BR] tile; with
 // CHUNK > 0 only the tokens of chunk `ch` (warpgroup-local tokens [CHUNK ch, CHUNK ch + CHUNK), staged from row
 // t_base).
 template <typename T, int NW, int NCH, int CHUNK = 0>
@@ -241,7 +235,7 @@ __device__ __forceinline__ void StageXtAccumulators(float (&acc)[NCH][NW / 2], u
       const int hi = (i >> 1) & 1;
       const int t = t_base + t8 - (CHUNK > 0 ? CHUNK * ch : 0) + 2 * (lane & 3) + (i & 1);
       float v = acc[c][i] + (hi ? bias_hi : bias_lo);
-      if (p.act_mode == 0) v = Activate(p.activation, v);  // act_mode 1: the stores apply it
+      if (p.y2 == nullptr) v = Activate(p.activation, v);  // act_mode 1: the stores apply it
       reinterpret_cast<T*>(tile + t * row_bytes)[r_lo + 8 * hi] = FromFloat<T>(v);
     }
   }
@@ -714,7 +708,6 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer val
   p.m = m;
   p.bias_f32 = has_bias && bias.element_type() == ffi::F32;
   p.activation = activation;
-  p.act_mode = act_mode;
   p.y2 = act_mode == 1 ? out2->untyped_data() : nullptr;
   p.meta_pairs = 1;
   if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, tile, x_rows == 1);
@@ -734,7 +727,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSpmmXt, jaxsparse::SpmmXtImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // metadata [R, G/8]
                                   .Arg<xla::ffi::AnyBuffer>()               // bias [R] or [0]
                                   .Ret<xla::ffi::AnyBuffer>()               // y [T, R]
-                                  .Ret<xla::ffi::AnyBuffer>()               // act(y) [T, R] (act_mode 1) or [0]
+                                  .Ret<xla::ffi::AnyBuffer>()               // act'(z) [T, R] (act_mode 1) or [0]
                                   .Attr<int32_t>("v")
                                   .Attr<int32_t>("m")
                                   .Attr<int32_t>("activation")

@@ -198,9 +198,7 @@ def _forward_keeping_x(x2: jax.Array, sw: SparseWeight, bias: Optional[jax.Array
 
     def ref(x, s, b):
         if with_derivative:
-            z = reference.spmm(x, s, b)
-            act = reference.ACTIVATIONS[activation](z.astype(jnp.float32)).astype(z.dtype)
-            out = (act, reference.activation_derivative(activation, z))
+            out = reference.activation_with_derivative(activation, reference.spmm(x, s, b))
         else:
             out = reference.spmm(x, s, b, activation)
         return out, (x.T if col else x)
@@ -284,7 +282,7 @@ def sparse_linear(x: jax.Array, sw: SparseWeight, bias: Optional[jax.Array] = No
 
 # ----------------------------------------------------------------------------- a feed-forward block
 
-FUSED_ACTIVATIONS = ("gelu", "gelu_erf", "relu")
+FUSED_ACTIVATIONS = tuple(a for a in reference.ACTIVATIONS if a is not None)
 """The activations :func:`sparse_mlp` fuses (``jaxsparse.reference.ACTIVATIONS``: ``"gelu"`` is the tanh
 approximation, ``"gelu_erf"`` the exact GELU)."""
 

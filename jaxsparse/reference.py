@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jaxsparse.format import SparseWeight, compress_like, decompress
 
-__all__ = ["ACTIVATIONS", "activation_derivative", "spmm", "sddmm", "spmm_t", "bias_grad"]
+__all__ = ["ACTIVATIONS", "activation_with_derivative", "spmm", "sddmm", "spmm_t", "bias_grad"]
 
 # Epilogue activations the kernels fuse; "gelu" is the tanh approximation, "gelu_erf" the exact GELU.
 ACTIVATIONS = {
@@ -24,10 +24,11 @@ ACTIVATIONS = {
 }
 
 
-def activation_derivative(activation: str, z: jax.Array) -> jax.Array:
-    """``act'(z)`` elementwise (the activation's JVP along ones, in float32), in ``z``'s dtype."""
+def activation_with_derivative(activation: str, z: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(act(z), act'(z))`` elementwise (the activation's JVP along ones, in float32), in ``z``'s dtype."""
     z32 = z.astype(jnp.float32)
-    return jax.jvp(ACTIVATIONS[activation], (z32,), (jnp.ones_like(z32),))[1].astype(z.dtype)
+    f, df = jax.jvp(ACTIVATIONS[activation], (z32,), (jnp.ones_like(z32),))
+    return f.astype(z.dtype), df.astype(z.dtype)
 
 
 def spmm(x: jax.Array, sw: SparseWeight, bias: Optional[jax.Array] = None, activation: Optional[str] = None) -> jax.Array:

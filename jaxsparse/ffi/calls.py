@@ -201,8 +201,7 @@ def spmm(x: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activati
     if spmm_row_kernel(sw, row_kernel) == "tma":  # V:2:M through its 2:4 view (as_2_4)
         return _spmm_xt_call(x, as_2_4(sw)[0], bias, activation, x_rows=True, act_mode=int(with_derivative))
     if with_derivative:
-        z = spmm(x, sw, bias, None, "row", "mma")
-        return _reference_activation(activation, z), reference.activation_derivative(activation, z)
+        return reference.activation_with_derivative(activation, spmm(x, sw, bias, None, "row", "mma"))
     b = bias if bias is not None else jnp.zeros((0,), x.dtype)
     return _call(
         "jaxsparse_spmm",
@@ -222,10 +221,6 @@ def spmm(x: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activati
 def _check_act_mode(name: str, activation: str | None, with_derivative: bool) -> None:
     if with_derivative and activation is None:
         raise ValueError(f"{name}: with_derivative needs an activation")
-
-
-def _reference_activation(activation: str, y: jax.Array) -> jax.Array:
-    return reference.ACTIVATIONS[activation](y.astype(jnp.float32)).astype(y.dtype)
 
 
 SPMM_X_LAYOUT_ENV = "JAXSPARSE_SPMM_X"
