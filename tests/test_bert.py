@@ -188,10 +188,50 @@ def test_fused_attention_refuses_probability_dropout():
 def test_fused_attention_runs_cudnn_on_the_gpu():
     """On the GPU, bf16 fused attention is one cuDNN call (no [B, H, T, T] softmax) and matches BERT's."""
     test_fused_attention_matches_the_softmax_attention(jnp.bfloat16)
-    q = k = v = jnp.ones((2, 128, 4, 64), jnp.bfloat16)
-    bias = jnp.zeros((2, 1, 1, 128), jnp.float32)
-    hlo = jax.jit(bert.fused_attention).lower(q, k, v, bias).compile().as_text()
+    q = k = v = jax.random.normal(jax.random.key(0), (2, 128, 4, 64), jnp.bfloat16)
+    lengths = jnp.array([128, 77], jnp.int32)
+    hlo = jax.jit(bert.fused_attention).lower(q, k, v, lengths).compile().as_text()
     assert "__cudnn$fmha" in hlo
+    # the padding goes to cuDNN as lengths: no bias operand, so the backward computes no bias gradient
+    grad_hlo = jax.jit(jax.grad(lambda q: jnp.sum(bert.fused_attention(q, k, v, lengths).astype(jnp.float32))))
+    text = grad_hlo.lower(q).compile().as_text()
+    assert "__cudnn$fmhaSoftmaxBackward" in text and "__cudnn$fmhaScaleBias" not in text
+
+
+def test_fused_attention_masks_by_key_length():
+    """The fused attention's padding: keys at and after each row's length take no weight, every query attends;
+    the same numbers as the softmax over an additive key mask."""
+    q, k, v = (jax.random.normal(key, (3, 10, 2, 8), jnp.float32) for key in jax.random.split(jax.random.key(0), 3))
+    lengths = jnp.array([10, 4, 1], jnp.int32)
+    got = bert.fused_attention(q, k, v, lengths)
+    bias = jnp.where(jnp.arange(10)[None, :] < lengths[:, None], 0.0, -1e9)[:, None, None, :]
+    probs = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(8) + bias, axis=-1)
+    want = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    # a key past the length does not move any output
+    moved = bert.fused_attention(q, k.at[1, 6].set(100.0), v.at[1, 6].set(100.0), lengths)
+    np.testing.assert_array_equal(np.asarray(moved), np.asarray(got))
+
+
+def test_key_lengths_of_right_padding():
+    mask = jnp.array([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 0, 1, 0], [0, 1, 1, 1]])
+    lengths, is_prefix = bert.key_lengths_of(mask)
+    np.testing.assert_array_equal(lengths, [3, 1, 1, 2, 3])
+    np.testing.assert_array_equal(is_prefix, [True, True, True, False, False])
+
+
+def test_fused_attention_gives_nan_for_a_mask_that_is_not_right_padding():
+    """Padding masked by length needs 1s then 0s in each row; another mask poisons that row, never a silent
+    wrong answer, and leaves the other rows as the softmax attention computes them."""
+    base = dataclasses.replace(TINY, attention_probs_dropout_prob=0.0)
+    fused = dataclasses.replace(base, attention_impl="fused")
+    ids = _ids(2, 12)
+    mask = jnp.ones((2, 12), jnp.int32).at[1, 3].set(0)  # row 1 has a hole
+    params = bert.BertModel(base).init(jax.random.key(1), ids)["params"]
+    got, _ = bert.BertModel(fused).apply({"params": params}, ids, attention_mask=mask)
+    want, _ = bert.BertModel(base).apply({"params": params}, ids, attention_mask=mask)
+    assert bool(jnp.all(jnp.isnan(got[1])))
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("hidden_act", ["gelu", "gelu_new", "relu"])

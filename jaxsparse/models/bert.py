@@ -57,7 +57,8 @@ class BertConfig:
     # (explicit logits, softmax, dropout on the probabilities). "fused" calls
     # jax.nn.dot_product_attention: cuDNN's flash attention on a GPU in bf16/fp16 (no [B, H, T, T]
     # tensor is ever written), XLA's product elsewhere; it has no dropout on the probabilities, so it
-    # needs attention_probs_dropout_prob == 0.
+    # needs attention_probs_dropout_prob == 0. It masks padding by length, so attention_mask must be right
+    # padding (1s, then 0s, in each row); a row that is not gets NaN outputs.
     attention_impl: str = "softmax"
     # Not a Hugging Face field either: with compressed sparse layers, run the FFN (intermediate -> act -> output)
     # as one jaxsparse.ops.sparse_mlp, whose first product's epilogue writes the activation and its derivative
@@ -165,20 +166,33 @@ class _Sparse(nn.Module):
         return nn.LayerNorm(epsilon=self.config.layer_norm_eps, dtype=self.dtype, name=name)
 
 
-def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array) -> jax.Array:
-    """``softmax(q k^T / sqrt(d) + bias) v`` through :func:`jax.nn.dot_product_attention`.
+def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_lengths: jax.Array) -> jax.Array:
+    """``softmax(q k^T / sqrt(d)) v`` over each row's first ``key_lengths[b]`` keys, through
+    :func:`jax.nn.dot_product_attention`.
 
-    q, k, v are ``[B, T, heads, d]``; bias is the additive key mask ``[B, 1, 1, T]``. On a GPU with bf16
-    or fp16 operands (and the GPU as JAX's default backend) this is cuDNN's fused flash attention; in
-    float32, or on other platforms, XLA's product (the same function). Returns ``[B, T, heads, d]`` in q's dtype.
+    q, k, v are ``[B, T, heads, d]``; key_lengths is ``[B]`` int32 (the keys at and after it are padding; every
+    query attends). On a GPU with bf16 or fp16 operands (and the GPU as JAX's default backend) this is cuDNN's
+    fused flash attention with its padding mask: no ``[B, 1, T, T]`` bias is formed, and its backward computes
+    no bias gradient (given a bias, JAX's cuDNN backward always computes one). In float32, or on other
+    platforms, XLA's product (the same function). Returns ``[B, T, heads, d]`` in q's dtype.
     """
     # The backend is read at trace time: the cuDNN lowering queries the cuDNN version while tracing, so it
     # cannot sit in a platform_dependent branch that a CPU trace also visits.
     cudnn = q.dtype in (jnp.bfloat16, jnp.float16) and jax.default_backend() == "gpu"
-    if cudnn:  # cuDNN takes a bias per query row, not one broadcast over the queries
-        bias = jnp.broadcast_to(bias, (bias.shape[0], 1, q.shape[1], bias.shape[-1]))
-    return jax.nn.dot_product_attention(q, k, v, bias=bias.astype(q.dtype),
+    return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=key_lengths.astype(jnp.int32),
                                         implementation="cudnn" if cudnn else "xla")
+
+
+def key_lengths_of(attention_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(lengths [B] int32, is_prefix [B] bool)`` of an ``attention_mask [B, T]`` (nonzero = real token).
+
+    :func:`fused_attention` masks padding by length, so it needs each row to be real tokens first and padding
+    after (right padding, as :func:`jaxsparse.data.tokenize` pads); ``is_prefix`` says which rows are. A row
+    with no real token gets length 1 (its outputs are meaningless either way, and cuDNN needs a key)."""
+    real = attention_mask > 0
+    lengths = real.sum(-1).astype(jnp.int32)
+    is_prefix = jnp.all(real == (jnp.arange(real.shape[-1]) < lengths[:, None]), axis=-1)
+    return jnp.maximum(lengths, 1), is_prefix
 
 
 ATTENTION_LOGITS = "attention_logits"
@@ -205,7 +219,9 @@ class BertAttention(_Sparse):
     """Multi-head self-attention with its output projection, residual and LayerNorm."""
 
     @nn.compact
-    def __call__(self, h: jax.Array, bias: jax.Array, deterministic: bool) -> jax.Array:
+    def __call__(self, h: jax.Array, padding: jax.Array, deterministic: bool) -> jax.Array:
+        """``padding`` is the additive key mask ``[B, 1, 1, T]`` for the ``"softmax"`` attention and the key
+        lengths ``[B]`` (:func:`key_lengths_of`) for the ``"fused"`` one."""
         cfg = self.config
         heads, d = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
 
@@ -216,9 +232,9 @@ class BertAttention(_Sparse):
         k = split(self.dense(cfg.hidden_size, "key")(h))
         v = split(self.dense(cfg.hidden_size, "value")(h))
         if cfg.attention_impl == "fused":
-            ctx = fused_attention(q, k, v, bias).reshape(h.shape)
+            ctx = fused_attention(q, k, v, padding).reshape(h.shape)
         else:
-            logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(d) + bias
+            logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(d) + padding
             self.sow(ATTENTION_LOGITS, "logits", logits)
             probs = jax.nn.softmax(logits, axis=-1)
             probs = nn.Dropout(cfg.attention_probs_dropout_prob)(probs, deterministic=deterministic)
@@ -232,10 +248,10 @@ class BertLayer(_Sparse):
     """One encoder block: attention, then FFN (``intermediate`` -> act -> ``output``) with residual."""
 
     @nn.compact
-    def __call__(self, h: jax.Array, bias: jax.Array, deterministic: bool) -> jax.Array:
+    def __call__(self, h: jax.Array, padding: jax.Array, deterministic: bool) -> jax.Array:
         cfg = self.config
         opts = dict(config=cfg, sparsity=self.sparsity, compressed=self.compressed, dtype=self.dtype)
-        h = BertAttention(**opts, name="attention")(h, bias, deterministic)
+        h = BertAttention(**opts, name="attention")(h, padding, deterministic)
         out = self.feed_forward(h)
         out = nn.Dropout(cfg.hidden_dropout_prob)(out, deterministic=deterministic)
         return self.norm("LayerNorm")(out + h)
@@ -277,10 +293,16 @@ class BertModel(_Sparse):
              + embed("token_type_embeddings", cfg.type_vocab_size, token_type_ids)).astype(self.dtype)
         h = self.norm("embeddings_LayerNorm")(h)
         h = nn.Dropout(cfg.hidden_dropout_prob)(h, deterministic=deterministic)
-        bias = jnp.where(attention_mask[:, None, None, :] > 0, 0.0, -1e9).astype(jnp.float32)
+        if cfg.attention_impl == "fused":
+            padding, is_prefix = key_lengths_of(attention_mask)
+            # A row whose mask is not right padding cannot be masked by length: its outputs are NaN, never wrong
+            # (one select, fused into the LayerNorm above).
+            h = jnp.where(is_prefix[:, None, None], h, jnp.asarray(jnp.nan, h.dtype))
+        else:
+            padding = jnp.where(attention_mask[:, None, None, :] > 0, 0.0, -1e9).astype(jnp.float32)
         opts = dict(config=cfg, sparsity=self.sparsity, compressed=self.compressed, dtype=self.dtype)
         for i in range(cfg.num_hidden_layers):
-            h = BertLayer(**opts, name=f"encoder_layer_{i}")(h, bias, deterministic)
+            h = BertLayer(**opts, name=f"encoder_layer_{i}")(h, padding, deterministic)
             self.sow(HIDDEN_STATES, "layers", h)
         pooled = None
         if self.add_pooler:
