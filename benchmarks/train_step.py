@@ -38,13 +38,9 @@ import common  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 _SOURCE_FALLBACK = common.import_jaxsparse_from_install_or_checkout()
+from jaxsparse.trainstep import HEADLINE_BATCH as BATCH  # noqa: E402  (model, seq_len) -> batch size on an 80 GB H100
+
 SPARSITIES = ("dense", "2:4", "64:2:8", "128:2:16", "128:2:32")
-BATCH = {  # (model, seq_len): batch size on an 80 GB H100 (f32 master + AdamW, no rematerialization)
-    ("base", 512): 64,
-    ("base", 128): 256,
-    ("large", 512): 32,
-    ("large", 128): 128,
-}
 QUICK = {"models": ("tiny",), "seqs": (128,), "batch": 8, "steps": 6, "warmup": 2}
 
 

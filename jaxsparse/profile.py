@@ -564,7 +564,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="tiny", choices=MODELS)
     p.add_argument("--sparsity", default="64:2:8", help="'dense' or a V:N:M pattern (2:4, 64:2:8, 128:2:16, ...)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="default: the headline benchmark's batch for --model and --seq-len (32 for large at 512), "
+                        "else 8")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=5, help="steps traced (and timed)")
     p.add_argument("--warmup", type=int, default=2)
@@ -587,14 +589,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def step_config(args: argparse.Namespace):
+    """The :class:`~jaxsparse.trainstep.StepConfig` that ``args`` (:func:`parse_args`) describe; without
+    ``--batch-size``, the headline benchmark's batch for the model and sequence length
+    (:func:`jaxsparse.trainstep.default_batch_size`)."""
+    from jaxsparse.trainstep import StepConfig, default_batch_size
+
+    batch = args.batch_size if args.batch_size is not None else default_batch_size(args.model, args.seq_len)
+    return StepConfig(args.model, args.sparsity, batch, args.seq_len, args.dtype, args.compressed,
+                      attention=args.attention, transposable=args.transposable_masks)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point ``jaxsparse-profile``."""
     from jaxsparse import ops
-    from jaxsparse.trainstep import StepConfig
-
     args = parse_args(argv)
-    config = StepConfig(args.model, args.sparsity, args.batch_size, args.seq_len, args.dtype, args.compressed,
-                        attention=args.attention, transposable=args.transposable_masks)
+    config = step_config(args)
     with ops.dx_route_scope("transposed" if args.transposable_masks else None):
         prof = profile_step(config, args.steps, args.warmup, args.trace_dir, top=max(args.top, 25), hlo_path=args.hlo)
         prof.meta.update(transposable_masks=args.transposable_masks, dx_route=ops.dx_route())  # the route traced

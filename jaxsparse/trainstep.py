@@ -33,6 +33,21 @@ __all__ = ["StepConfig", "TrainStep", "MODELS", "OPTIMIZER_SCOPE", "sparse_mode"
 MODELS = tuple(bert.PRESETS)
 
 
+HEADLINE_BATCH = {  # (model, seq_len): batch size on an 80 GB H100 (f32 master + AdamW, no rematerialization)
+    ("base", 512): 64,
+    ("base", 128): 256,
+    ("large", 512): 32,
+    ("large", 128): 128,
+}
+"""The batch sizes of the headline benchmark (``benchmarks/train_step.py``), by ``(model, seq_len)``."""
+
+
+def default_batch_size(model: str, seq_len: int) -> int:
+    """:data:`HEADLINE_BATCH`'s batch for ``(model, seq_len)``, so that a profile or a step measures what the
+    headline benchmark does; 8 for the shapes it does not run."""
+    return HEADLINE_BATCH.get((model, seq_len), 8)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
     """What to build.

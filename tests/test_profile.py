@@ -261,3 +261,18 @@ def test_standalone_layout_moves_counts_only_kernels_that_just_move():
     computing = _AD_NAMED_HLO.replace("ROOT %t = bf16[8,4]{1,0} transpose(%p)",
                                       "%n = bf16[4,8]{1,0} tanh(%p)\n  ROOT %t = bf16[8,4]{1,0} transpose(%n)")
     assert standalone_layout_moves(computing) == []
+
+
+def test_profile_defaults_to_the_headline_batch():
+    """Without --batch-size the profile traces the batch the headline benchmark times (BERT-large at 512 tokens:
+    32), so its breakdown describes that step; an explicit --batch-size wins, and other shapes take 8."""
+    from jaxsparse import profile
+    from jaxsparse.trainstep import HEADLINE_BATCH, default_batch_size
+
+    assert default_batch_size("large", 512) == HEADLINE_BATCH[("large", 512)] == 32
+    assert default_batch_size("tiny", 128) == 8
+    cfg = profile.step_config(profile.parse_args(["--model", "large", "--seq-len", "512", "--sparsity", "dense"]))
+    assert (cfg.model, cfg.seq_len, cfg.batch_size) == ("large", 512, 32)
+    cfg = profile.step_config(profile.parse_args(["--model", "large", "--seq-len", "512", "--batch-size", "4"]))
+    assert cfg.batch_size == 4
+    assert profile.step_config(profile.parse_args([])).batch_size == 8
