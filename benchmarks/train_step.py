@@ -273,7 +273,10 @@ def plot(rows: list[dict], path: str) -> str | None:
                and r.get("fuse_feed_forward", True)]
         xs = [SPARSITIES.index(r["sparsity"]) if r["sparsity"] in SPARSITIES else i for i, r in enumerate(sel)]
         label = f"{g[0]} seq {g[1]} batch {g[2]}"
-        ax1.plot(xs, [r["speedup_vs_dense"] or float("nan") for r in sel], "o-", label=label)
+        ax1.plot(xs, [r["speedup_vs_dense"] or float("nan") for r in sel], "o-", label=f"{label}, synced")
+        if any(r.get("speedup_vs_dense_pipelined") for r in sel):  # steps dispatched back to back, as training runs
+            ax1.plot(xs, [r.get("speedup_vs_dense_pipelined") or float("nan") for r in sel], "s--",
+                     label=f"{label}, back to back")
         ax2.plot(xs, [r["memory_vs_dense"] or float("nan") for r in sel], "o-", label=label)
         for x, r in zip(xs, sel):
             if r["mode"] == "masked":
@@ -320,6 +323,8 @@ def main(argv=None) -> int:
     ap.add_argument("--worker-timeout", type=float, default=900.0, help="seconds per worker (--concurrent: all)")
     ap.add_argument("--out", default=None, help="json path (default benchmarks/results/<gpu>/train_step[_quick].json)")
     ap.add_argument("--plot", default=None, help="png path (default docs/train_step.png; none in --quick)")
+    ap.add_argument("--replot", default=None, metavar="JSON",
+                    help="only draw --plot from the rows of an earlier run's results JSON (runs nothing)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--turn", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -327,6 +332,13 @@ def main(argv=None) -> int:
     if a.worker:
         print(json.dumps(run_config(json.loads(a.worker), json.loads(a.turn) if a.turn else None)), flush=True)
         return 0
+    if a.replot:
+        if not a.plot:
+            ap.error("--replot needs --plot PATH")
+        with open(a.replot) as f:
+            done = plot(json.load(f)["rows"], a.plot)
+        print(f"wrote {done}" if done else "matplotlib is not installed: no plot (pip install matplotlib)")
+        return 0 if done else 1
 
     if a.quick:
         models, seqs = QUICK["models"], QUICK["seqs"]

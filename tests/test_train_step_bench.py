@@ -88,3 +88,20 @@ def test_transposable_step_runs_the_transposed_dx_route(tmp_path):
     assert os.environ.get(ops.DX_ROUTE_ENV) == before
     with pytest.raises(ValueError, match="sparse pattern"):
         StepConfig(sparsity="dense", transposable=True)
+
+
+def test_replot_draws_from_a_results_file_and_runs_nothing(tmp_path, capsys):
+    """--replot redraws the plot from an earlier run's rows (synced and back-to-back speedups) without running a step."""
+    bench = _load()
+    rows = [{"model": "large", "seq_len": 512, "batch_size": 32, "sparsity": s, "mode": m, "speedup_vs_dense": sp,
+             "speedup_vs_dense_pipelined": pp, "memory_vs_dense": mem, "device_kind": "test GPU"}
+            for s, m, sp, pp, mem in (("dense", "dense", 1.0, 1.0, 1.0), ("64:2:8", "compressed", 1.07, 1.13, 0.63))]
+    src = tmp_path / "rows.json"
+    src.write_text(json.dumps({"rows": rows}))
+    with pytest.raises(SystemExit):
+        bench.main(["--replot", str(src)])  # needs --plot
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plot.png"
+    assert bench.main(["--replot", str(src), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "wrote" in capsys.readouterr().out
