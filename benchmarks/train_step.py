@@ -295,6 +295,13 @@ def plot(rows: list[dict], path: str) -> str | None:
     return path
 
 
+def _draw(rows: list[dict], path: str) -> str | None:
+    """:func:`plot`, saying where it went or that matplotlib is missing."""
+    done = plot(rows, path)
+    print(f"wrote {done}" if done else "matplotlib is not installed: no plot (pip install matplotlib)")
+    return done
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny BERT, seq 128, batch 8, 6 steps: a smoke test")
@@ -336,9 +343,7 @@ def main(argv=None) -> int:
         if not a.plot:
             ap.error("--replot needs --plot PATH")
         with open(a.replot) as f:
-            done = plot(json.load(f)["rows"], a.plot)
-        print(f"wrote {done}" if done else "matplotlib is not installed: no plot (pip install matplotlib)")
-        return 0 if done else 1
+            return 0 if _draw(json.load(f)["rows"], a.plot) else 1
 
     if a.quick:
         models, seqs = QUICK["models"], QUICK["seqs"]
@@ -390,8 +395,7 @@ def main(argv=None) -> int:
     common.write_json(out, payload)
     plot_path = a.plot or (None if a.quick else os.path.join(ROOT, "docs", "train_step.png"))
     if plot_path:
-        done = plot(rows, plot_path)
-        print(f"wrote {done}" if done else "matplotlib is not installed: no plot (pip install matplotlib)")
+        _draw(rows, plot_path)
     return 0 if all("error" not in r for r in rows) else 1
 
 
