@@ -14,6 +14,8 @@ One process; the shapes of ``benchmarks/spmm.py`` (tokens 4096 and 16384; K x N 
 * ``dW mma.sync engine``, ``dW split=none`` and ``dX dense route``: the alternatives, timed beside the
   defaults (the SDDMM's portable engine and its one-pass grid; XLA's dense product over the decompressed
   weight);
+* ``dX condensed`` and ``fwd+bwd condensed dX`` (M = 16, Hopper): ``jaxsparse_spmm_t_condensed``
+  (``JAXSPARSE_DX=condensed``), its operands built by XLA in the call;
 * ``dX transposed route``, ``dX transposed, W^T given`` and ``fwd+bwd transposed dX``: the
   ``JAXSPARSE_DX=transposed`` route on a weight whose mask was chosen transposable
   (``select_mask(..., transposable=True)``): dX as the 2:4 forward kernel on ``W^T`` with ``W^T`` built in the
@@ -197,6 +199,10 @@ def main() -> None:
         ("dW x col-major", "dW", jax.jit(lambda x, dy, sw, b: calls.sddmm(x, dy, sw, x_layout="col")), same),
         ("dW x^T given", "dW", jax.jit(lambda xt, dy, sw, b: calls.sddmm_from_xt(xt, dy, sw)), xt_of),
         ("dX dense route", "dX", jax.jit(lambda x, dy, sw, b: ops._dense_dx(dy, sw)), same),
+        # M = 16 on Hopper: per V block the product over its kept columns, then a one-hot scatter product (any mask).
+        ("dX condensed", "dX", jax.jit(lambda x, dy, sw, b: calls.spmm_t_condensed(dy, sw)), same),
+        ("fwd+bwd condensed dX", "fwd+bwd",
+         jax.jit(with_env(lambda x, dy, sw, b: sparse_vjp(x, dy, sw.values, b, sw), JAXSPARSE_DX="condensed")), same),
         # V:2:M through its 2:4 view (format.as_2_4) on the kernels that read x [T, K] as it is: the forward, the
         # SDDMM and the whole layer on that route (no transpose anywhere).
         ("fwd x rows, 2:4 view", "fwd", jax.jit(lambda x, dy, sw, b: calls.spmm(x, sw, b, None, x_layout="row",
@@ -210,7 +216,7 @@ def main() -> None:
          jax.jit(with_env(lambda x, dy, sw, b: sparse_vjp(x, dy, sw.values, b, sw), JAXSPARSE_SPMM_X="col")), same),
     ]
     if not calls.hopper_gpu():
-        hopper_only = ("col-major", "x^T", "x rows", "2:4 view")  # the x^T engines and the TMA kernels
+        hopper_only = ("col-major", "x^T", "x rows", "2:4 view", "condensed")  # the x^T engines, the TMA kernels
         variants = [v for v in variants if not any(h in v[0] for h in hopper_only)]
     wanted = lambda label: not args.only or any(o in label for o in args.only.split(",") if o)
     variants = [v for v in variants if wanted(v[0])]
@@ -264,7 +270,8 @@ def main() -> None:
                 runs += [(label, prod, fn, prep, _err(prod, fn, (prep(x0), dy0, sw, b), refs))
                          for label, prod, fn, prep in variants
                          if not (spec.v == 64 and label.startswith(("fwd x^T given 128x", "fwd x^T given ws128x")))  # 128-row tiles need V >= 128
-                         and not (spec.m == 4 and ("2:4 view" in label or "x^T route" in label))]  # 2:4: no x^T route
+                         and not (spec.m == 4 and ("2:4 view" in label or "x^T route" in label))  # 2:4: no x^T route
+                         and not ("condensed" in label and spec.m != calls.CONDENSED_DX_M)]
                 for label, prod, fn, prep, err in runs:
                     ms = common.time_jax(fn, [(prep(x), dy, sw, b) for x, dy in zip(xs, dys)], **reps)
                     fl = floors(prod, tokens, k, n, spec.m, spec.v)

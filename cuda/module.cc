@@ -24,6 +24,7 @@ NB_MODULE(_jaxsparse_cuda, m) {
     d["jaxsparse_spmm_xt"] = Capsule(JaxsparseSpmmXt);
     d["jaxsparse_sddmm"] = Capsule(JaxsparseSddmm);
     d["jaxsparse_spmm_t"] = Capsule(JaxsparseSpmmT);
+    d["jaxsparse_spmm_t_condensed"] = Capsule(JaxsparseSpmmTCondensed);
     d["jaxsparse_transpose"] = Capsule(JaxsparseTranspose);
     d["jaxsparse_transpose_2_4"] = Capsule(JaxsparseTranspose24);
     return d;

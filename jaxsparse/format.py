@@ -33,6 +33,7 @@ __all__ = [
     "kept_mask",
     "transpose_2_4",
     "check_transpose_2_4_shape",
+    "condensed_dx_operands",
 ]
 
 GROUPS_PER_WORD = 8  # metadata groups (4 bits each) in one uint32 word
@@ -544,6 +545,38 @@ def compress_like(dense: jax.Array, sw: SparseWeight) -> jax.Array:
     g = k // sw.spec.m
     picked = jnp.take_along_axis(dense.T.reshape(r, g, sw.spec.m), kept_columns(sw), axis=-1)
     return picked.reshape(r, 2 * g)
+
+
+@jax.jit
+def condensed_dx_operands(sw: SparseWeight) -> tuple[jax.Array, jax.Array]:
+    """The two operands of the condensed input gradient (``jaxsparse_spmm_t_condensed``), in the values' dtype.
+
+    ``wc [R, 4G]``: ``A = W^T`` over each V block's 4 kept columns per group (``wc[r, 4g + p]`` is row ``r``'s value
+    at the block's ``p``-th kept column of group ``g``, 0 where the row's 2:4 choice drops it). ``scatter
+    [(R/V) * (G/4) * 16, 4M]``: per block ``b`` and chunk ``q`` of 4 groups, the one-hot ``16 x 4M`` matrix with
+    ``scatter[(b * G/4 + q) * 16 + 4j + p, j*M + columns[b, 4q + j, p]] = 1``. Then
+    ``dy @ W^T = concat_q sum_b (dy[:, block b] @ wc[block b, chunk q's 16 columns]) @ scatter[b, q]``
+    (docs/format.md). Needs ``M > 4`` (a ``columns`` array) and ``G % 4 == 0``.
+    """
+    k, r = sw.shape
+    spec = sw.spec
+    if sw.columns is None or spec.n != 2:
+        raise ValueError(f"condensed_dx_operands needs a V:2:M weight with M > 4, got {spec}")
+    g = k // spec.m
+    if g % 4:
+        raise ValueError(f"condensed_dx_operands needs G = K/M divisible by 4, got G = {g}")
+    p0, p1 = _unpack_metadata(sw.metadata)  # [R, G] positions among the 4 kept columns
+    vals = sw.values.reshape(r, g, 2)
+    slot = jnp.arange(4, dtype=jnp.int32)
+    zero = jnp.zeros((), sw.values.dtype)
+    wc = (jnp.where(slot == p0[..., None], vals[..., :1], zero) +
+          jnp.where(slot == p1[..., None], vals[..., 1:], zero)).reshape(r, 4 * g)
+    blocks = r // spec.v
+    onehot = (sw.columns.astype(jnp.int32)[..., None] == jnp.arange(spec.m, dtype=jnp.int32))  # [B, G, 4, M]
+    onehot = onehot.reshape(blocks, g // 4, 4, 4, spec.m)  # [B, G/4, j, p, M]
+    eye = jnp.eye(4, dtype=bool)  # [j, j'] puts group j's columns in its own M-wide slice
+    scatter = (onehot[:, :, :, :, None, :] & eye[None, None, :, None, :, None]).astype(sw.values.dtype)
+    return wc, scatter.reshape(blocks * (g // 4) * 16, 4 * spec.m)
 
 
 def exact_column_fraction(w: np.ndarray, spec: Union[str, VNM]) -> float:

@@ -102,7 +102,7 @@ def _dense_dx(dy2: jax.Array, sw: SparseWeight) -> jax.Array:
 
 
 DX_ROUTE_ENV = "JAXSPARSE_DX"
-DX_ROUTES = ("dense", "kernel", "transposed")
+DX_ROUTES = ("dense", "kernel", "transposed", "condensed")
 
 
 def dx_route(route: Optional[str] = None) -> str:
@@ -114,7 +114,10 @@ def dx_route(route: Optional[str] = None) -> str:
     columns, so a sparse kernel does dense work on slower MMAs). ``"transposed"``: for weights whose masks were
     chosen with ``select_mask(..., transposable=True)``, the 2:4 forward product of ``W^T``
     (:func:`transpose_2_4`, built by ``jaxsparse_transpose_2_4`` on a GPU), on every platform; where a mask is not
-    transposable the gradient is NaN, never wrong. ``None`` reads ``JAXSPARSE_DX``.
+    transposable the gradient is NaN, never wrong. ``"condensed"``: for ``M = 16`` on a Hopper GPU, the
+    ``jaxsparse_spmm_t_condensed`` kernel (per V block the product over its kept columns, then a one-hot scatter
+    product, any mask; :func:`jaxsparse.ffi.calls.spmm_t_condensed`), else the dense route.
+    ``None`` reads ``JAXSPARSE_DX``.
     The default follows the measurements in docs/kernel-notes.md: the v1 kernel is slower than the dense
     route at every M measured on the H100 (64:2:8 at 16384x1024x4096: 0.92 ms against 0.20 ms), so it
     is opt-in until a faster version lands; ``benchmarks/linear.py`` times both routes side by side.
@@ -154,8 +157,12 @@ def spmm_t(dy: jax.Array, sw: SparseWeight, route: Optional[str] = None) -> jax.
     with jax.named_scope("jaxsparse_spmm_t"):  # jaxsparse-profile files everything inside under the input gradient
         if route == "transposed":
             return _transposed_dx(dy, sw)
-        use_kernel = route == "kernel" and sw.spec.m > 4
-        cuda = cuda_calls.spmm_t if use_kernel else _dense_dx
+        if route == "condensed" and cuda_calls.spmm_t_condensed_unsupported(sw) is None:
+            cuda = cuda_calls.spmm_t_condensed
+        elif route == "kernel" and sw.spec.m > 4:
+            cuda = cuda_calls.spmm_t
+        else:
+            cuda = _dense_dx
         dx = dispatch.call("spmm_t", reference.spmm_t, cuda, _flatten(dy), sw,
                            unsupported=cuda_calls.spmm_t_unsupported(sw))
     return dx.reshape(*dy.shape[:-1], sw.shape[0])

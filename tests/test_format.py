@@ -322,3 +322,38 @@ def test_transpose_2_4_needs_whole_metadata_words():
     sw = F.compress(w, F.select_mask(w, "2:4", transposable=True), "2:4")
     with pytest.raises(ValueError, match="multiple of 32"):
         F.transpose_2_4(sw)
+
+
+@pytest.mark.parametrize("spec,k,r", [("128:2:16", 512, 256), ("64:2:16", 384, 128), ("64:2:8", 256, 128),
+                                      ("128:2:32", 512, 128)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_condensed_dx_operands_reproduce_the_input_gradient(spec, k, r, dtype):
+    """The condensed dX kernel's algorithm on its operands, in float32: per V block the product over the block's
+    kept columns, then the one-hot scatter per 4 groups, summed over blocks, equals ``dy @ W^T``."""
+    spec = F.VNM.parse(spec)
+    kw, kd = jax.random.split(jax.random.PRNGKey(k + r + spec.m))
+    w = jax.random.normal(kw, (k, r), jnp.float32).astype(dtype)
+    sw = F.compress(w, F.select_mask(w, spec), spec)
+    dy = jax.random.normal(kd, (37, r), jnp.float32)
+    wc, scatter = F.condensed_dx_operands(sw)
+    blocks, g = r // spec.v, k // spec.m
+    assert wc.shape == (r, 4 * g) and wc.dtype == sw.values.dtype
+    assert scatter.shape == (blocks * (g // 4) * 16, 4 * spec.m) and scatter.dtype == sw.values.dtype
+    # every condensed row of every chunk scatters to exactly one output column, inside its own group's slice
+    s = np.asarray(scatter, np.float32).reshape(blocks, g // 4, 4, 4, 4, spec.m)  # [b, q, j, p, j', col]
+    assert (s.sum(axis=(4, 5)) == 1).all() and (s.sum(axis=5)[..., range(4), :, range(4)] == 1).all()
+    # each row keeps exactly its 2 stored values among the 4 condensed slots of a group
+    assert (np.count_nonzero(np.asarray(wc, np.float32).reshape(r, g, 4), axis=-1) <= 2).all()
+    p = jnp.einsum("tbv,bvc->btc", dy.reshape(37, blocks, spec.v), wc.astype(jnp.float32).reshape(blocks, spec.v, 4 * g),
+                   precision=jax.lax.Precision.HIGHEST)
+    dx = jnp.einsum("btqc,bqcj->tqj", p.reshape(blocks, 37, g // 4, 16),
+                    scatter.astype(jnp.float32).reshape(blocks, g // 4, 16, 4 * spec.m),
+                    precision=jax.lax.Precision.HIGHEST).reshape(37, k)
+    ref = jnp.dot(dy, F.decompress(sw).astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
+    np.testing.assert_allclose(np.asarray(dx), np.asarray(ref), rtol=1e-5, atol=1e-4)
+
+
+def test_condensed_dx_operands_rejects():
+    w = jax.random.normal(jax.random.PRNGKey(0), (256, 128))
+    with pytest.raises(ValueError, match="M > 4"):
+        F.condensed_dx_operands(F.compress(w, F.select_mask(w, "2:4"), "2:4"))

@@ -13,6 +13,7 @@ from jaxsparse import reference
 from jaxsparse.ffi import register
 from jaxsparse.format import VNM, SparseWeight
 from jaxsparse.format import as_2_4 as format_as_2_4
+from jaxsparse.format import condensed_dx_operands
 
 # vmap of any call runs the kernel once per batch element: a correct, if slow, batching rule.
 _VMAP = "sequential"
@@ -568,3 +569,44 @@ def spmm_t(dy: jax.Array, sw: SparseWeight) -> jax.Array:
         "jaxsparse_spmm_t", (dy.shape[0], k), dy.dtype, dy, sw.values, _columns_operand(sw), sw.metadata,
         v=np.int32(sw.spec.v), m=np.int32(sw.spec.m),
     )
+
+
+# The condensed dX kernel (cuda/dx_condensed.cu) is built for one group width.
+CONDENSED_DX_M = 16
+
+
+def spmm_t_condensed_unsupported(sw: SparseWeight) -> str | None:
+    """Why ``jaxsparse_spmm_t_condensed`` cannot take ``sw`` (None when it can): the SpMM's list, ``M = 16``, and a
+    Hopper GPU (its kernel is wgmma-only)."""
+    problem = spmm_unsupported(sw)
+    if problem:
+        return problem
+    if sw.spec.m != CONDENSED_DX_M:
+        return f"the condensed dX kernel is built for M = {CONDENSED_DX_M}, got {sw.spec}"
+    if not hopper_gpu():
+        return "the condensed dX kernel needs a Hopper GPU (wgmma)"
+    return None
+
+
+def spmm_t_condensed(dy: jax.Array, sw: SparseWeight) -> jax.Array:
+    """Input gradient ``dy @ W^T`` by ``jaxsparse_spmm_t_condensed``: per V block, the product over the block's kept
+    columns only (``4/M`` of the dense work) and a one-hot scatter product per 4 groups (``16/V`` of it), both on
+    wgmma with the intermediate in registers (docs/kernel-notes.md, session 24). Its operands
+    (:func:`jaxsparse.format.condensed_dx_operands`) are built by XLA from the weight on each call.
+
+    Constraints (``ValueError`` here): ``dy`` 2-D ``[T, R]`` in the values' dtype; :func:`spmm_t_condensed_unsupported`
+    is None. Any ``T``.
+    """
+    if dy.ndim != 2:
+        raise ValueError(f"spmm_t_condensed: dy must be 2-D [T, R], got shape {dy.shape}")
+    k, r = sw.shape
+    if dy.shape[1] != r:
+        raise ValueError(f"spmm_t_condensed: dy has R = {dy.shape[1]} but the weight has R = {r}")
+    if dy.dtype != sw.values.dtype:
+        raise ValueError(f"spmm_t_condensed: dy dtype {dy.dtype} must equal the values dtype {sw.values.dtype}")
+    problem = spmm_t_condensed_unsupported(sw)
+    if problem:
+        raise ValueError(f"spmm_t_condensed: {problem}")
+    wc, scatter = condensed_dx_operands(sw)
+    return _call("jaxsparse_spmm_t_condensed", (dy.shape[0], k), dy.dtype, dy, wc, scatter,
+                 v=np.int32(sw.spec.v), m=np.int32(sw.spec.m))
