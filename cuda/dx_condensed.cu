@@ -23,8 +23,6 @@
 #include "mma_common.cuh"
 #include "wgmma.cuh"
 
-#include <cstdlib>
-
 namespace jaxsparse {
 namespace {
 
@@ -51,7 +49,7 @@ constexpr int kDcSmemBytes = kDcBarOff + 8 * kDcStages + 1024;
 static_assert(kDcN2 == 64 && kDcNC == 64, "GEMM1 and GEMM2 are m64n64k16");
 static_assert(kDcWcOff % 1024 == 0 && kDcSOff % 1024 == 0 && kDcStageBytes % 1024 == 0, "swizzle atoms");
 
-template <typename T, int V, int PROBE = 0>
+template <typename T, int V>
 __global__ void __launch_bounds__(kDcThreads, 1)
     DxCondensedKernel(const DxCondensedParams p, const __grid_constant__ CUtensorMap tma_dy,
                       const __grid_constant__ CUtensorMap tma_wc, const __grid_constant__ CUtensorMap tma_s) {
@@ -99,7 +97,7 @@ __global__ void __launch_bounds__(kDcThreads, 1)
   for (int b = 0; b < blocks; ++b) {
     const int buf = b % kDcStages;
     const uint32_t base = smem_base + buf * kDcStageBytes;
-    if (PROBE != 2 || b < kDcStages - 1) MbarWait(full0 + 8 * buf, (b / kDcStages) & 1);
+    MbarWait(full0 + 8 * buf, (b / kDcStages) & 1);
 
     // GEMM1: P_b [64 t][64 c] = dY [64 t][V r] @ Wc [V r][64 c].
 #pragma unroll
@@ -111,7 +109,7 @@ __global__ void __launch_bounds__(kDcThreads, 1)
       const uint32_t a_addr = base + (ks / 4) * kDcDyBox + wg * (kDcDyBox / 2) + (ks % 4) * 32;
       const uint64_t da = WgmmaDescSw128(a_addr, 16, 1024);
       const uint64_t db = WgmmaDescSw128(base + kDcWcOff + ks * 2048, v * 128, 1024);
-      if (PROBE != 1) Wgmma<kDcNC, T, 1, 0>::Run(pacc, da, db);
+      Wgmma<kDcNC, T, 1, 0>::Run(pacc, da, db);
     }
     WgmmaCommit();
     WgmmaWait<0>();  // this block's GEMM1 and the previous block's scatter of this warpgroup completed
@@ -124,7 +122,7 @@ __global__ void __launch_bounds__(kDcThreads, 1)
 
     // Both warpgroups are past the previous block's wgmmas: its buffer takes block b + stages - 1.
     __syncthreads();
-    if (PROBE != 2 && tid == 0 && b + kDcStages - 1 < blocks) load_block((b + kDcStages - 1) % kDcStages, b + kDcStages - 1);
+    if (tid == 0 && b + kDcStages - 1 < blocks) load_block((b + kDcStages - 1) % kDcStages, b + kDcStages - 1);
 
     // P_b's accumulators are the A fragments of the scatter (register i of m64nN: row gid (+8 for i % 4 >= 2),
     // column 8 (i / 4) + 2 tig + i % 2; the k16 A fragment of columns 16q .. 16q + 15 is registers 8q .. 8q + 7).
@@ -138,7 +136,7 @@ __global__ void __launch_bounds__(kDcThreads, 1)
 #pragma unroll
     for (int q = 0; q < kDcChunks; ++q) {
       const uint64_t ds = WgmmaDescSw128(base + kDcSOff + q * 2048, kDcNC * 128, 1024);
-      if (PROBE != 1) WgmmaRs<kDcN2, T, 1>::Run(acc[q], afrag[q], ds);
+      WgmmaRs<kDcN2, T, 1>::Run(acc[q], afrag[q], ds);
     }
     WgmmaCommit();
   }
@@ -170,10 +168,10 @@ __global__ void __launch_bounds__(kDcThreads, 1)
 
 // ---------------------------------------------------------------- host side
 
-template <typename T, int V, int PROBE = 0>
+template <typename T, int V>
 ffi::Error Launch(cudaStream_t stream, const DxCondensedParams& p, const ffi::AnyBuffer& dy, const ffi::AnyBuffer& wc,
                   const ffi::AnyBuffer& scatter) {
-  constexpr auto kernel = DxCondensedKernel<T, V, PROBE>;
+  constexpr auto kernel = DxCondensedKernel<T, V>;
   if (!Sm90aImageLoaded<kernel>())
     return ffi::Error::InvalidArgument("jaxsparse_spmm_t_condensed needs an sm_90a build on a Hopper GPU");
   if (ffi::Error e = RaiseSmemLimit<kernel>(kDcSmemBytes, "cudaFuncSetAttribute(DxCondensedKernel)"); e.failure())
@@ -217,9 +215,6 @@ ffi::Error DxCondensedImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffe
   p.k = static_cast<int>(k);
   p.rows = static_cast<int>(rows);
   p.groups = static_cast<int>(groups);
-  const char* probe = getenv("JAXSPARSE_DXC_PROBE");  // PROBE (session 24): 1 loads only, 2 products only
-  if (dt == ffi::BF16 && v == 128 && probe && probe[0] == '1') return Launch<__nv_bfloat16, 128, 1>(stream, p, dy, wc, scatter);
-  if (dt == ffi::BF16 && v == 128 && probe && probe[0] == '2') return Launch<__nv_bfloat16, 128, 2>(stream, p, dy, wc, scatter);
   if (dt == ffi::BF16)
     return v == 64 ? Launch<__nv_bfloat16, 64>(stream, p, dy, wc, scatter) : Launch<__nv_bfloat16, 128>(stream, p, dy, wc, scatter);
   if (dt == ffi::F16) return v == 64 ? Launch<__half, 64>(stream, p, dy, wc, scatter) : Launch<__half, 128>(stream, p, dy, wc, scatter);

@@ -1,3 +1,7 @@
+"""Session 24, device call 2: the condensed dX kernel in full and in two stripped variants, read from the
+environment by the handler of commit ca4ba56 (JAXSPARSE_DXC_PROBE=1: TMA loads, barrier waits and epilogue, no
+wgmma; =2: the products on the prologue's two stages, no further loads), against XLA's dense dX. The probe was
+removed from the kernel after this run; check out ca4ba56 to rerun it."""
 import os, sys, time, json
 import jax, jax.numpy as jnp, numpy as np
 sys.path.insert(0, "benchmarks")
