@@ -7,6 +7,7 @@ import zlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxsparse.ffi as jffi
@@ -37,6 +38,20 @@ def poison(shape, dtype) -> None:
     junk = jnp.full(shape, jnp.nan, dtype)
     junk.block_until_ready()
     junk.delete()
+
+
+def compare(out, ref, tol: float, what: str) -> float:
+    """``out`` against the float32 ``ref``: same shape, every element finite, relative error (Frobenius) under ``tol``
+    and every row's under ``4 * tol`` (the tile edges too, not just on average); returns the relative error."""
+    out32 = np.asarray(jnp.asarray(out).astype(jnp.float32))
+    ref = np.asarray(ref, np.float32)
+    assert out32.shape == ref.shape, (out32.shape, ref.shape)
+    assert np.isfinite(out32).all(), f"{what}: non-finite outputs at {np.argwhere(~np.isfinite(out32))[:5]}"
+    err = np.linalg.norm(out32 - ref) / max(np.linalg.norm(ref), 1e-30)
+    assert err < tol, f"{what}: relative error {err:.3e} >= {tol}"
+    row_err = np.linalg.norm(out32 - ref, axis=1) / np.maximum(np.linalg.norm(ref, axis=1), 1e-30)
+    assert row_err.max() < 4 * tol, f"{what}: worst row error {row_err.max():.3e} (row {row_err.argmax()})"
+    return float(err)
 
 
 def cuda_ready(*targets: str) -> bool:

@@ -22,6 +22,7 @@ import pytest
 
 from gpu_common import (DTYPES, REJECT_CASES, SPECS, TOL, cuda_ready, gpu_marks, key, layout_moves, poison, select_mask,
                         standalone_layout_moves)
+from gpu_common import compare as _compare
 from jaxsparse import format as F
 
 
@@ -44,18 +45,6 @@ def _make(rng, t: int, k: int, r: int, spec: str, dtype, transposable: bool = Fa
     w = (jax.random.normal(kw, (k, r), jnp.float32) / np.sqrt(k / 4)).astype(dtype)
     mask = F.select_mask(w, spec, transposable=True) if transposable else select_mask(w, F.VNM.parse(spec))
     return x, dy, F.compress(w, mask, spec)
-
-
-def _compare(out, ref, tol: float, what: str) -> float:
-    out32 = np.asarray(jnp.asarray(out).astype(jnp.float32))
-    ref = np.asarray(ref, np.float32)
-    assert out32.shape == ref.shape, (out32.shape, ref.shape)
-    assert np.isfinite(out32).all(), f"{what}: non-finite outputs at {np.argwhere(~np.isfinite(out32))[:5]}"
-    err = np.linalg.norm(out32 - ref) / max(np.linalg.norm(ref), 1e-30)
-    assert err < tol, f"{what}: relative error {err:.3e} >= {tol}"
-    row_err = np.linalg.norm(out32 - ref, axis=1) / np.maximum(np.linalg.norm(ref, axis=1), 1e-30)
-    assert row_err.max() < 4 * tol, f"{what}: worst row error {row_err.max():.3e} (row {row_err.argmax()})"
-    return float(err)
 
 
 def _sddmm_ref(x, dy, sw):

@@ -549,22 +549,27 @@ def _sddmm_call(x: jax.Array, dy: jax.Array, sw: SparseWeight, out, split, engin
     return dvalues
 
 
+def _check_dy(name: str, dy: jax.Array, sw: SparseWeight, problem: str | None) -> None:
+    """The checks of both input-gradient kernels: ``dy`` 2-D ``[T, R]`` in the values' dtype, and the kernel's own
+    ``problem`` with ``sw`` (None when it has none); a ``ValueError`` naming ``name`` otherwise."""
+    if dy.ndim != 2:
+        raise ValueError(f"{name}: dy must be 2-D [T, R], got shape {dy.shape}")
+    if dy.shape[1] != sw.shape[1]:
+        raise ValueError(f"{name}: dy has R = {dy.shape[1]} but the weight has R = {sw.shape[1]}")
+    if dy.dtype != sw.values.dtype:
+        raise ValueError(f"{name}: dy dtype {dy.dtype} must equal the values dtype {sw.values.dtype}")
+    if problem:
+        raise ValueError(f"{name}: {problem}")
+
+
 def spmm_t(dy: jax.Array, sw: SparseWeight) -> jax.Array:
     """Input gradient ``dy @ W^T`` by the CUDA handler ``jaxsparse_spmm_t``: ``dy [T, R] -> [T, K]`` in ``dy.dtype``.
 
     Constraints (``ValueError`` here, before anything is launched): ``dy`` 2-D with ``R = sw.shape[1]``
     and the dtype of ``sw.values``; ``spmm_t_unsupported(sw)`` is None. Any ``T``.
     """
-    if dy.ndim != 2:
-        raise ValueError(f"spmm_t: dy must be 2-D [T, R], got shape {dy.shape}")
-    k, r = sw.shape
-    if dy.shape[1] != r:
-        raise ValueError(f"spmm_t: dy has R = {dy.shape[1]} but the weight has R = {r}")
-    if dy.dtype != sw.values.dtype:
-        raise ValueError(f"spmm_t: dy dtype {dy.dtype} must equal the values dtype {sw.values.dtype}")
-    problem = spmm_t_unsupported(sw)
-    if problem:
-        raise ValueError(f"spmm_t: {problem}")
+    _check_dy("spmm_t", dy, sw, spmm_t_unsupported(sw))
+    k = sw.shape[0]
     return _call(
         "jaxsparse_spmm_t", (dy.shape[0], k), dy.dtype, dy, sw.values, _columns_operand(sw), sw.metadata,
         v=np.int32(sw.spec.v), m=np.int32(sw.spec.m),
@@ -597,16 +602,7 @@ def spmm_t_condensed(dy: jax.Array, sw: SparseWeight) -> jax.Array:
     Constraints (``ValueError`` here): ``dy`` 2-D ``[T, R]`` in the values' dtype; :func:`spmm_t_condensed_unsupported`
     is None. Any ``T``.
     """
-    if dy.ndim != 2:
-        raise ValueError(f"spmm_t_condensed: dy must be 2-D [T, R], got shape {dy.shape}")
-    k, r = sw.shape
-    if dy.shape[1] != r:
-        raise ValueError(f"spmm_t_condensed: dy has R = {dy.shape[1]} but the weight has R = {r}")
-    if dy.dtype != sw.values.dtype:
-        raise ValueError(f"spmm_t_condensed: dy dtype {dy.dtype} must equal the values dtype {sw.values.dtype}")
-    problem = spmm_t_condensed_unsupported(sw)
-    if problem:
-        raise ValueError(f"spmm_t_condensed: {problem}")
+    _check_dy("spmm_t_condensed", dy, sw, spmm_t_condensed_unsupported(sw))
     wc, scatter = condensed_dx_operands(sw)
-    return _call("jaxsparse_spmm_t_condensed", (dy.shape[0], k), dy.dtype, dy, wc, scatter,
+    return _call("jaxsparse_spmm_t_condensed", (dy.shape[0], sw.shape[0]), dy.dtype, dy, wc, scatter,
                  v=np.int32(sw.spec.v), m=np.int32(sw.spec.m))
