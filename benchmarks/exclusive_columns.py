@@ -12,10 +12,12 @@ only if the masks keep nearly what the plain masks keep.
 For the pretrained MiniLM encoder kernels (and one Gaussian matrix), per pattern: the fraction of ``sum w^2`` kept by
 ``jaxsparse.format.select_mask`` (plain), by a column-norm greedy choice without the constraint, and by the same greedy
 choice with each column's use capped at ``c`` blocks per group (then the top 2 of each row's 4 kept columns, as
-always). The two greedy rows isolate the constraint's cost from the heuristic's. Magnitude is a proxy, not accuracy.
+always). The two greedy rows isolate the constraint's cost from the heuristic's. Magnitude is a proxy, not accuracy;
+``--oneshot`` adds ``benchmarks/oneshot_proxy.py``'s functional proxy for the same masks (every encoder kernel pruned
+once, token states and sentence embeddings on held-out Rotten Tomatoes sentences against the dense model).
 Writes ``benchmarks/results/cpu/exclusive_columns.json``.
 
-    python benchmarks/exclusive_columns.py [--layers 0,5]
+    python benchmarks/exclusive_columns.py [--layers 0,5] [--patterns 128:2:16,128:2:32] [--oneshot]
 """
 
 from __future__ import annotations
@@ -84,16 +86,51 @@ def greedy_mask(w: np.ndarray, spec: F.VNM, cap: int | None) -> np.ndarray:
     return mask.reshape(k, r)
 
 
+def oneshot_rows(patterns: list[str], sentences: int = 256, max_len: int = 64) -> list[dict]:
+    """``oneshot_proxy.compare`` for every encoder kernel of MiniLM pruned once by the greedy choice, with and without
+    the cap, and by ``select_mask``."""
+    import jax.numpy as jnp
+
+    from jaxsparse import pruning, train
+    from jaxsparse.models import bert
+    from oneshot_proxy import compare
+
+    cfg, params = bert.load_minilm()
+    data = train.load_data("rt", 2 * sentences, 16, max_len).train
+    evalb = tuple(jnp.asarray(a[sentences:]) for a in (data.input_ids, data.token_type_ids, data.attention_mask))
+    model = bert.BertModel(cfg, add_pooler=False)
+    dense_h, _ = jax.jit(lambda p: model.apply({"params": p}, *evalb))(params)
+    rows = []
+    for pattern in patterns:
+        spec = F.VNM.parse(pattern)
+        plain = pruning.oneshot_masks(params, spec)
+        for variant in ("plain", "greedy", "capped"):
+            def pick(mask, w):
+                if mask is None or variant == "plain":
+                    return mask
+                w = np.asarray(w)
+                return jnp.asarray(greedy_mask(w, spec, capacity(w.shape[1], spec) if variant == "capped" else None))
+            masks = jax.tree_util.tree_map(pick, plain, params, is_leaf=lambda x: x is None)
+            rows.append(dict(pattern=pattern, masks=variant, **compare(model, params, masks, evalb, dense_h)))
+            r = rows[-1]
+            print(f"{pattern:>9} {variant:>7}: token-state rel. error {r['token_state_rel_error']:.4f}, embedding cosine "
+                  f"{r['embedding_cosine_mean']:.4f} (min {r['embedding_cosine_min']:.4f})", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", default="0,1,2,3,4,5")
+    parser.add_argument("--patterns", default=",".join(PATTERNS))
+    parser.add_argument("--oneshot", action="store_true", help="also the one-shot functional proxy (oneshot_proxy.py)")
     parser.add_argument("--out", default="benchmarks/results/cpu/exclusive_columns.json")
     args = parser.parse_args()
+    patterns = args.patterns.split(",")
     weights = {"gaussian_4096x1024": np.asarray(jax.random.normal(jax.random.PRNGKey(0), (4096, 1024)))}
     weights.update(minilm_kernels([int(i) for i in args.layers.split(",")]))
     rows = []
     for name, w in weights.items():
-        for pattern in PATTERNS:
+        for pattern in patterns:
             spec = F.VNM.parse(pattern)
             k, r = w.shape
             if k % spec.m or r % spec.v:
@@ -109,7 +146,7 @@ def main() -> None:
                              plain=kept_energy(w, plain), greedy=kept_energy(w, free), exclusive=kept_energy(w, capped)))
     summary = {}
     print(f"{'pattern':>9} {'matrices':>8} {'plain':>7} {'greedy':>7} {'capped':>7} {'capped/greedy (min)':>20}  caps")
-    for pattern in PATTERNS:
+    for pattern in patterns:
         sel = [x for x in rows if x["pattern"] == pattern and not x["weights"].startswith("gaussian")]
         if not sel:
             continue
@@ -126,10 +163,11 @@ def main() -> None:
         if x["weights"].startswith("gaussian"):
             print(f"{x['weights']} {x['pattern']}: plain {x['plain']:.3f} greedy {x['greedy']:.3f} capped "
                   f"{x['exclusive']:.3f} (cap {x['cap']} of {x['blocks']} blocks)")
+    oneshot = oneshot_rows(patterns) if args.oneshot else None
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(jax=jax.__version__, python=platform.python_version(), rows=rows, summary=summary),
-                              indent=1))
+    out.write_text(json.dumps(dict(jax=jax.__version__, python=platform.python_version(), rows=rows, summary=summary,
+                                   oneshot=oneshot), indent=1))
     print(f"wrote {out}")
 
 
