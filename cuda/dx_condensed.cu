@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(kDcThreads, 1)
   const int wg = warp >> 2;
   const int tok0 = blockIdx.x * kDcBT;
   const int g0 = blockIdx.y * kDcGC;
-  constexpr int v = V, dy_boxes = V / 64;
+  constexpr int dy_boxes = V / 64;
   const int blocks = p.rows / V;
   const int chunks_per_block = p.groups / 4;  // 16-row chunks of S per V block
 
@@ -76,10 +76,10 @@ __global__ void __launch_bounds__(kDcThreads, 1)
   // zeros (the zero condensed columns make P_b zero where a chunk row belongs to another block).
   auto load_block = [&](int buf, int b) {
     const uint32_t base = smem_base + buf * kDcStageBytes, full = full0 + 8 * buf;
-    MbarArriveExpectTx(full, dy_boxes * kDcDyBox + v * 128 + kDcNC * kDcN2 * 2);
+    MbarArriveExpectTx(full, dy_boxes * kDcDyBox + V * 128 + kDcNC * kDcN2 * 2);
 #pragma unroll
-    for (int h = 0; h < dy_boxes; ++h) TmaLoad2d(base + h * kDcDyBox, &tma_dy, b * v + 64 * h, tok0, full);
-    TmaLoad2d(base + kDcWcOff, &tma_wc, 4 * g0, b * v, full);
+    for (int h = 0; h < dy_boxes; ++h) TmaLoad2d(base + h * kDcDyBox, &tma_dy, b * V + 64 * h, tok0, full);
+    TmaLoad2d(base + kDcWcOff, &tma_wc, 4 * g0, b * V, full);
     TmaLoad2d(base + kDcSOff, &tma_s, 0, (b * chunks_per_block + g0 / 4) * 16, full);
   };
 
@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kDcThreads, 1)
     for (int ks = 0; ks < V / 16; ++ks) {
       const uint32_t a_addr = base + (ks / 4) * kDcDyBox + wg * (kDcDyBox / 2) + (ks % 4) * 32;
       const uint64_t da = WgmmaDescSw128(a_addr, 16, 1024);
-      const uint64_t db = WgmmaDescSw128(base + kDcWcOff + ks * 2048, v * 128, 1024);
+      const uint64_t db = WgmmaDescSw128(base + kDcWcOff + ks * 2048, V * 128, 1024);
       Wgmma<kDcNC, T, 1, 0>::Run(pacc, da, db);
     }
     WgmmaCommit();

@@ -29,13 +29,9 @@ HIGHEST = jax.lax.Precision.HIGHEST
 SPECS16 = ["64:2:16", "128:2:16"]
 
 
-def _hopper() -> bool:
-    return any(getattr(d, "compute_capability", "") == "9.0" for d in jax.devices("gpu"))
-
-
 @pytest.fixture(autouse=True)
 def _needs_hopper():
-    if not _hopper():
+    if not calls.hopper_gpu():
         pytest.skip("the condensed dX kernel runs on Hopper (wgmma) only")
 
 
