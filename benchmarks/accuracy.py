@@ -124,9 +124,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for s in args.sparsities:
         if s != "dense":
             try:
-                fmt.VNM.parse(s)
+                spec = fmt.VNM.parse(s)
             except ValueError as e:
                 p.error(f"--sparsities: {e}")
+            if args.exclusive_columns and (not spec.structured or spec.m <= 4):
+                p.error(f"--exclusive-columns needs V:N:M patterns with N <= 2 and M > 4, got {s} in --sparsities")
     args.seed_values = ([int(x) for x in args.seed_list.split(",") if x.strip()] if args.seed_list
                         else list(range(args.seeds)))
     train.check_recipe_arguments(p, args)
@@ -158,7 +160,8 @@ def hyperparameters(args: argparse.Namespace) -> dict[str, Any]:
             **({"student_lr": args.student_lr} if args.student_lr else {}),
             **({"regrow_every": args.regrow_every, "regrow_until": args.regrow_until, "regrow_decay": args.regrow_decay}
                if args.regrow_every else {}),
-            **({"transposable_masks": True} if args.transposable_masks else {})}
+            **({"transposable_masks": True} if args.transposable_masks else {}),
+            **({"exclusive_columns": True} if args.exclusive_columns else {})}
 
 
 def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> argparse.Namespace:
@@ -184,6 +187,8 @@ def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> a
         argv += ["--refit", "--refit-batches", str(args.refit_batches)]
     if args.transposable_masks and sparsity != "dense":
         argv += ["--transposable-masks"]
+    if args.exclusive_columns and sparsity != "dense":
+        argv += ["--exclusive-columns"]
     return train.parse_args(argv)
 
 
@@ -341,6 +346,7 @@ def section(payload: dict) -> str:
                            + ([f"learned masks (every {hp['regrow_every']} steps to {hp['regrow_until']:g}, decay "
                                f"{hp['regrow_decay']:g})"] if hp.get("regrow_every") else [])
                            + (["transposable masks"] if hp.get("transposable_masks") else [])
+                           + (["exclusive columns"] if hp.get("exclusive_columns") else [])
                            + (["from the fine-tuned teacher"] if hp.get("init") == "teacher" else []))
     sparse_part = "" if dense_only else (
         "; sparse runs "
@@ -606,7 +612,8 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
 # the same experiment, so --dense-from may take them into a study that differs only in these.
 SPARSE_ONLY_HYPERPARAMETERS = ("prune", "ladder", "prune_begin", "prune_end", "fade", "score", "distill",
                                "temperature", "distill_hidden", "distill_attention", "distill_augment", "augment_neighbors", "student_epochs", "student_lr", "compress", "init", "refit", "refit_batches",
-                               "regrow_every", "regrow_until", "regrow_decay", "transposable_masks")
+                               "regrow_every", "regrow_until", "regrow_decay", "transposable_masks",
+                               "exclusive_columns")
 
 
 def _dense_settings(hp: dict) -> dict:

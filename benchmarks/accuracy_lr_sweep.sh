@@ -6,6 +6,8 @@
 #   options, comma-separated, are added to the run (session 18: learned masks, e.g.
 #   "trec:4e-4:0:--regrow-every=20,--regrow-until=0.5,--regrow-decay=2e-3")
 # DENSE="task:lr:seeds ..."   dense runs at --lr lr, seeds comma-separated, one process each
+# SPARSITY=128:2:16             the sparse runs' pattern (default 64:2:8); a seed may be a comma-free list "0+1"
+#   (one process trains those seeds one after the other, sharing its compilations)
 set -u
 : "${OUT:?set OUT to the folder for the result files}"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 JAXSPARSE_DATA_DIR=$PWD/.devdata PYTHONPATH=$PWD JAXSPARSE_COMMIT=${COMMIT:-unknown}
@@ -17,8 +19,9 @@ pids=()
 for spec in ${SPARSE:-}; do
   IFS=: read task lr seed opts <<< "$spec"
   tag=$(echo "${opts:-}" | sed 's/--//g; s/,/_/g; s/=/-/g')
-  d=/tmp/acc/sparse_${task}_lr${lr}${tag:+_$tag}_s$seed; mkdir -p $d
-  timeout ${LIMIT:-570} python3 benchmarks/accuracy.py --tasks $task --sparsities 64:2:8 --seed-list $seed --epochs 6 \
+  sp=${SPARSITY:-64:2:8}
+  d=/tmp/acc/sparse_${task}_${sp//:/_}_lr${lr}${tag:+_$tag}_s$seed; mkdir -p $d
+  timeout ${LIMIT:-570} python3 benchmarks/accuracy.py --tasks $task --sparsities $sp --seed-list ${seed//+/,} --epochs 6 \
     --prune-end 0.33 --fade 0.15 --distill 0.9 --refit-batches 32 --temperature 2 --score activation \
     --init teacher --prune oneshot --refit --distill-hidden 5 --distill-attention 1 --distill-augment 0.3 \
     --augment-neighbors 8 --student-epochs 24 --student-lr $lr ${opts//,/ } --teacher-dir /tmp/teachers \

@@ -34,6 +34,8 @@ __all__ = [
     "transpose_2_4",
     "check_transpose_2_4_shape",
     "condensed_dx_operands",
+    "column_cap",
+    "columns_are_exclusive",
 ]
 
 GROUPS_PER_WORD = 8  # metadata groups (4 bits each) in one uint32 word
@@ -214,7 +216,7 @@ def _choose_columns(blocks: jax.Array, n: int, method: str) -> jax.Array:
 
 
 def select_mask(scores: jax.Array, spec: Union[str, VNM], *, method: str = "auto",
-                transposable: bool = False) -> jax.Array:
+                transposable: bool = False, exclusive_columns: bool = False) -> jax.Array:
     """Chooses a mask of pattern ``spec`` that keeps the largest ``|scores|``.
 
     For ``n <= 2`` every ``V x M`` block keeps 4 columns (exact search over all ``C(M, 4)`` sets for
@@ -227,12 +229,20 @@ def select_mask(scores: jax.Array, spec: Union[str, VNM], *, method: str = "auto
     feature's column, so ``W^T`` is 2:4 sparse over the output features (:func:`transpose_2_4`) and the input
     gradient can run as a 2:4 forward product (``jaxsparse.ops.spmm_t``'s ``"transposed"`` route).
 
+    With ``exclusive_columns`` (``n <= 2``, ``M > 4``), every input column of a group is kept by at most
+    :func:`column_cap` ``= ceil(4 (R/V) / M)`` of the ``R/V`` blocks (1 at ``R/V <= M/4``: the blocks then share no
+    column). The blocks' columns are chosen greedily by the rows' top-n votes, highest first, each column given to at
+    most that many blocks, and a block the greedy pass leaves short takes a column from a block that can swap for a
+    free one. The input gradient's work per column then falls with M (``docs/kernel-notes.md``, session 24's
+    proposal); :func:`columns_are_exclusive` checks a mask.
+
     Args:
       scores: ``[K, R]`` importance scores, usually the kernel itself.
       spec: the pattern, e.g. ``"64:2:8"``.
-      method: ``"auto"``, ``"exact"`` or ``"greedy"`` column search.
+      method: ``"auto"``, ``"exact"`` or ``"greedy"`` column search (not used with ``exclusive_columns``).
       transposable: also keep ``W^T`` 2:4 along the output features (needs ``n = 2``, ``R % 4 == 0`` and, for
         ``M > 4``, ``V % 4 == 0``).
+      exclusive_columns: cap the blocks that keep each column of a group at :func:`column_cap`.
 
     Returns:
       A boolean ``[K, R]`` mask.
@@ -243,7 +253,88 @@ def select_mask(scores: jax.Array, spec: Union[str, VNM], *, method: str = "auto
         raise ValueError(f"column search method must be 'auto', 'exact' or 'greedy', got {method!r}")
     if transposable:
         _check_transposable_spec(scores.shape, spec)
-    return _select_mask(scores, spec, method, bool(transposable))
+    if exclusive_columns:
+        _check_exclusive_spec(spec)
+    return _select_mask(scores, spec, method, bool(transposable), bool(exclusive_columns))
+
+
+def _check_exclusive_spec(spec: VNM) -> None:
+    if not spec.structured or spec.m <= 4:
+        raise ValueError(f"exclusive columns need a V:N:M pattern with N <= 2 and M > 4 (blocks choosing 4 of M "
+                         f"columns), got {spec}")
+
+
+def column_cap(r: int, spec: Union[str, VNM]) -> int:
+    """How many of a ``[K, r]`` kernel's ``r/V`` blocks may keep one input column of a group under
+    ``select_mask(..., exclusive_columns=True)``: ``ceil(4 (r/V) / M)``, the fewest that still give every block its
+    4 columns."""
+    spec = VNM.parse(spec)
+    return -(-4 * (r // spec.v) // spec.m)
+
+
+def columns_are_exclusive(mask: jax.Array, spec: Union[str, VNM]) -> jax.Array:
+    """A boolean scalar: does every input column of every group of ``mask`` (``[K, R]``) belong to at most
+    :func:`column_cap` blocks? (The V:N:M pattern itself is :func:`mask_is_valid`'s.) Jit-able."""
+    spec = VNM.parse(spec)
+    validate_shape(mask.shape, spec)
+    _check_exclusive_spec(spec)
+    k, r = mask.shape
+    used = mask.T.reshape(r // spec.v, spec.v, k // spec.m, spec.m).any(axis=1)  # [B, G, M]
+    return (used.sum(axis=0) <= column_cap(r, spec)).all()
+
+
+def _capped_columns(blocks: jax.Array, n: int, cap: int) -> jax.Array:
+    """4 columns per block ``[B, V, G, M] -> [B, G, 4]``, each column of a group kept by at most ``cap`` blocks."""
+    nb, _, g, m = blocks.shape
+    votes = jnp.where(_top_n_mask(blocks, n), blocks, 0.0).sum(axis=1)  # [B, G, M], as _greedy_columns
+    votes = (votes + 1e-6 * blocks.sum(axis=1)).transpose(1, 0, 2)  # [G, B, M]
+    order = jnp.argsort(-votes.reshape(g, nb * m), axis=-1, stable=True).astype(jnp.int32)  # (block, column) pairs
+    gi = jnp.arange(g)
+
+    def take(state, pair):  # every group offers its next-best pair
+        need, left, chosen = state
+        b, c = pair // m, pair % m
+        ok = (need[gi, b] > 0) & (left[gi, c] > 0)
+        return (need.at[gi, b].add(-ok.astype(jnp.int32)), left.at[gi, c].add(-ok.astype(jnp.int32)),
+                chosen.at[gi, b, c].set(chosen[gi, b, c] | ok)), None
+
+    init = (jnp.full((g, nb), 4, jnp.int32), jnp.full((g, m), cap, jnp.int32), jnp.zeros((g, nb, m), bool))
+    state, _ = jax.lax.scan(take, init, order.T)
+
+    def short(carry):
+        (need, _, _), steps = carry
+        return (need > 0).any() & (steps < 4 * nb)
+
+    def repair(carry):
+        # The first short block of each group takes its best free column (capacity left, not yet its own); if every
+        # column with capacity is already its own (f), a block b2 that holds a column x it lacks, and not f, hands x
+        # over and takes f.
+        (need, left, chosen), steps = carry
+        has = (need > 0).any(axis=-1)
+        blk = jnp.argmax(need > 0, axis=-1)
+        mine = chosen[gi, blk]  # [G, M]
+        free = (left > 0) & ~mine
+        direct = has & free.any(axis=-1)
+        fd = jnp.argmax(jnp.where(free, votes[gi, blk], -jnp.inf), axis=-1)
+        f = jnp.argmax(left > 0, axis=-1)
+        cand = chosen & ~mine[:, None, :] & ~chosen[gi, :, f][:, :, None]  # [G, B2, X]
+        pick = jnp.argmax(cand.reshape(g, -1), axis=-1)
+        b2, x = pick // m, pick % m
+        swap = has & ~direct & cand.reshape(g, -1).any(axis=-1)
+        chosen = chosen.at[gi, blk, fd].set(chosen[gi, blk, fd] | direct)
+        left = left.at[gi, fd].add(-direct.astype(jnp.int32))
+        chosen = chosen.at[gi, b2, x].set(chosen[gi, b2, x] & ~swap)
+        chosen = chosen.at[gi, b2, f].set(chosen[gi, b2, f] | swap)
+        left = left.at[gi, f].add(-swap.astype(jnp.int32))
+        chosen = chosen.at[gi, blk, x].set(chosen[gi, blk, x] | swap)
+        need = need.at[gi, blk].add(-(direct | swap).astype(jnp.int32))
+        return (need, left, chosen), steps + 1
+
+    (_, _, chosen), _ = jax.lax.while_loop(short, repair, (state, jnp.int32(0)))
+    # A block still short (never seen in tests; columns_are_exclusive would then say False) keeps its best
+    # columns beyond the cap, so the mask stays a valid V:N:M mask.
+    top = jnp.argsort(-jnp.where(chosen, jnp.inf, votes), axis=-1, stable=True)[..., :4]  # [G, B, 4]
+    return jnp.sort(top, axis=-1).transpose(1, 0, 2).astype(jnp.int32)
 
 
 def _check_transposable_spec(shape: tuple[int, int], spec: VNM) -> None:
@@ -278,8 +369,9 @@ def _transposable_keep(picked: jax.Array) -> jax.Array:
     return best.transpose(0, 2, 1, 3)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _select_mask(scores: jax.Array, spec: VNM, method: str, transposable: bool = False) -> jax.Array:
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _select_mask(scores: jax.Array, spec: VNM, method: str, transposable: bool = False,
+                 exclusive_columns: bool = False) -> jax.Array:
     k, r = scores.shape
     g = k // spec.m
     a = jnp.abs(scores.astype(jnp.float32)).T  # [R, K]
@@ -290,7 +382,10 @@ def _select_mask(scores: jax.Array, spec: VNM, method: str, transposable: bool =
             return _transposable_keep(a.reshape(r // 4, 4, g, 4)).reshape(r, k).T
         return _top_n_mask(a.reshape(r // spec.v, spec.v, g, spec.m), spec.n).reshape(r, k).T
     blocks = a.reshape(r // spec.v, spec.v, g, spec.m)
-    cols = _choose_columns(blocks, spec.n, method)  # [B, G, 4]
+    if exclusive_columns:
+        cols = _capped_columns(blocks, spec.n, column_cap(r, spec))  # [B, G, 4]
+    else:
+        cols = _choose_columns(blocks, spec.n, method)
     picked = jnp.take_along_axis(blocks, cols[:, None], axis=-1)
     if transposable:
         keep = _transposable_keep(picked.reshape(r // 4, 4, g, 4)).reshape(picked.shape)

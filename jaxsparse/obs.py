@@ -326,7 +326,8 @@ def _masked_gram(x: jax.Array, keep: jax.Array) -> jax.Array:
 
 def oneshot_refit(model: nn.Module, params, batches: Sequence[tuple], spec, score: str = "magnitude", *,
                   damp: float = 0.01, refit: bool = True, sequential: bool = True,
-                  filter_fn: pruning.FilterFn = pruning.encoder_kernels, transposable: bool = False) -> tuple[Any, Any]:
+                  filter_fn: pruning.FilterFn = pruning.encoder_kernels, transposable: bool = False,
+                  exclusive_columns: bool = False) -> tuple[Any, Any]:
     """One-shot masks of pattern ``spec`` for a BERT's sparse kernels, with least-squares refit.
 
     The kernels of :func:`kernel_stages` are processed in forward order. With ``sequential`` (the default)
@@ -349,6 +350,7 @@ def oneshot_refit(model: nn.Module, params, batches: Sequence[tuple], spec, scor
       filter_fn: the kernels to prune (:func:`jaxsparse.pruning.encoder_kernels`, as ``gmp_prune``).
       transposable: transposable masks (``jaxsparse.format.select_mask``'s option), for the input gradient's
         ``"transposed"`` route.
+      exclusive_columns: column-capped masks (``select_mask``'s option; ``M > 4`` only).
 
     Returns:
       ``(params, masks)``: the (refit) params and a params-shaped mask tree (None off the pruned kernels).
@@ -373,7 +375,8 @@ def oneshot_refit(model: nn.Module, params, batches: Sequence[tuple], spec, scor
         for path in stage:
             kp = path + ("kernel",)
             w, h = flat[kp], hs[path]
-            m = F.select_mask(mask_score(score, w, h, damp), spec, transposable=transposable)
+            m = F.select_mask(mask_score(score, w, h, damp), spec, transposable=transposable,
+                              exclusive_columns=exclusive_columns)
             masks_flat[kp] = m
             if refit:
                 flat[kp] = refit_kernel(w, m, h, damp=damp)

@@ -211,14 +211,17 @@ def _map_selected(fn, selected, *trees):
                                   is_leaf=lambda x: x is None)
 
 
-def _select_all(params, selected, spec: fmt.VNM, input_sq=None, transposable: bool = False):
+def _select_all(params, selected, spec: fmt.VNM, input_sq=None, transposable: bool = False,
+                exclusive_columns: bool = False):
     """Masks of ``spec`` by ``|W|``, or by ``|W_jr| * ||X_j||`` where ``input_sq`` (params-shaped, ``[K]``
     sums of squared inputs per kernel) is given; ``transposable`` masks (``select_mask``'s option) for the
-    patterns that keep 2 per group, plain ones for the ladder's other stages."""
-    t = transposable and spec.structured and spec.n == 2
+    patterns that keep 2 per group, ``exclusive_columns`` ones for the V:2:M patterns with M > 4, plain ones for the
+    ladder's other stages."""
+    opts = dict(transposable=transposable and spec.structured and spec.n == 2,
+                exclusive_columns=exclusive_columns and spec.structured and spec.m > 4)
     if input_sq is None:
-        return _map_selected(lambda p: fmt.select_mask(p, spec, transposable=t), selected, params)
-    return _map_selected(lambda p, q: fmt.select_mask(jnp.abs(p) * jnp.sqrt(q)[:, None], spec, transposable=t),
+        return _map_selected(lambda p: fmt.select_mask(p, spec, **opts), selected, params)
+    return _map_selected(lambda p, q: fmt.select_mask(jnp.abs(p) * jnp.sqrt(q)[:, None], spec, **opts),
                          selected, params, input_sq)
 
 
@@ -243,6 +246,7 @@ def gmp_prune(
     regrow_until: int | None = None,
     regrow_decay: float = 0.0,
     transposable: bool = False,
+    exclusive_columns: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Gradual magnitude pruning through ``ladder`` on the cubic schedule (see the module doc).
 
@@ -274,6 +278,9 @@ def gmp_prune(
         inside ``jaxsparse.ops.dx_route_scope("transposed")`` (or set ``JAXSPARSE_DX=transposed``), as
         ``jaxsparse-train --transposable-masks`` does. The recommended setting at 64:2:8 (docs/results.md,
         session 20: no accuracy cost measured; dX 1.0-1.23x over dense on an H100).
+      exclusive_columns: choose the V:2:M stages' masks (M > 4) with ``select_mask(..., exclusive_columns=True)``:
+        each input column of a group kept by at most ``jaxsparse.format.column_cap`` blocks (an accuracy study
+        for a cheaper input gradient at high M; ``jaxsparse-train --exclusive-columns``).
 
     Returns:
       A transform whose ``update(updates, state, params)`` requires ``params``; chain it last. Its
@@ -334,7 +341,7 @@ def gmp_prune(
         new_params = _map_selected(lambda p, u: p + u, selected, params, updates)
 
         def recompute(_):
-            branches = [lambda np_, spec=spec: _select_all(np_, selected, spec, sq, transposable)
+            branches = [lambda np_, spec=spec: _select_all(np_, selected, spec, sq, transposable, exclusive_columns)
                         for spec in schedule.ladder]
             return jax.lax.switch(stage - 1, branches, new_params)
 
@@ -352,7 +359,7 @@ def gmp_prune(
             fading = (stage < n_stages) & (state.count >= start) & (state.count < entry)
 
             def choose(_):
-                branches = [lambda np_, spec=spec: _select_all(np_, selected, spec, sq, transposable)
+                branches = [lambda np_, spec=spec: _select_all(np_, selected, spec, sq, transposable, exclusive_columns)
                             for spec in schedule.ladder]
                 return jax.lax.switch(nxt, branches, new_params)
 
@@ -450,12 +457,12 @@ def model_variables(params, opt_state=None, masks=None, **collections) -> dict:
 
 
 def oneshot_masks(params, spec: str | fmt.VNM, filter_fn: FilterFn = encoder_kernels, input_sq=None,
-                  transposable: bool = False) -> Any:
+                  transposable: bool = False, exclusive_columns: bool = False) -> Any:
     """Masks of pattern ``spec`` for the kernels ``filter_fn`` selects (None elsewhere): by magnitude, or by
     ``|W_jr| * ||X_j||`` with ``input_sq`` (see :func:`gmp_prune`'s ``score="activation"``); ``transposable``
-    as in :func:`gmp_prune`."""
+    and ``exclusive_columns`` as in :func:`gmp_prune`."""
     spec = fmt.VNM.parse(spec)
-    return _select_all(params, _selected(params, filter_fn), spec, input_sq, transposable)
+    return _select_all(params, _selected(params, filter_fn), spec, input_sq, transposable, exclusive_columns)
 
 
 def mask_change(before, after) -> float:

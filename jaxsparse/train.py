@@ -47,7 +47,8 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     """The sparse fine-tuning recipe options shared by ``jaxsparse-train`` and ``benchmarks/accuracy.py``:
     ``--fade``, ``--score``, ``--distill``, ``--temperature``, ``--distill-hidden``, ``--distill-attention``,
     ``--distill-augment``, ``--augment-neighbors``, ``--student-epochs``, ``--student-lr``, ``--init``, ``--refit``,
-    ``--refit-batches``, ``--regrow-every``, ``--regrow-until``, ``--regrow-decay``, ``--transposable-masks``."""
+    ``--refit-batches``, ``--regrow-every``, ``--regrow-until``, ``--regrow-decay``, ``--transposable-masks``,
+    ``--exclusive-columns``."""
     p.add_argument("--fade", type=float, default=0.0,
                    help="GMP: before each stage, fade the weights it will prune to zero over this fraction of all "
                         "steps (0 = masks change at once; see jaxsparse.pruning.gmp_prune fade_steps)")
@@ -102,6 +103,10 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
                    help="choose masks that also keep W^T 2:4 along the output features "
                         "(jaxsparse.format.select_mask transposable=True), and run the input gradient as the 2:4 "
                         "forward product of W^T (JAXSPARSE_DX=transposed, unless JAXSPARSE_DX is set)")
+    p.add_argument("--exclusive-columns", action="store_true",
+                   help="choose V:2:M masks (M > 4) whose every input column is kept by at most ceil(4 (R/V) / M) "
+                        "of a kernel's R/V blocks in each group (jaxsparse.format.select_mask exclusive_columns=True): "
+                        "the accuracy side of a cheaper input gradient at high M (docs/kernel-notes.md)")
 
 
 def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -154,6 +159,18 @@ def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
         p.error("--regrow-decay acts on learned masks: give --regrow-every > 0")
     if args.transposable_masks and (getattr(args, "sparsity", None) == "dense" or args.prune not in ("gmp", "oneshot")):
         p.error("--transposable-masks chooses a sparse run's masks: give a --sparsity pattern and --prune gmp or oneshot")
+    if args.exclusive_columns:
+        sparsity = getattr(args, "sparsity", None)
+        if sparsity == "dense" or args.prune not in ("gmp", "oneshot"):
+            p.error("--exclusive-columns chooses a sparse run's masks: give a --sparsity pattern and --prune gmp or "
+                    "oneshot")
+        if sparsity is not None:
+            try:
+                spec = fmt.VNM.parse(sparsity)
+            except ValueError as e:
+                p.error(str(e))
+            if not spec.structured or spec.m <= 4:
+                p.error(f"--exclusive-columns needs a V:N:M pattern with N <= 2 and M > 4, got {sparsity}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -725,6 +742,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
     elif pretrained is not None:
         params = bert.merge_params(params, pretrained)
     transposable = bool(getattr(args, "transposable_masks", False))
+    exclusive = bool(getattr(args, "exclusive_columns", False))
     refit = bool(getattr(args, "refit", False))
     if refit:
         if args.prune != "oneshot":
@@ -735,7 +753,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         calib = [_arrays(train, slice(i * args.batch_size, (i + 1) * args.batch_size))[:3] for i in range(n_cal)]
         t_refit = time.time()
         params, _ = obs.oneshot_refit(master, params, calib, spec, getattr(args, "score", "magnitude"),
-                                      damp=REFIT_DAMP, transposable=transposable)
+                                      damp=REFIT_DAMP, transposable=transposable, exclusive_columns=exclusive)
         # The one-shot prune below selects its masks at step 0 from these params (the warm-up's learning rate
         # is 0 there, so the update is 0): the refit kernels are zero exactly off their masks, so it picks them again.
         log(f"refit: {n_cal} calibration batches, {time.time() - t_refit:.0f} s")
@@ -758,13 +776,16 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         ladder = args.ladder.split(",") if args.ladder else args.sparsity
         begin, end = int(args.prune_begin * total), int(args.prune_end * total)
         prune = pruning.gmp_prune(ladder, begin, end, frequency=max(1, (end - begin) // 20),
-                                  fade_steps=fade_steps, score=score, transposable=transposable, **regrow)
+                                  fade_steps=fade_steps, score=score, transposable=transposable,
+                                  exclusive_columns=exclusive, **regrow)
     elif args.prune == "oneshot":
-        prune = pruning.gmp_prune([spec], 0, 0, score=score, transposable=transposable, **regrow)
+        prune = pruning.gmp_prune([spec], 0, 0, score=score, transposable=transposable, exclusive_columns=exclusive,
+                                  **regrow)
     if prune is not None and str(prune.schedule.ladder[-1]) != str(spec):
         raise ValueError(f"the ladder must end at --sparsity {spec}, got {prune.schedule.ladder[-1]}")
     tx = optax.chain(base, prune) if prune is not None else base
-    tx_key = base_key + ((prune.schedule, fade_steps, score, tuple(regrow.items()), transposable)
+    tx_key = base_key + ((prune.schedule, fade_steps, score, tuple(regrow.items()), transposable,
+                                   exclusive)
                          if prune is not None else ())
     opt_state = tx.init(params)
     compress = _use_compressed(args.compress, spec, cfg)
@@ -862,6 +883,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
             "regrow_decay": regrow["regrow_decay"], "regrow_mask_change": pruning.mask_change(first_masks, final_masks)}
            if regrow else {}),
         **({"transposable_masks": True, "dx_route": ops.dx_route()} if transposable else {}),
+        **({"exclusive_columns": True} if exclusive else {}),
         "train_examples": len(train), "dev_examples": len(dev), "test_examples": len(test), "steps": global_step,
         "history": history, "dev_accuracy": history[-1]["dev_accuracy"], "test_accuracy": test_metrics["accuracy"],
         "test_loss": test_metrics["loss"], "weight_sparsity": achieved,

@@ -294,6 +294,67 @@ def test_transposable_rejects_what_it_cannot_take(spec, shape, match):
         F.select_mask(jnp.ones(shape), spec, transposable=True)
 
 
+EXCLUSIVE_CASES = [("64:2:8", 512), ("128:2:16", 384), ("128:2:16", 1536), ("128:2:32", 1024), ("128:2:8", 384),
+                   ("64:2:16", 640)]
+
+
+def _blocks_per_column(mask: np.ndarray, spec: F.VNM) -> np.ndarray:
+    k, r = mask.shape
+    return mask.T.reshape(r // spec.v, spec.v, k // spec.m, spec.m).any(axis=1).sum(axis=0)  # [G, M]
+
+
+@pytest.mark.parametrize("spec, r", EXCLUSIVE_CASES)
+@pytest.mark.parametrize("transposable", [False, True])
+def test_exclusive_columns_cap_every_column(spec, r, transposable):
+    """Every column of a group is kept by at most ceil(4 (R/V) / M) blocks, the mask obeys its pattern (and W^T's 2:4
+    with ``transposable``), each block keeps 4 columns, and the cap costs little magnitude on Gaussian weights; the
+    plain mask of the same weights breaks the cap (so the check can fail)."""
+    s = F.VNM.parse(spec)
+    k = 6 * s.m
+    w = jax.random.normal(jax.random.key(r), (k, r), jnp.float32)
+    mask = F.select_mask(w, spec, transposable=transposable, exclusive_columns=True)
+    cap = F.column_cap(r, spec)
+    assert cap == -(-4 * (r // s.v) // s.m)
+    assert F.check_mask(mask, spec) and bool(F.columns_are_exclusive(mask, spec))
+    assert _blocks_per_column(np.asarray(mask), s).max() <= cap
+    assert not transposable or bool(F.transposable_mask_is_valid(mask))
+    per_group = np.asarray(mask).T.reshape(r, k // s.m, s.m).sum(-1)
+    assert (per_group == 2).all()
+    plain = F.select_mask(w, spec, transposable=transposable)
+    assert not bool(F.columns_are_exclusive(plain, spec))
+    kept = float(jnp.square(jnp.where(mask, w, 0)).sum())
+    assert 0.9 * float(jnp.square(jnp.where(plain, w, 0)).sum()) < kept
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_exclusive_columns_repair_the_greedy_pass(seed):
+    """Weights whose few input columns dominate every block make the greedy pass strand blocks at a tight cap (4 blocks
+    x 4 columns = 16 = 8 columns x cap 2 at 64:2:8 with 256 outputs): the repair still gives every block 4 distinct
+    columns within the cap."""
+    s = F.VNM.parse("64:2:8")
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((64, 256)) * np.exp(3 * rng.standard_normal((64, 1))) * np.exp(rng.standard_normal((1, 256)))
+    a = jnp.abs(jnp.asarray(w, jnp.float32)).T.reshape(4, 64, 8, 8)
+    cols = np.asarray(F._capped_columns(a, 2, F.column_cap(256, s)))  # [B, G, 4]
+    assert all(len(set(c)) == 4 for c in cols.reshape(-1, 4))
+    for g in range(8):
+        assert np.bincount(cols[:, g].ravel(), minlength=8).max() <= 2
+    mask = F.select_mask(jnp.asarray(w, jnp.float32), s, exclusive_columns=True, transposable=True)
+    assert F.check_mask(mask, s) and bool(F.columns_are_exclusive(mask, s))
+    assert (_blocks_per_column(np.asarray(mask), s).sum(axis=1) == 16).all()  # transposable: all 4 columns kept
+
+
+def test_exclusive_columns_jit_and_reject():
+    w = jax.random.normal(jax.random.key(0), (32, 256))
+    m = jax.jit(lambda x: F.select_mask(x, "64:2:8", exclusive_columns=True))(w)
+    assert bool(jax.jit(lambda x: F.columns_are_exclusive(x, "64:2:8"))(m))
+    for spec in ("2:4", "64:4:8", "4:8"):
+        with pytest.raises(ValueError, match="M > 4"):
+            F.select_mask(jnp.ones((32, 256)), spec, exclusive_columns=True)
+        with pytest.raises(ValueError, match="M > 4"):
+            F.columns_are_exclusive(jnp.ones((32, 256), bool), spec)
+
+
 @pytest.mark.parametrize("spec", TRANSPOSABLE_SPECS)
 def test_transpose_2_4_is_the_transposed_matrix(spec):
     s = F.VNM.parse(spec)

@@ -357,3 +357,27 @@ def test_transposable_masks_through_the_transforms():
         _, state = tx.update(zeros, state, params)
     m = state.masks["encoder_layer_0"]["query"]["kernel"]
     assert bool(fmt.check_mask(m, "64:2:8")) and bool(fmt.transposable_mask_is_valid(m))
+
+
+def test_exclusive_columns_through_the_transforms():
+    """``exclusive_columns`` reaches the V:2:M stages with M > 4: one-shot and the GMP transform's final stage give
+    column-capped masks (the same as ``select_mask``'s), its 2:4 stage a plain one."""
+    params = _params(4, k=128, r=512)
+    q = params["encoder_layer_0"]["query"]["kernel"]
+    one = pruning.oneshot_masks(params, "64:2:8", exclusive_columns=True)
+    np.testing.assert_array_equal(one["encoder_layer_0"]["query"]["kernel"],
+                                  fmt.select_mask(q, "64:2:8", exclusive_columns=True))
+    for m in (one["encoder_layer_0"]["query"]["kernel"], one["encoder_layer_0"]["output"]["kernel"]):
+        assert bool(fmt.columns_are_exclusive(m, "64:2:8"))
+    plain = pruning.oneshot_masks(params, "64:2:8")["encoder_layer_0"]["query"]["kernel"]
+    assert not bool(fmt.columns_are_exclusive(plain, "64:2:8"))
+    np.testing.assert_array_equal(pruning.oneshot_masks(params, "2:4", exclusive_columns=True)["encoder_layer_0"]
+                                  ["query"]["kernel"], fmt.select_mask(q, "2:4"))  # no cap at M = 4
+    tx = pruning.gmp_prune(["2:4", "64:2:8"], 0, 2, exclusive_columns=True, transposable=True)
+    state = tx.init(params)
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+    for _ in range(3):
+        _, state = tx.update(zeros, state, params)
+    m = state.masks["encoder_layer_0"]["query"]["kernel"]
+    assert bool(fmt.check_mask(m, "64:2:8")) and bool(fmt.columns_are_exclusive(m, "64:2:8"))
+    assert bool(fmt.transposable_mask_is_valid(m))

@@ -608,6 +608,24 @@ def test_learned_masks_run_fixes_its_masks_then_trains_compressed(tmp_path):
             train.parse_args(argv)
 
 
+def test_exclusive_columns_run(tmp_path):
+    """--exclusive-columns: a one-shot refit run learns on column-capped masks (its final masks are checked), and the
+    option is refused where it cannot apply."""
+    out = tmp_path / "run"
+    metrics = train.run(train.parse_args(TINY + ["--sparsity", "16:2:8", "--epochs", "2", "--prune", "oneshot",
+                                                  "--refit", "--refit-batches", "1", "--exclusive-columns",
+                                                  "--compress", "off", "--out", str(out)]))
+    assert metrics["exclusive_columns"]
+    masks = list(_leaves(train.load_checkpoint(out / "checkpoint")["sparsity"]))
+    assert len(masks) == 12 and all(bool(fmt.columns_are_exclusive(np.asarray(m), "16:2:8")) for m in masks)
+    hist = metrics["history"]
+    assert np.isfinite(hist[-1]["train_loss"]) and hist[-1]["train_loss"] < hist[0]["first_loss"], hist
+    for argv in (["--sparsity", "dense", "--exclusive-columns"], ["--prune", "none", "--exclusive-columns"],
+                 ["--sparsity", "2:4", "--exclusive-columns"], ["--sparsity", "16:4:8", "--exclusive-columns"]):
+        with pytest.raises(SystemExit):
+            train.parse_args(argv)
+
+
 def test_transposable_masks_run_takes_the_transposed_dx_route(tmp_path, monkeypatch):
     """--transposable-masks: the compressed run's input gradients go through W^T's 2:4 product (a mask that were not
     transposable would make them NaN), the run learns, and JAXSPARSE_DX is left as it was."""
