@@ -20,7 +20,7 @@ for spec in ${SPARSE:-}; do
   IFS=: read task lr seed opts <<< "$spec"
   tag=$(echo "${opts:-}" | sed 's/--//g; s/,/_/g; s/=/-/g')
   sp=${SPARSITY:-64:2:8}
-  d=/tmp/acc/sparse_${task}_${sp//:/_}_lr${lr}${tag:+_$tag}_s$seed; mkdir -p $d
+  d=/tmp/acc/sparse_${task}_${sp//:/_}_lr${lr}${tag:+_$tag}_s${seed//+/-}; mkdir -p $d
   timeout ${LIMIT:-570} python3 benchmarks/accuracy.py --tasks $task --sparsities $sp --seed-list ${seed//+/,} --epochs 6 \
     --prune-end 0.33 --fade 0.15 --distill 0.9 --refit-batches 32 --temperature 2 --score activation \
     --init teacher --prune oneshot --refit --distill-hidden 5 --distill-attention 1 --distill-augment 0.3 \
