@@ -20,6 +20,9 @@ One process; the shapes of ``benchmarks/spmm.py`` (tokens 4096 and 16384; K x N 
   ``JAXSPARSE_DX=transposed`` route on a weight whose mask was chosen transposable
   (``select_mask(..., transposable=True)``): dX as the 2:4 forward kernel on ``W^T`` with ``W^T`` built in the
   call (``ops.transpose_2_4``), then with ``W^T`` given, then the whole layer;
+* ``dX blocks route`` and ``fwd+bwd blocks dX`` (M > 4): the ``JAXSPARSE_DX=blocks`` route (XLA: every V block's
+  product over its kept columns as one batched product, then gathered terms per column) on a weight whose mask was
+  chosen column-exclusive (``select_mask(..., exclusive_columns=True)``);
 * ``... 2:4 view`` (V:2:M on Hopper): the forward, the SDDMM and the whole layer on the kernels that read
   ``x [T, K]`` as it is, with the weight as its 2:4 view (``jaxsparse.format.as_2_4``): no transpose.
 
@@ -139,6 +142,20 @@ def _transposed_runs(w, x0, dy0, b, spec, select_t, hi) -> tuple[list, F.SparseW
     return [("dX transposed route", "dX", dx, err("dX", dx, sw_t), sw_t),
             ("dX transposed, W^T given", "dX", dx_given, err("dX", dx_given, wt), wt),
             ("fwd+bwd transposed dX", "fwd+bwd", layer, err("fwd+bwd", layer, sw_t), sw_t)], sw_t, wt
+
+
+def _blocks_runs(w, x0, dy0, b, spec, hi) -> tuple[list, F.SparseWeight]:
+    """The ``JAXSPARSE_DX=blocks`` route on a weight whose mask was chosen column-exclusive
+    (``select_mask(..., exclusive_columns=True)``, M > 4): dX alone and the whole layer, as ``_transposed_runs``."""
+    from jaxsparse import ops
+
+    sw_e = F.compress(w, jax.jit(lambda w: F.select_mask(w, spec, exclusive_columns=True))(w), spec)
+    refs, _ = _references(x0, dy0, b, sw_e, hi)
+    dx = jax.jit(lambda x, dy, sw, b: ops._block_dx(dy, sw))
+    layer = jax.jit(with_env(lambda x, dy, sw, b: sparse_vjp(x, dy, sw.values, b, sw), JAXSPARSE_DX="blocks"))
+    err = lambda prod, fn: f"{_err(prod, fn, (x0, dy0, sw_e, b), refs):.1e}"  # noqa: E731
+    return [("dX blocks route", "dX", dx, err("dX", dx), sw_e),
+            ("fwd+bwd blocks dX", "fwd+bwd", layer, err("fwd+bwd", layer), sw_e)], sw_e
 
 
 def main() -> None:
@@ -285,6 +302,14 @@ def main() -> None:
                         rows.append(_row(base, label, f"jaxsparse {spec_s}", ms, dense_ms[prod], fl, err))
                         print(rows[-1], flush=True)
                     del sw_t, wt
+                if spec.m > 4 and any(wanted(label) for label in ("dX blocks route", "fwd+bwd blocks dX")):
+                    runs_e, sw_e = _blocks_runs(w, x0, dy0, b, spec, hi)
+                    for label, prod, fn, err, weight in [r for r in runs_e if wanted(r[0])]:
+                        ms = common.time_jax(fn, [(x, dy, weight, b) for x, dy in zip(xs, dys)], **reps)
+                        fl = floors(prod, tokens, k, n, spec.m, spec.v)
+                        rows.append(_row(base, label, f"jaxsparse {spec_s}", ms, dense_ms[prod], fl, err))
+                        print(rows[-1], flush=True)
+                    del sw_e
                 del sw, wd, args0
             del xs, dys, w
             save()

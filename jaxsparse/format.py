@@ -36,6 +36,7 @@ __all__ = [
     "condensed_dx_operands",
     "column_cap",
     "columns_are_exclusive",
+    "block_dx_operands",
 ]
 
 GROUPS_PER_WORD = 8  # metadata groups (4 bits each) in one uint32 word
@@ -660,18 +661,59 @@ def condensed_dx_operands(sw: SparseWeight) -> tuple[jax.Array, jax.Array]:
     g = k // spec.m
     if g % 4:
         raise ValueError(f"condensed_dx_operands needs G = K/M divisible by 4, got G = {g}")
-    p0, p1 = _unpack_metadata(sw.metadata)  # [R, G] positions among the 4 kept columns
-    vals = sw.values.reshape(r, g, 2)
-    slot = jnp.arange(4, dtype=jnp.int32)
-    zero = jnp.zeros((), sw.values.dtype)
-    wc = (jnp.where(slot == p0[..., None], vals[..., :1], zero) +
-          jnp.where(slot == p1[..., None], vals[..., 1:], zero)).reshape(r, 4 * g)
+    wc = _kept_column_values(sw)
     blocks = r // spec.v
     onehot = (sw.columns.astype(jnp.int32)[..., None] == jnp.arange(spec.m, dtype=jnp.int32))  # [B, G, 4, M]
     onehot = onehot.reshape(blocks, g // 4, 4, 4, spec.m)  # [B, G/4, j, p, M]
     eye = jnp.eye(4, dtype=bool)  # [j, j'] puts group j's columns in its own M-wide slice
     scatter = (onehot[:, :, :, :, None, :] & eye[None, None, :, None, :, None]).astype(sw.values.dtype)
     return wc, scatter.reshape(blocks * (g // 4) * 16, 4 * spec.m)
+
+
+def _kept_column_values(sw: SparseWeight) -> jax.Array:
+    """``[R, 4G]``: row ``r``'s value at its block's ``p``-th kept column of group ``g`` at ``4g + p``, 0 where the
+    row's 2:4 choice drops that column (``A = W^T`` over each block's kept columns)."""
+    k, r = sw.shape
+    g = k // sw.spec.m
+    p0, p1 = _unpack_metadata(sw.metadata)  # [R, G] positions among the 4 kept columns
+    vals = sw.values.reshape(r, g, 2)
+    slot = jnp.arange(4, dtype=jnp.int32)
+    zero = jnp.zeros((), sw.values.dtype)
+    return (jnp.where(slot == p0[..., None], vals[..., :1], zero) +
+            jnp.where(slot == p1[..., None], vals[..., 1:], zero)).reshape(r, 4 * g)
+
+
+def block_dx_operands(sw: SparseWeight, terms: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """The operands of the input gradient by V blocks (``jaxsparse.ops.spmm_t``'s ``"blocks"`` route).
+
+    ``wc [R/V, V, 4G]``: each block's rows of :func:`condensed_dx_operands`' ``wc``, so that
+    ``P = concat_b (dy[:, block b] @ wc[b])`` (``[T, (R/V) 4G]``, column ``b 4G + 4g + p`` the block's product at its
+    ``p``-th kept column of group ``g``). ``sources [terms, K]`` int32: for each input column, the columns of ``P``
+    that hold the blocks keeping it, in block order, so that ``dy @ W^T = sum_i P'[:, sources[i]]`` with
+    ``P' = [P, 0, NaN]``: a column kept by fewer than ``terms`` blocks points its spare terms at the zero column
+    (index ``(R/V) 4G``), and a column kept by more than ``terms`` blocks points its first term at the NaN column
+    (index ``(R/V) 4G + 1``), so that its dx is NaN, never wrong. ``terms`` defaults to :func:`column_cap`, which
+    masks chosen with ``select_mask(..., exclusive_columns=True)`` keep (``columns_are_exclusive``). Needs ``N = 2``
+    and ``M > 4`` (a ``columns`` array)."""
+    k, r = sw.shape
+    spec = sw.spec
+    if sw.columns is None or spec.n != 2:
+        raise ValueError(f"block_dx_operands needs a V:2:M weight with M > 4, got {spec}")
+    g, blocks = k // spec.m, r // spec.v
+    terms = column_cap(r, spec) if terms is None else int(terms)
+    if not 1 <= terms <= blocks:
+        raise ValueError(f"block_dx_operands: terms must be in [1, R/V = {blocks}], got {terms}")
+    wc = _kept_column_values(sw).reshape(blocks, spec.v, 4 * g)
+    hits = sw.columns.astype(jnp.int32)[..., None] == jnp.arange(spec.m, dtype=jnp.int32)  # [B, G, 4, M]
+    hits = hits.transpose(1, 3, 0, 2).reshape(g, spec.m, blocks * 4)  # [G, M, (b, p)]
+    order = jnp.argsort(~hits, axis=-1, stable=True)[..., :terms]  # the kept (b, p) first, in block order
+    count = hits.sum(axis=-1)  # [G, M] blocks keeping each column
+    b, p = order // 4, order % 4
+    source = b * 4 * g + 4 * jnp.arange(g, dtype=jnp.int32)[:, None, None] + p  # [G, M, terms]
+    zero_col = blocks * 4 * g
+    source = jnp.where(jnp.arange(terms) < count[..., None], source, zero_col)
+    source = source.at[..., 0].set(jnp.where(count > terms, zero_col + 1, source[..., 0]))
+    return wc, source.reshape(k, terms).T.astype(jnp.int32)
 
 
 def exact_column_fraction(w: np.ndarray, spec: Union[str, VNM]) -> float:

@@ -21,6 +21,7 @@ from jaxsparse.ffi import calls as cuda_calls
 from jaxsparse.ffi.calls import spmm_unsupported
 from jaxsparse.format import SparseWeight, check_transpose_2_4_shape, decompress as _reference_decompress
 from jaxsparse.format import transpose_2_4 as format_transpose_2_4
+from jaxsparse.format import block_dx_operands
 
 __all__ = ["decompress", "transpose_2_4", "spmm", "sddmm", "spmm_t", "dx_route",
            "dx_route_scope", "linear_x_layout", "sparse_linear", "sparse_mlp", "FUSED_ACTIVATIONS", "masked_linear",
@@ -102,7 +103,7 @@ def _dense_dx(dy2: jax.Array, sw: SparseWeight) -> jax.Array:
 
 
 DX_ROUTE_ENV = "JAXSPARSE_DX"
-DX_ROUTES = ("dense", "kernel", "transposed", "condensed")
+DX_ROUTES = ("dense", "kernel", "transposed", "condensed", "blocks")
 
 
 def dx_route(route: Optional[str] = None) -> str:
@@ -116,7 +117,11 @@ def dx_route(route: Optional[str] = None) -> str:
     (:func:`transpose_2_4`, built by ``jaxsparse_transpose_2_4`` on a GPU), on every platform; where a mask is not
     transposable the gradient is NaN, never wrong. ``"condensed"``: for ``M = 16`` on a Hopper GPU, the
     ``jaxsparse_spmm_t_condensed`` kernel (per V block the product over its kept columns, then a one-hot scatter
-    product, any mask; :func:`jaxsparse.ffi.calls.spmm_t_condensed`), else the dense route.
+    product, any mask; :func:`jaxsparse.ffi.calls.spmm_t_condensed`), else the dense route. ``"blocks"``: for
+    weights whose masks were chosen with ``select_mask(..., exclusive_columns=True)`` (``M > 4``), in XLA on every
+    platform: each V block's product over its kept columns as one batched product (``4/M`` of the dense work), then
+    at most ``column_cap`` gathered terms per column of dx (:func:`jaxsparse.format.block_dx_operands`); where a
+    column is kept by more blocks than that, its gradient is NaN, never wrong. Other weights take the dense route.
     ``None`` reads ``JAXSPARSE_DX``.
     The default follows the measurements in docs/kernel-notes.md: the v1 kernel is slower than the dense
     route at every M measured on the H100 (64:2:8 at 16384x1024x4096: 0.92 ms against 0.20 ms), so it
@@ -157,6 +162,8 @@ def spmm_t(dy: jax.Array, sw: SparseWeight, route: Optional[str] = None) -> jax.
     with jax.named_scope("jaxsparse_spmm_t"):  # jaxsparse-profile files everything inside under the input gradient
         if route == "transposed":
             return _transposed_dx(dy, sw)
+        if route == "blocks" and sw.columns is not None:
+            return _block_dx(_flatten(dy), sw).reshape(*dy.shape[:-1], sw.shape[0])
         if route == "condensed" and cuda_calls.spmm_t_condensed_unsupported(sw) is None:
             cuda = cuda_calls.spmm_t_condensed
         elif route == "kernel" and sw.spec.m > 4:
@@ -175,6 +182,21 @@ def transpose_2_4(sw: SparseWeight) -> SparseWeight:
     check_transpose_2_4_shape(sw.shape)
     return dispatch.call("transpose_2_4", format_transpose_2_4, cuda_calls.transpose_2_4, sw,
                          unsupported=cuda_calls.transpose_2_4_unsupported(sw))
+
+
+def _block_dx(dy2: jax.Array, sw: SparseWeight) -> jax.Array:
+    """``dy @ W^T`` by V blocks (the ``"blocks"`` route of :func:`dx_route`): one batched product of every block's
+    rows of ``dy`` with its kept-column values, then ``column_cap`` gathered terms per input column
+    (:func:`jaxsparse.format.block_dx_operands`; NaN where a column is kept by more blocks than the cap)."""
+    wc, sources = block_dx_operands(sw)
+    blocks, v, width = wc.shape
+    t = dy2.shape[0]
+    # In dy's dtype: XLA's GPU products accumulate bf16 and fp16 in float32 (and the CPU has no batched bf16 dot
+    # with a float32 result).
+    p = jnp.einsum("tbv,bvc->tbc", dy2.reshape(t, blocks, v), wc.astype(dy2.dtype)).reshape(t, blocks * width)
+    p = jnp.concatenate([p, jnp.zeros((t, 1), p.dtype), jnp.full((t, 1), jnp.nan, p.dtype)], axis=1)
+    dx = sum(jnp.take(p, sources[i], axis=1).astype(jnp.float32) for i in range(sources.shape[0]))
+    return dx.astype(dy2.dtype)
 
 
 def _transposed_dx(dy: jax.Array, sw: SparseWeight) -> jax.Array:

@@ -418,3 +418,49 @@ def test_condensed_dx_operands_rejects():
     w = jax.random.normal(jax.random.PRNGKey(0), (256, 128))
     with pytest.raises(ValueError, match="M > 4"):
         F.condensed_dx_operands(F.compress(w, F.select_mask(w, "2:4"), "2:4"))
+
+
+@pytest.mark.parametrize("spec, k, r", [("64:2:8", 256, 512), ("128:2:16", 384, 384), ("128:2:16", 384, 1536),
+                                        ("128:2:32", 512, 1024)])
+def test_block_dx_operands_reproduce_the_input_gradient(spec, k, r):
+    """On a column-exclusive mask: ``wc`` by block is ``condensed_dx_operands``' ``wc``, every source points at a column
+    of its own group (or the zero column), no product column feeds two input columns, and the gathered terms of the
+    per-block products equal ``dy @ W^T`` in float32 (columns no block keeps: 0)."""
+    s = F.VNM.parse(spec)
+    kw, kd = jax.random.split(jax.random.PRNGKey(k + r))
+    w = jax.random.normal(kw, (k, r), jnp.float32)
+    sw = F.compress(w, F.select_mask(w, s, exclusive_columns=True), s)
+    wc, sources = F.block_dx_operands(sw)
+    blocks, g, cap = r // s.v, k // s.m, F.column_cap(r, s)
+    assert wc.shape == (blocks, s.v, 4 * g) and sources.shape == (cap, k) and sources.dtype == jnp.int32
+    np.testing.assert_array_equal(wc.reshape(r, 4 * g), F.condensed_dx_operands(sw)[0])
+    src = np.asarray(sources)
+    zero_col = blocks * 4 * g
+    assert src.max() <= zero_col  # no NaN column: every column is within the cap
+    real = src[src < zero_col]
+    assert len(np.unique(real)) == len(real) == blocks * 4 * g  # each product column lands exactly once
+    group_of = (src % (4 * g)) // 4  # the group a source column belongs to
+    assert ((group_of == np.arange(k) // s.m) | (src == zero_col)).all()
+    dy = jax.random.normal(kd, (37, r), jnp.float32)
+    p = jnp.einsum("tbv,bvc->tbc", dy.reshape(37, blocks, s.v), wc, precision=jax.lax.Precision.HIGHEST)
+    p = jnp.concatenate([p.reshape(37, -1), jnp.zeros((37, 1))], axis=1)
+    dx = sum(p[:, src[i]] for i in range(cap))
+    ref = jnp.dot(dy, F.decompress(sw).T, precision=jax.lax.Precision.HIGHEST)
+    np.testing.assert_allclose(np.asarray(dx), np.asarray(ref), rtol=1e-5, atol=1e-4)
+
+
+def test_block_dx_operands_flags_columns_over_the_cap_and_rejects():
+    """A plain mask's columns kept by more than ``terms`` blocks point at the NaN column; ``terms`` = R/V takes every
+    mask exactly; 2:4 weights and out-of-range ``terms`` are rejected."""
+    w = jax.random.normal(jax.random.PRNGKey(5), (256, 512))
+    sw = F.compress(w, F.select_mask(w, "64:2:8"), "64:2:8")
+    used = np.asarray(F.kept_mask(sw)).T.reshape(8, 64, 32, 8).any(axis=1).sum(axis=0).reshape(-1)  # blocks per column
+    nan_col = 8 * 4 * 32 + 1
+    src = np.asarray(F.block_dx_operands(sw)[1])
+    np.testing.assert_array_equal(src[0] == nan_col, used > F.column_cap(512, "64:2:8"))
+    assert (np.asarray(F.block_dx_operands(sw, terms=8)[1]) < nan_col).all()
+    with pytest.raises(ValueError, match="terms"):
+        F.block_dx_operands(sw, terms=9)
+    w4 = jax.random.normal(jax.random.PRNGKey(6), (64, 64))
+    with pytest.raises(ValueError, match="M > 4"):
+        F.block_dx_operands(F.compress(w4, F.select_mask(w4, "2:4"), "2:4"))
