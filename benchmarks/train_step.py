@@ -74,12 +74,13 @@ def run_config(cfg: dict, turn: dict | None = None) -> dict:
     from jaxsparse import ops
     from jaxsparse.trainstep import StepConfig
 
-    transposable = bool(cfg.get("transposable")) and cfg["sparsity"] != "dense"
+    sparse = cfg["sparsity"] != "dense"
     step_cfg = StepConfig(cfg["model"], cfg["sparsity"], cfg["batch_size"], cfg["seq_len"], cfg["dtype"],
-                          attention=cfg.get("attention", "softmax"), transposable=transposable,
-                          fuse_feed_forward=cfg.get("fuse_feed_forward", True))
+                          attention=cfg.get("attention", "softmax"), transposable=bool(cfg.get("transposable")) and sparse,
+                          fuse_feed_forward=cfg.get("fuse_feed_forward", True),
+                          exclusive_columns=bool(cfg.get("exclusive_columns")) and sparse)
     # An in-process run's other configurations keep their own dX route.
-    with ops.dx_route_scope("transposed" if transposable else None):
+    with ops.dx_route_scope(step_cfg.dx_route()):
         return _time_step(step_cfg, cfg, turn)
 
 
@@ -323,6 +324,9 @@ def main(argv=None) -> int:
     ap.add_argument("--transposable", action="store_true",
                     help="sparse configurations choose transposable masks and run dX as the 2:4 forward product of "
                          "W^T (JAXSPARSE_DX=transposed)")
+    ap.add_argument("--exclusive-columns", action="store_true",
+                    help="sparse configurations (M > 4) choose column-exclusive masks and run dX by V blocks "
+                         "(JAXSPARSE_DX=blocks; this wins over --transposable's route when both are given)")
     ap.add_argument("--ffn", default="fused", choices=("fused", "unfused", "both"),
                     help="compressed FFNs as one jaxsparse.ops.sparse_mlp with the activation in the kernels (fused), "
                          "as two layers and XLA's activation (unfused, BertConfig.fuse_feed_forward=False), or each "
@@ -364,7 +368,8 @@ def main(argv=None) -> int:
                     configs.append({"model": model, "seq_len": seq, "batch_size": batch, "sparsity": s,
                                     "dtype": a.dtype, "attention": a.attention, "steps": steps, "warmup": warmup,
                                     "fuse_feed_forward": fuse,
-                                    **({"transposable": True} if a.transposable and s != "dense" else {})})
+                                    **({"transposable": True} if a.transposable and s != "dense" else {}),
+                                    **({"exclusive_columns": True} if a.exclusive_columns and s != "dense" else {})})
     t0 = time.time()
     if a.concurrent and not a.in_process:
         rows = _concurrent(configs, a.worker_timeout)

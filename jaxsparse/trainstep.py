@@ -66,6 +66,8 @@ class StepConfig:
       transposable: choose transposable masks (``jaxsparse.format.select_mask``'s option). The input gradient
         takes the ``"transposed"`` route only where ``JAXSPARSE_DX=transposed`` is set when the step is traced
         (``benchmarks/train_step.py --transposable`` sets it).
+      exclusive_columns: choose column-exclusive masks (``select_mask``'s option; ``N <= 2``, ``M > 4``), for the
+        ``"blocks"`` input gradient (``benchmarks/train_step.py --exclusive-columns`` traces with it).
       fuse_feed_forward: :attr:`jaxsparse.models.bert.BertConfig.fuse_feed_forward` (compressed FFNs as one
         :func:`jaxsparse.ops.sparse_mlp`, the activation in the kernels' epilogues).
     """
@@ -80,6 +82,7 @@ class StepConfig:
     attention: str = "softmax"
     transposable: bool = False
     fuse_feed_forward: bool = True
+    exclusive_columns: bool = False
 
     def __post_init__(self) -> None:
         if self.model not in bert.PRESETS:
@@ -93,6 +96,15 @@ class StepConfig:
             raise ValueError(f"attention must be one of {bert.ATTENTION_IMPLS}, got {self.attention!r}")
         if self.transposable and self.sparsity == "dense":
             raise ValueError("transposable masks need a sparse pattern, not 'dense'")
+        if self.exclusive_columns and (self.sparsity == "dense" or not fmt.VNM.parse(self.sparsity).structured
+                                       or fmt.VNM.parse(self.sparsity).m <= 4):
+            raise ValueError(f"exclusive columns need a V:N:M pattern with N <= 2 and M > 4, got {self.sparsity!r}")
+
+    def dx_route(self) -> str | None:
+        """The input-gradient route the masks are chosen for: ``"blocks"`` for column-exclusive masks,
+        ``"transposed"`` for transposable ones, None (``JAXSPARSE_DX`` as set) otherwise; trace the step inside
+        ``jaxsparse.ops.dx_route_scope(config.dx_route())``."""
+        return "blocks" if self.exclusive_columns else "transposed" if self.transposable else None
 
     def bert_config(self) -> bert.BertConfig:
         """The preset's :class:`~jaxsparse.models.bert.BertConfig` with this attention."""
@@ -175,11 +187,13 @@ def build_step(config: StepConfig) -> TrainStep:
     params = jax.jit(master.init)(k_init, ids[:1, :8])["params"]
     base = adamw()
     if mode == "compressed":
-        masks = pruning.oneshot_masks(params, config.sparsity, transposable=config.transposable)
+        masks = pruning.oneshot_masks(params, config.sparsity, transposable=config.transposable,
+                                      exclusive_columns=config.exclusive_columns)
         params, pattern, opt_state = pruning.to_compressed(params, masks, config.sparsity, base.init(params))
         model, tx, extra, with_masks = make(True), base, {"sparsity": pattern}, False
     elif mode == "masked":
-        tx = optax.chain(base, pruning.gmp_prune([config.sparsity], 0, 0, transposable=config.transposable))
+        tx = optax.chain(base, pruning.gmp_prune([config.sparsity], 0, 0, transposable=config.transposable,
+                                                 exclusive_columns=config.exclusive_columns))
         opt_state = tx.init(params)
         model, extra, with_masks = master, {}, True
     else:

@@ -218,6 +218,24 @@ def test_cpu_profile_of_the_transposed_dx_route(tmp_path, capsys):
         profile.main(["--model", "tiny", "--sparsity", "dense", "--transposable-masks"])
 
 
+def test_cpu_profile_of_the_blocks_dx_route(tmp_path, capsys):
+    """--exclusive-columns: the step traces with column-exclusive masks on the blocks dX route (restored after),
+    records both, and the route's XLA work lands under sparse_dx."""
+    import os
+
+    from jaxsparse import ops
+
+    out = tmp_path / "prof.json"
+    before = os.environ.get(ops.DX_ROUTE_ENV)
+    rc = profile.main(["--model", "tiny", "--sparsity", "64:2:8", "--batch-size", "2", "--seq-len", "32", "--steps",
+                       "1", "--warmup", "1", "--top", "0", "--exclusive-columns", "--json", str(out)])
+    assert rc == 0 and os.environ.get(ops.DX_ROUTE_ENV) == before
+    assert "column-exclusive masks (dX by V blocks)" in capsys.readouterr().out
+    d = json.loads(out.read_text())
+    assert d["exclusive_columns"] is True and d["dx_route"] == "blocks"
+    assert d["buckets"]["sparse_dx"]["ms"] > 0
+
+
 _AD_NAMED_HLO = """\
 HloModule jit_loss
 

@@ -90,6 +90,27 @@ def test_transposable_step_runs_the_transposed_dx_route(tmp_path):
         StepConfig(sparsity="dense", transposable=True)
 
 
+def test_exclusive_columns_step_runs_the_blocks_dx_route(tmp_path):
+    """--exclusive-columns: the sparse row records the blocks dX route and a finite loss (a column over the cap would
+    give NaN), the route does not leak out of the run, and patterns without a column choice are refused."""
+    from jaxsparse import ops
+    from jaxsparse.trainstep import StepConfig
+
+    bench = _load()
+    out = tmp_path / "train_step.json"
+    before = os.environ.get(ops.DX_ROUTE_ENV)
+    assert bench.main(["--quick", "--sparsities", "16:2:8", "--steps", "2", "--warmup", "1", "--batch-size", "2",
+                       "--in-process", "--exclusive-columns", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["exclusive_columns"] and row["routes"]["dx"] == "blocks"
+    assert row["loss_last"] == row["loss_last"]  # not NaN
+    assert os.environ.get(ops.DX_ROUTE_ENV) == before
+    assert StepConfig(sparsity="16:2:8", exclusive_columns=True, transposable=True).dx_route() == "blocks"
+    for sparsity in ("dense", "2:4", "16:4:8"):
+        with pytest.raises(ValueError, match="M > 4"):
+            StepConfig(sparsity=sparsity, exclusive_columns=True)
+
+
 def test_replot_draws_from_a_results_file_and_runs_nothing(tmp_path, capsys):
     """--replot redraws the plot from an earlier run's rows (synced and back-to-back speedups) without running a step."""
     bench = _load()
