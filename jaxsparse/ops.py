@@ -194,9 +194,11 @@ def _block_dx(dy2: jax.Array, sw: SparseWeight) -> jax.Array:
     # In dy's dtype: XLA's GPU products accumulate bf16 and fp16 in float32 (and the CPU has no batched bf16 dot
     # with a float32 result).
     p = jnp.einsum("tbv,bvc->tbc", dy2.reshape(t, blocks, v), wc.astype(dy2.dtype)).reshape(t, blocks * width)
-    p = jnp.concatenate([p, jnp.zeros((t, 1), p.dtype), jnp.full((t, 1), jnp.nan, p.dtype)], axis=1)
-    dx = sum(jnp.take(p, sources[i], axis=1).astype(jnp.float32) for i in range(sources.shape[0]))
-    return dx.astype(dy2.dtype)
+    # The sources' zero and NaN columns (indices blocks * width and + 1) are past P's end: filled with 0, then the
+    # columns over the cap set to NaN, so that no concatenated copy of P is needed.
+    dx = sum(jnp.take(p, sources[i], axis=1, mode="fill", fill_value=0).astype(jnp.float32)
+             for i in range(sources.shape[0]))
+    return jnp.where(sources[0] > blocks * width, jnp.nan, dx).astype(dy2.dtype)
 
 
 def _transposed_dx(dy: jax.Array, sw: SparseWeight) -> jax.Array:
