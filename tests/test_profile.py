@@ -198,9 +198,14 @@ def test_real_cpu_profile_buckets_sum_to_measured_total(tmp_path, capsys):
     assert d["buckets"]["sparse_dx"]["count"] >= 12
 
 
-def test_cpu_profile_of_the_transposed_dx_route(tmp_path, capsys):
-    """--transposable-masks: the step traces with transposable masks on the transposed dX route (restored after),
-    records both, and the route's work lands under sparse_dx."""
+@pytest.mark.parametrize("flag, said, meta, route, dense_error", [
+    ("--transposable-masks", "transposable masks (dX on W^T)", "transposable_masks", "transposed",
+     "transposable masks need a sparse pattern"),
+    ("--exclusive-columns", "column-exclusive masks (dX by V blocks)", "exclusive_columns", "blocks", "M > 4"),
+])
+def test_cpu_profile_of_a_dx_route(tmp_path, capsys, flag, said, meta, route, dense_error):
+    """--transposable-masks / --exclusive-columns: the step traces with those masks on their dX route (restored
+    after), records both, and the route's work lands under sparse_dx; a dense run is refused."""
     import os
 
     from jaxsparse import ops
@@ -208,32 +213,14 @@ def test_cpu_profile_of_the_transposed_dx_route(tmp_path, capsys):
     out = tmp_path / "prof.json"
     before = os.environ.get(ops.DX_ROUTE_ENV)
     rc = profile.main(["--model", "tiny", "--sparsity", "64:2:8", "--batch-size", "2", "--seq-len", "32", "--steps",
-                       "1", "--warmup", "1", "--top", "0", "--transposable-masks", "--json", str(out)])
+                       "1", "--warmup", "1", "--top", "0", flag, "--json", str(out)])
     assert rc == 0 and os.environ.get(ops.DX_ROUTE_ENV) == before
-    assert "transposable masks (dX on W^T)" in capsys.readouterr().out
+    assert said in capsys.readouterr().out
     d = json.loads(out.read_text())
-    assert d["transposable_masks"] is True and d["dx_route"] == "transposed"
+    assert d[meta] is True and d["dx_route"] == route
     assert d["buckets"]["sparse_dx"]["ms"] > 0
-    with pytest.raises(ValueError, match="transposable masks need a sparse pattern"):
-        profile.main(["--model", "tiny", "--sparsity", "dense", "--transposable-masks"])
-
-
-def test_cpu_profile_of_the_blocks_dx_route(tmp_path, capsys):
-    """--exclusive-columns: the step traces with column-exclusive masks on the blocks dX route (restored after),
-    records both, and the route's XLA work lands under sparse_dx."""
-    import os
-
-    from jaxsparse import ops
-
-    out = tmp_path / "prof.json"
-    before = os.environ.get(ops.DX_ROUTE_ENV)
-    rc = profile.main(["--model", "tiny", "--sparsity", "64:2:8", "--batch-size", "2", "--seq-len", "32", "--steps",
-                       "1", "--warmup", "1", "--top", "0", "--exclusive-columns", "--json", str(out)])
-    assert rc == 0 and os.environ.get(ops.DX_ROUTE_ENV) == before
-    assert "column-exclusive masks (dX by V blocks)" in capsys.readouterr().out
-    d = json.loads(out.read_text())
-    assert d["exclusive_columns"] is True and d["dx_route"] == "blocks"
-    assert d["buckets"]["sparse_dx"]["ms"] > 0
+    with pytest.raises(ValueError, match=dense_error):
+        profile.main(["--model", "tiny", "--sparsity", "dense", flag])
 
 
 _AD_NAMED_HLO = """\
