@@ -124,10 +124,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for s in args.sparsities:
         if s != "dense":
             try:
-                spec = fmt.VNM.parse(s)
+                fmt.VNM.parse(s)
             except ValueError as e:
                 p.error(f"--sparsities: {e}")
-            if args.exclusive_columns and (not spec.structured or spec.m <= 4):
+            if args.exclusive_columns and not fmt.takes_exclusive_columns(s):
                 p.error(f"--exclusive-columns needs V:N:M patterns with N <= 2 and M > 4, got {s} in --sparsities")
     args.seed_values = ([int(x) for x in args.seed_list.split(",") if x.strip()] if args.seed_list
                         else list(range(args.seeds)))

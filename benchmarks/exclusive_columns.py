@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import sys
 from pathlib import Path
@@ -39,11 +38,6 @@ from jaxsparse import format as F  # noqa: E402
 from mask_energy import kept_energy  # noqa: E402
 
 PATTERNS = ["64:2:8", "128:2:8", "64:2:16", "128:2:16", "128:2:32"]
-
-
-def capacity(r: int, spec: F.VNM) -> int:
-    """Blocks per column and group that the constraint allows: the fewest that still give every block 4 columns."""
-    return math.ceil(4 * (r // spec.v) / spec.m)
 
 
 def greedy_mask(w: np.ndarray, spec: F.VNM, cap: int | None) -> np.ndarray:
@@ -109,7 +103,7 @@ def oneshot_rows(patterns: list[str], sentences: int = 256, max_len: int = 64) -
                 if mask is None or variant == "plain":
                     return mask
                 w = np.asarray(w)
-                return jnp.asarray(greedy_mask(w, spec, capacity(w.shape[1], spec) if variant == "capped" else None))
+                return jnp.asarray(greedy_mask(w, spec, F.column_cap(w.shape[1], spec) if variant == "capped" else None))
             masks = jax.tree_util.tree_map(pick, plain, params, is_leaf=lambda x: x is None)
             rows.append(dict(pattern=pattern, masks=variant, **compare(model, params, masks, evalb, dense_h)))
             r = rows[-1]
@@ -135,7 +129,7 @@ def main() -> None:
             k, r = w.shape
             if k % spec.m or r % spec.v:
                 continue
-            cap = capacity(r, spec)
+            cap = F.column_cap(r, spec)
             plain = np.asarray(F.select_mask(w, spec))
             free, capped = greedy_mask(w, spec, None), greedy_mask(w, spec, cap)
             for mask in (plain, free, capped):

@@ -294,21 +294,22 @@ def main() -> None:
                     fl = floors(prod, tokens, k, n, spec.m, spec.v)
                     rows.append(_row(base, label, f"jaxsparse {spec_s}", ms, dense_ms[prod], fl, f"{err:.1e}"))
                     print(rows[-1], flush=True)
+
+                def time_on_weight(runs, pairs):  # rows (label, product, fn, err, weight): weight in sw's place
+                    for label, prod, fn, err, weight in [r for r in runs if wanted(r[0])]:
+                        ms = common.time_jax(fn, [(x, dy, weight, b) for x, dy in pairs], **reps)
+                        fl = floors(prod, tokens, k, n, spec.m, spec.v)
+                        rows.append(_row(base, label, f"jaxsparse {spec_s}", ms, dense_ms[prod], fl, err))
+                        print(rows[-1], flush=True)
+
                 if n % 32 == 0:  # the transposed dX route: a transposable mask, W^T 2:4 along N
                     runs_t, sw_t, wt = _transposed_runs(w, x0, dy0, b, spec, select_t, hi)
-                    for label, prod, fn, err, weight in [r for r in runs_t if wanted(r[0])]:
-                        ms = common.time_jax(fn, [(x, dy, weight, b) for x, dy in zip(xs, dys)], **reps)
-                        fl = floors(prod, tokens, k, n, spec.m, spec.v)
-                        rows.append(_row(base, label, f"jaxsparse {spec_s}", ms, dense_ms[prod], fl, err))
-                        print(rows[-1], flush=True)
+                    time_on_weight(runs_t, list(zip(xs, dys)))
                     del sw_t, wt
-                if spec.m > 4 and any(wanted(label) for label in ("dX blocks route", "fwd+bwd blocks dX")):
+                if F.takes_exclusive_columns(spec) and any(wanted(label) for label in ("dX blocks route",
+                                                                                        "fwd+bwd blocks dX")):
                     runs_e, sw_e = _blocks_runs(w, x0, dy0, b, spec, hi)
-                    for label, prod, fn, err, weight in [r for r in runs_e if wanted(r[0])]:
-                        ms = common.time_jax(fn, [(x, dy, weight, b) for x, dy in zip(xs, dys)], **reps)
-                        fl = floors(prod, tokens, k, n, spec.m, spec.v)
-                        rows.append(_row(base, label, f"jaxsparse {spec_s}", ms, dense_ms[prod], fl, err))
-                        print(rows[-1], flush=True)
+                    time_on_weight(runs_e, list(zip(xs, dys)))
                     del sw_e
                 del sw, wd, args0
             del xs, dys, w

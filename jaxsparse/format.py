@@ -36,6 +36,8 @@ __all__ = [
     "condensed_dx_operands",
     "column_cap",
     "columns_are_exclusive",
+    "takes_exclusive_columns",
+    "check_exclusive_spec",
     "block_dx_operands",
 ]
 
@@ -255,12 +257,19 @@ def select_mask(scores: jax.Array, spec: Union[str, VNM], *, method: str = "auto
     if transposable:
         _check_transposable_spec(scores.shape, spec)
     if exclusive_columns:
-        _check_exclusive_spec(spec)
+        check_exclusive_spec(spec)
     return _select_mask(scores, spec, method, bool(transposable), bool(exclusive_columns))
 
 
-def _check_exclusive_spec(spec: VNM) -> None:
-    if not spec.structured or spec.m <= 4:
+def takes_exclusive_columns(spec: Union[str, VNM]) -> bool:
+    """Whether ``spec`` has a column choice to cap (``select_mask(..., exclusive_columns=True)``): ``N <= 2``, ``M > 4``."""
+    spec = VNM.parse(spec)
+    return spec.structured and spec.m > 4
+
+
+def check_exclusive_spec(spec: Union[str, VNM]) -> None:
+    """Raises ``ValueError`` unless :func:`takes_exclusive_columns`."""
+    if not takes_exclusive_columns(spec):
         raise ValueError(f"exclusive columns need a V:N:M pattern with N <= 2 and M > 4 (blocks choosing 4 of M "
                          f"columns), got {spec}")
 
@@ -278,7 +287,7 @@ def columns_are_exclusive(mask: jax.Array, spec: Union[str, VNM]) -> jax.Array:
     :func:`column_cap` blocks? (The V:N:M pattern itself is :func:`mask_is_valid`'s.) Jit-able."""
     spec = VNM.parse(spec)
     validate_shape(mask.shape, spec)
-    _check_exclusive_spec(spec)
+    check_exclusive_spec(spec)
     k, r = mask.shape
     used = mask.T.reshape(r // spec.v, spec.v, k // spec.m, spec.m).any(axis=1)  # [B, G, M]
     return (used.sum(axis=0) <= column_cap(r, spec)).all()

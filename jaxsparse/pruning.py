@@ -218,7 +218,7 @@ def _select_all(params, selected, spec: fmt.VNM, input_sq=None, transposable: bo
     patterns that keep 2 per group, ``exclusive_columns`` ones for the V:2:M patterns with M > 4, plain ones for the
     ladder's other stages."""
     opts = dict(transposable=transposable and spec.structured and spec.n == 2,
-                exclusive_columns=exclusive_columns and spec.structured and spec.m > 4)
+                exclusive_columns=exclusive_columns and fmt.takes_exclusive_columns(spec))
     if input_sq is None:
         return _map_selected(lambda p: fmt.select_mask(p, spec, **opts), selected, params)
     return _map_selected(lambda p, q: fmt.select_mask(jnp.abs(p) * jnp.sqrt(q)[:, None], spec, **opts),

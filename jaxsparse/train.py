@@ -166,11 +166,9 @@ def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
                     "oneshot")
         if sparsity is not None:
             try:
-                spec = fmt.VNM.parse(sparsity)
+                fmt.check_exclusive_spec(sparsity)
             except ValueError as e:
-                p.error(str(e))
-            if not spec.structured or spec.m <= 4:
-                p.error(f"--exclusive-columns needs a V:N:M pattern with N <= 2 and M > 4, got {sparsity}")
+                p.error(f"--exclusive-columns: {e}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -784,8 +782,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
     if prune is not None and str(prune.schedule.ladder[-1]) != str(spec):
         raise ValueError(f"the ladder must end at --sparsity {spec}, got {prune.schedule.ladder[-1]}")
     tx = optax.chain(base, prune) if prune is not None else base
-    tx_key = base_key + ((prune.schedule, fade_steps, score, tuple(regrow.items()), transposable,
-                                   exclusive)
+    tx_key = base_key + ((prune.schedule, fade_steps, score, tuple(regrow.items()), transposable, exclusive)
                          if prune is not None else ())
     opt_state = tx.init(params)
     compress = _use_compressed(args.compress, spec, cfg)

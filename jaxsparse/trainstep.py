@@ -96,9 +96,10 @@ class StepConfig:
             raise ValueError(f"attention must be one of {bert.ATTENTION_IMPLS}, got {self.attention!r}")
         if self.transposable and self.sparsity == "dense":
             raise ValueError("transposable masks need a sparse pattern, not 'dense'")
-        if self.exclusive_columns and (self.sparsity == "dense" or not fmt.VNM.parse(self.sparsity).structured
-                                       or fmt.VNM.parse(self.sparsity).m <= 4):
-            raise ValueError(f"exclusive columns need a V:N:M pattern with N <= 2 and M > 4, got {self.sparsity!r}")
+        if self.exclusive_columns:
+            if self.sparsity == "dense":
+                raise ValueError("exclusive columns need a V:N:M pattern with N <= 2 and M > 4, not 'dense'")
+            fmt.check_exclusive_spec(self.sparsity)
 
     def dx_route(self) -> str | None:
         """The input-gradient route the masks are chosen for: ``"blocks"`` for column-exclusive masks,

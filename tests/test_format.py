@@ -348,7 +348,9 @@ def test_exclusive_columns_jit_and_reject():
     w = jax.random.normal(jax.random.key(0), (32, 256))
     m = jax.jit(lambda x: F.select_mask(x, "64:2:8", exclusive_columns=True))(w)
     assert bool(jax.jit(lambda x: F.columns_are_exclusive(x, "64:2:8"))(m))
+    assert F.takes_exclusive_columns("64:2:8") and F.takes_exclusive_columns("128:2:32")
     for spec in ("2:4", "64:4:8", "4:8"):
+        assert not F.takes_exclusive_columns(spec)
         with pytest.raises(ValueError, match="M > 4"):
             F.select_mask(jnp.ones((32, 256)), spec, exclusive_columns=True)
         with pytest.raises(ValueError, match="M > 4"):
