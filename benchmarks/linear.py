@@ -220,6 +220,11 @@ def main() -> None:
         ("dX condensed", "dX", jax.jit(lambda x, dy, sw, b: calls.spmm_t_condensed(dy, sw)), same),
         ("fwd+bwd condensed dX", "fwd+bwd",
          jax.jit(with_env(lambda x, dy, sw, b: sparse_vjp(x, dy, sw.values, b, sw), JAXSPARSE_DX="condensed")), same),
+        # M = 16, R <= 1024 on Hopper: dy's rows resident in shared memory, per V block the product over its kept
+        # columns, summed by shared-memory atomics (any mask); the layer with it (elsewhere the transposed route).
+        ("dX resident", "dX", jax.jit(lambda x, dy, sw, b: calls.spmm_t_resident(dy, sw)), same),
+        ("fwd+bwd resident dX", "fwd+bwd",
+         jax.jit(with_env(lambda x, dy, sw, b: sparse_vjp(x, dy, sw.values, b, sw), JAXSPARSE_DX="resident")), same),
         # V:2:M through its 2:4 view (format.as_2_4) on the kernels that read x [T, K] as it is: the forward, the
         # SDDMM and the whole layer on that route (no transpose anywhere).
         ("fwd x rows, 2:4 view", "fwd", jax.jit(lambda x, dy, sw, b: calls.spmm(x, sw, b, None, x_layout="row",
@@ -233,7 +238,7 @@ def main() -> None:
          jax.jit(with_env(lambda x, dy, sw, b: sparse_vjp(x, dy, sw.values, b, sw), JAXSPARSE_SPMM_X="col")), same),
     ]
     if not calls.hopper_gpu():
-        hopper_only = ("col-major", "x^T", "x rows", "2:4 view", "condensed")  # the x^T engines, the TMA kernels
+        hopper_only = ("col-major", "x^T", "x rows", "2:4 view", "condensed", "resident")  # the x^T engines, the TMA kernels
         variants = [v for v in variants if not any(h in v[0] for h in hopper_only)]
     wanted = lambda label: not args.only or any(o in label for o in args.only.split(",") if o)
     variants = [v for v in variants if wanted(v[0])]
@@ -288,7 +293,8 @@ def main() -> None:
                          for label, prod, fn, prep in variants
                          if not (spec.v == 64 and label.startswith(("fwd x^T given 128x", "fwd x^T given ws128x")))  # 128-row tiles need V >= 128
                          and not (spec.m == 4 and ("2:4 view" in label or "x^T route" in label))  # 2:4: no x^T route
-                         and not ("condensed" in label and spec.m != calls.CONDENSED_DX_M)]
+                         and not ("condensed" in label and spec.m != calls.CONDENSED_DX_M)
+                         and not ("resident" in label and calls.spmm_t_resident_unsupported(sw))]
                 for label, prod, fn, prep, err in runs:
                     ms = common.time_jax(fn, [(prep(x), dy, sw, b) for x, dy in zip(xs, dys)], **reps)
                     fl = floors(prod, tokens, k, n, spec.m, spec.v)

@@ -25,6 +25,7 @@ NB_MODULE(_jaxsparse_cuda, m) {
     d["jaxsparse_sddmm"] = Capsule(JaxsparseSddmm);
     d["jaxsparse_spmm_t"] = Capsule(JaxsparseSpmmT);
     d["jaxsparse_spmm_t_condensed"] = Capsule(JaxsparseSpmmTCondensed);
+    d["jaxsparse_spmm_t_resident"] = Capsule(JaxsparseSpmmTResident);
     d["jaxsparse_transpose"] = Capsule(JaxsparseTranspose);
     d["jaxsparse_transpose_2_4"] = Capsule(JaxsparseTranspose24);
     return d;

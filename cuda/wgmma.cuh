@@ -172,6 +172,10 @@ __device__ __forceinline__ void SetMaxRegisters() {
 __device__ __forceinline__ void NamedBarSync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// Arrives on named barrier `id` without waiting (the producer side of a bar.sync by other threads).
+__device__ __forceinline__ void NamedBarArrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 // Keeps the compiler from moving accumulator accesses across an in-flight wgmma.
 template <int K>
 __device__ __forceinline__ void WgmmaFenceOperands(float (&d)[K]) {

@@ -39,6 +39,7 @@ __all__ = [
     "takes_exclusive_columns",
     "check_exclusive_spec",
     "block_dx_operands",
+    "resident_dx_fragments",
 ]
 
 GROUPS_PER_WORD = 8  # metadata groups (4 bits each) in one uint32 word
@@ -723,6 +724,32 @@ def block_dx_operands(sw: SparseWeight, terms: int | None = None) -> tuple[jax.A
     source = jnp.where(jnp.arange(terms) < count[..., None], source, zero_col)
     source = source.at[..., 0].set(jnp.where(count > terms, zero_col + 1, source[..., 0]))
     return wc, source.reshape(k, terms).T.astype(jnp.int32)
+
+
+# The resident dX kernel's tiles (cuda/dx_resident.cu): 16 groups (64 condensed columns) per wgmma, 16 rows of R a step.
+RESIDENT_DX_GROUPS = 16
+
+
+def resident_dx_fragments(sw: SparseWeight) -> jax.Array:
+    """The weight operand of the resident input gradient (``jaxsparse_spmm_t_resident``): :func:`condensed_dx_operands`'
+    ``wc [R, 4G]`` reordered so that each thread of the kernel reads its wgmma A fragments as contiguous 16-byte words.
+
+    ``A = wc^T`` per V block ``b`` and chunk ``j`` of 16 groups is a ``[64 c, V r]`` matrix; warp ``w`` of a warpgroup
+    holds its rows ``16w .. 16w + 15`` and lane ``4 gid + tig`` per k16 step ``s`` the words ``(h, q) = (0, 0), (1, 0),
+    (0, 1), (1, 1)``, each the pair of elements ``(c, r) = (16w + gid + 8h, 16s + 8q + 2 tig + e)``, ``e = 0, 1`` (the
+    mma.m16n8k16 A layout). Returned flat, ``[R * 4G]`` in the values' dtype, ordered
+    ``[j, b, w, gid, tig, s, q, h, e]``. Needs ``M > 4`` and ``G % 16 == 0``."""
+    k, r = sw.shape
+    spec = sw.spec
+    if sw.columns is None or spec.n != 2:
+        raise ValueError(f"resident_dx_fragments needs a V:2:M weight with M > 4, got {spec}")
+    g = k // spec.m
+    if g % RESIDENT_DX_GROUPS:
+        raise ValueError(f"resident_dx_fragments needs G = K/M divisible by {RESIDENT_DX_GROUPS}, got G = {g}")
+    wc = _kept_column_values(sw)  # [R, 4G]; r = b V + 16 s + 8 q + 2 tig + e, c = 64 j + 16 w + 8 h + gid
+    blocks, steps, chunks = r // spec.v, spec.v // 16, g // RESIDENT_DX_GROUPS
+    a = wc.reshape(blocks, steps, 2, 4, 2, chunks, 4, 2, 8)  # [b, s, q, tig, e, j, w, h, gid]
+    return a.transpose(5, 0, 6, 8, 3, 1, 2, 7, 4).reshape(-1)  # [j, b, w, gid, tig, s, q, h, e]
 
 
 def exact_column_fraction(w: np.ndarray, spec: Union[str, VNM]) -> float:

@@ -103,11 +103,11 @@ def _dense_dx(dy2: jax.Array, sw: SparseWeight) -> jax.Array:
 
 
 DX_ROUTE_ENV = "JAXSPARSE_DX"
-DX_ROUTES = ("dense", "kernel", "transposed", "condensed", "blocks")
+DX_ROUTES = ("dense", "kernel", "transposed", "condensed", "blocks", "resident")
 
 
 def dx_route(route: Optional[str] = None) -> str:
-    """How the GPU computes the input gradient ``dy @ W^T``: ``"dense"``, ``"kernel"`` or ``"transposed"``.
+    """How the GPU computes the input gradient ``dy @ W^T``: one of :data:`DX_ROUTES`.
 
     ``"dense"`` (the default): XLA's dense product over the weight decompressed by ``jaxsparse_decompress``
     (a transient ``[K, R]`` weight in the values dtype, never a dense gradient). ``"kernel"``: the structured
@@ -122,7 +122,10 @@ def dx_route(route: Optional[str] = None) -> str:
     platform: each V block's product over its kept columns as one batched product (``4/M`` of the dense work), then
     at most ``column_cap`` gathered terms per column of dx (:func:`jaxsparse.format.block_dx_operands`); where a
     column is kept by more blocks than that, its gradient is NaN, never wrong. Other weights take the dense route.
-    ``None`` reads ``JAXSPARSE_DX``.
+    ``"resident"``: the ``jaxsparse_spmm_t_resident`` kernel where it applies (Hopper, ``M = 16``, ``R <= 1024``: per 64
+    tokens all of dy's rows in shared memory, per V block the product over its kept columns, summed in a shared
+    tile in block order, any mask; opt-in: slower than the transposed route in session 26; :func:`jaxsparse.ffi.calls.spmm_t_resident`), the transposed route elsewhere (so, like it,
+    for transposable masks). ``None`` reads ``JAXSPARSE_DX``.
     The default follows the measurements in docs/kernel-notes.md: the v1 kernel is slower than the dense
     route at every M measured on the H100 (64:2:8 at 16384x1024x4096: 0.92 ms against 0.20 ms), so it
     is opt-in until a faster version lands; ``benchmarks/linear.py`` times both routes side by side.
@@ -160,11 +163,13 @@ def spmm_t(dy: jax.Array, sw: SparseWeight, route: Optional[str] = None) -> jax.
     _check_activation(dy, sw, "dy", sw.shape[1])
     route = dx_route(route)
     with jax.named_scope("jaxsparse_spmm_t"):  # jaxsparse-profile files everything inside under the input gradient
-        if route == "transposed":
+        if route == "transposed" or (route == "resident" and cuda_calls.spmm_t_resident_unsupported(sw)):
             return _transposed_dx(dy, sw)
         if route == "blocks" and sw.columns is not None:
             return _block_dx(_flatten(dy), sw).reshape(*dy.shape[:-1], sw.shape[0])
-        if route == "condensed" and cuda_calls.spmm_t_condensed_unsupported(sw) is None:
+        if route == "resident":
+            cuda = cuda_calls.spmm_t_resident
+        elif route == "condensed" and cuda_calls.spmm_t_condensed_unsupported(sw) is None:
             cuda = cuda_calls.spmm_t_condensed
         elif route == "kernel" and sw.spec.m > 4:
             cuda = cuda_calls.spmm_t

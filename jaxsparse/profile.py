@@ -609,7 +609,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jaxsparse import ops
     args = parse_args(argv)
     config = step_config(args)
-    with ops.dx_route_scope(config.dx_route()):
+    with ops.dx_route_scope(config.dx_route(), keep_set=True):  # JAXSPARSE_DX, when set, wins
         prof = profile_step(config, args.steps, args.warmup, args.trace_dir, top=max(args.top, 25), hlo_path=args.hlo)
         prof.meta.update(transposable_masks=args.transposable_masks, exclusive_columns=args.exclusive_columns,
                          dx_route=ops.dx_route())  # the route traced

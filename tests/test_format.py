@@ -422,6 +422,50 @@ def test_condensed_dx_operands_rejects():
         F.condensed_dx_operands(F.compress(w, F.select_mask(w, "2:4"), "2:4"))
 
 
+@pytest.mark.parametrize("spec,k,r", [("128:2:16", 512, 384), ("64:2:16", 768, 192), ("128:2:16", 256, 1024)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_resident_dx_fragments_reproduce_the_input_gradient(spec, k, r, dtype):
+    """The resident dX kernel's algorithm on its operand, in float32, read the way its threads read it: each lane's
+    16-byte words per k16 step hold the elements of ``wc`` the mma A layout names (checked element by element against
+    ``condensed_dx_operands``' ``wc``), and per chunk of 16 groups and V block the product ``A @ dy_b^T``, added into
+    the output columns ``columns`` names, sums to ``dy @ W^T`` (any mask: blocks share columns)."""
+    s = F.VNM.parse(spec)
+    kw, kd = jax.random.split(jax.random.PRNGKey(k + r + s.v))
+    w = jax.random.normal(kw, (k, r), jnp.float32).astype(dtype)
+    sw = F.compress(w, F.select_mask(w, s), s)
+    frags = F.resident_dx_fragments(sw)
+    wc = np.asarray(F.condensed_dx_operands(sw)[0], np.float32)
+    blocks, g, steps = r // s.v, k // s.m, s.v // 16
+    chunks = g // F.RESIDENT_DX_GROUPS
+    assert frags.shape == (r * 4 * g,) and frags.dtype == sw.values.dtype
+    f = np.asarray(frags, np.float32).reshape(chunks, blocks, 4, 32, steps, 4, 2)  # [j, b, w, lane, s, word, e]
+    j, b, wq, lane, st, word, e = np.meshgrid(*[np.arange(n) for n in f.shape], indexing="ij")
+    gid, tig, h, q = lane // 4, lane % 4, word % 2, word // 2
+    rows = b * s.v + 16 * st + 8 * q + 2 * tig + e
+    cols = 64 * j + 16 * wq + 8 * h + gid
+    np.testing.assert_array_equal(f, wc[rows, cols])
+    dy = np.asarray(jax.random.normal(kd, (37, r), jnp.float32))
+    columns = np.asarray(sw.columns)
+    dx = np.zeros((37, k), np.float32)
+    c = np.arange(64)
+    for jj in range(chunks):
+        for bb in range(blocks):
+            a = wc[bb * s.v:(bb + 1) * s.v, 64 * jj:64 * (jj + 1)].T  # [64 c, V r] = the fragments' matrix
+            p = a @ dy[:, bb * s.v:(bb + 1) * s.v].T  # [64 c, T]
+            out = jj * F.RESIDENT_DX_GROUPS * s.m + (c // 4) * s.m + columns[bb, jj * F.RESIDENT_DX_GROUPS + c // 4, c % 4]
+            np.add.at(dx.T, out, p)
+    ref = dy @ np.asarray(F.decompress(sw), np.float32).T
+    np.testing.assert_allclose(dx, ref, rtol=1e-4, atol=1e-3)
+
+
+def test_resident_dx_fragments_rejects():
+    w = jax.random.normal(jax.random.PRNGKey(0), (256, 128))
+    with pytest.raises(ValueError, match="M > 4"):
+        F.resident_dx_fragments(F.compress(w, F.select_mask(w, "2:4"), "2:4"))
+    with pytest.raises(ValueError, match="divisible by 16"):
+        F.resident_dx_fragments(F.compress(w, F.select_mask(w, "64:2:32"), "64:2:32"))  # G = 8
+
+
 @pytest.mark.parametrize("spec, k, r", [("64:2:8", 256, 512), ("128:2:16", 384, 384), ("128:2:16", 384, 1536),
                                         ("128:2:32", 512, 1024)])
 def test_block_dx_operands_reproduce_the_input_gradient(spec, k, r):

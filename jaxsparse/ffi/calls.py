@@ -13,7 +13,7 @@ from jaxsparse import reference
 from jaxsparse.ffi import register
 from jaxsparse.format import VNM, SparseWeight
 from jaxsparse.format import as_2_4 as format_as_2_4
-from jaxsparse.format import condensed_dx_operands
+from jaxsparse.format import RESIDENT_DX_GROUPS, condensed_dx_operands, resident_dx_fragments
 
 # vmap of any call runs the kernel once per batch element: a correct, if slow, batching rule.
 _VMAP = "sequential"
@@ -606,3 +606,43 @@ def spmm_t_condensed(dy: jax.Array, sw: SparseWeight) -> jax.Array:
     wc, scatter = condensed_dx_operands(sw)
     return _call("jaxsparse_spmm_t_condensed", (dy.shape[0], sw.shape[0]), dy.dtype, dy, wc, scatter,
                  v=np.int32(sw.spec.v), m=np.int32(sw.spec.m))
+
+
+# The resident dX kernel (cuda/dx_resident.cu) holds a CTA's rows of dy, all R of them, in shared memory.
+RESIDENT_DX_M = 16
+RESIDENT_DX_MAX_ROWS = 1024
+
+
+def spmm_t_resident_unsupported(sw: SparseWeight) -> str | None:
+    """Why ``jaxsparse_spmm_t_resident`` cannot take ``sw`` (None when it can): the SpMM's list, ``M = 16``,
+    ``R <= 1024`` (dy's rows of one token tile live in shared memory), ``G = K/M`` divisible by 16, and a Hopper GPU."""
+    problem = spmm_unsupported(sw)
+    if problem:
+        return problem
+    k, r = sw.shape
+    if sw.spec.m != RESIDENT_DX_M:
+        return f"the resident dX kernel is built for M = {RESIDENT_DX_M}, got {sw.spec}"
+    if r > RESIDENT_DX_MAX_ROWS:
+        return f"the resident dX kernel needs R <= {RESIDENT_DX_MAX_ROWS} (dy's rows live in shared memory), got R = {r}"
+    if (k // sw.spec.m) % RESIDENT_DX_GROUPS:
+        return f"the resident dX kernel needs G = K/M divisible by {RESIDENT_DX_GROUPS}, got K = {k}"
+    if not hopper_gpu():
+        return "the resident dX kernel needs a Hopper GPU (wgmma)"
+    return None
+
+
+def spmm_t_resident(dy: jax.Array, sw: SparseWeight) -> jax.Array:
+    """Input gradient ``dy @ W^T`` by ``jaxsparse_spmm_t_resident``: per 64 tokens, dy's rows loaded once into shared
+    memory; per V block and 16 groups one wgmma over the block's kept columns (``4/M`` of the dense work) with the
+    weight's fragments read from global memory into registers, summed into the output columns in a shared tile
+    in block order (any mask, the same sums every run; docs/kernel-notes.md, session 26). The fragments
+    (:func:`jaxsparse.format.resident_dx_fragments`) are built by XLA from the weight on each call.
+
+    Constraints (``ValueError`` here): ``dy`` 2-D ``[T, R]`` in the values' dtype; :func:`spmm_t_resident_unsupported`
+    is None. Any ``T``.
+    """
+    _check_dy("spmm_t_resident", dy, sw, spmm_t_resident_unsupported(sw))
+    return _call("jaxsparse_spmm_t_resident", (dy.shape[0], sw.shape[0]), dy.dtype, dy, resident_dx_fragments(sw),
+                 sw.columns, v=np.int32(sw.spec.v), m=np.int32(sw.spec.m))
+
+
