@@ -115,3 +115,57 @@ def standalone_layout_moves(hlo_text: str) -> list[str]:
             out.append(f"{name}:fusion")
     return sorted(out)
 
+
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def dy_and_weight(rng, t: int, k: int, r: int, spec: str, dtype, transposable: bool = False):
+    """Fresh ``dy [t, r]`` and a ``[k, r]`` weight compressed to ``spec`` (scaled so that dx stays of order 1): the
+    inputs of the input-gradient kernels' tests."""
+    kd, kw = jax.random.split(rng)
+    dy = jax.random.normal(kd, (t, r), jnp.float32).astype(dtype)
+    w = (jax.random.normal(kw, (k, r), jnp.float32) / np.sqrt(k / 4)).astype(dtype)
+    return dy, F.compress(w, F.select_mask(w, spec, transposable=transposable), spec)
+
+
+def check_dx(fn, dy, sw, tol: float, what: str) -> np.ndarray:
+    """``jit(fn)(dy, sw)`` into poisoned memory against the float32 ``dy @ decompress(W)^T``; the output in float32."""
+    t, k = dy.shape[0], sw.shape[0]
+    poison((t, k), dy.dtype)
+    out = jax.jit(fn)(dy, sw)
+    assert out.shape == (t, k) and out.dtype == dy.dtype
+    compare(out, jnp.dot(dy.astype(jnp.float32), F.decompress(sw).astype(jnp.float32).T, precision=HIGHEST), tol, what)
+    return np.asarray(out.astype(jnp.float32))
+
+
+def check_grads_on_dx_route(monkeypatch, route: str, target: str, dy, sw, x_key, tol: float) -> None:
+    """``jax.grad`` of ``sparse_linear`` under ``jit`` with ``JAXSPARSE_DX=route`` (every product on its kernel): dx
+    and dvalues match the float32 references, and the compiled step calls ``target`` once, with dy reaching it as XLA
+    holds it (its producer neither a transpose nor a copy, nor fusing one)."""
+    from jaxsparse import ops
+
+    monkeypatch.setenv("JAXSPARSE_BACKEND", "cuda")
+    monkeypatch.setenv("JAXSPARSE_DX", route)
+    monkeypatch.delenv("JAXSPARSE_REFERENCE_OPS", raising=False)
+    (t, r), k, dtype = dy.shape, sw.shape[0], dy.dtype
+    x = jax.random.normal(x_key, (t, k), jnp.float32).astype(dtype)
+    bias = jnp.zeros((r,), dtype)
+    target_dy = dy.astype(jnp.float32)
+
+    def loss(x, values, bias):
+        return jnp.sum(ops.sparse_linear(x, sw.replace(values=values), bias).astype(jnp.float32) * target_dy)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    poison(x.shape, dtype)
+    gx, gv, _ = grad(x, sw.values, bias)
+    dense = F.decompress(sw).astype(jnp.float32)
+    compare(gx, jnp.dot(target_dy, dense.T, precision=HIGHEST), tol, "dx")
+    compare(gv, F.compress_like(jnp.dot(x.astype(jnp.float32).T, target_dy, precision=HIGHEST), sw), tol, "dvalues")
+    text = grad.lower(x, sw.values, bias).compile().as_text()
+    found = [line for line in text.splitlines() if f'custom_call_target="{target}"' in line]
+    assert len(found) == 1, found
+    dy_name = re.search(r"custom-call\(([^,)]*)", found[0]).group(1).split()[-1].lstrip("%")
+    producer = parse_hlo(text)[dy_name]
+    assert producer.opcode not in ("transpose", "copy") and not {"transpose", "copy"} & set(producer.fused_opcodes), (
+        dy_name, producer)

@@ -8,24 +8,18 @@ CTAs, G = 40 groups against 16-group CTAs (a partial output tile), and both V.
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpu_common import DTYPES, TOL, compare, cuda_ready, gpu_marks, key, poison
-from jaxsparse import format as F
-from jaxsparse.profile import parse_hlo
+from gpu_common import DTYPES, TOL, check_dx, check_grads_on_dx_route, cuda_ready, dy_and_weight, gpu_marks, key
 
 pytestmark = gpu_marks("jaxsparse_spmm_t_condensed")
 
 if cuda_ready("jaxsparse_spmm_t_condensed"):
-    from jaxsparse import ops
     from jaxsparse.ffi import calls
 
-HIGHEST = jax.lax.Precision.HIGHEST
 SPECS16 = ["64:2:16", "128:2:16"]
 
 
@@ -36,20 +30,11 @@ def _needs_hopper():
 
 
 def _make(rng, t: int, k: int, r: int, spec: str, dtype):
-    kd, kw = jax.random.split(rng)
-    dy = jax.random.normal(kd, (t, r), jnp.float32).astype(dtype)
-    w = (jax.random.normal(kw, (k, r), jnp.float32) / np.sqrt(k / 4)).astype(dtype)
-    return dy, F.compress(w, F.select_mask(w, spec), spec)
+    return dy_and_weight(rng, t, k, r, spec, dtype)
 
 
 def _check(dy, sw, tol):
-    t, k = dy.shape[0], sw.shape[0]
-    poison((t, k), dy.dtype)
-    out = jax.jit(calls.spmm_t_condensed)(dy, sw)
-    assert out.shape == (t, k) and out.dtype == dy.dtype
-    compare(out, jnp.dot(dy.astype(jnp.float32), F.decompress(sw).astype(jnp.float32).T, precision=HIGHEST), tol,
-            "spmm_t_condensed")
-    return np.asarray(out.astype(jnp.float32))
+    return check_dx(calls.spmm_t_condensed, dy, sw, tol, "spmm_t_condensed")
 
 
 @pytest.mark.parametrize("spec", SPECS16)
@@ -88,35 +73,8 @@ def test_spmm_t_condensed_rejects(spec, dtype, what):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("t", [17, 1000])
 def test_sparse_linear_grad_on_the_condensed_route(monkeypatch, spec, dtype, t):
-    """``jax.grad`` of ``sparse_linear`` under ``jit`` with ``JAXSPARSE_DX=condensed`` (every product on its kernel):
-    dx, dvalues and dbias match the float32 references, and the compiled step calls the condensed kernel with no
-    transpose or copy around it."""
-    monkeypatch.setenv("JAXSPARSE_BACKEND", "cuda")
-    monkeypatch.setenv("JAXSPARSE_DX", "condensed")
-    monkeypatch.delenv("JAXSPARSE_REFERENCE_OPS", raising=False)
-    k, r = 640, 384
-    kx, kb, kt = jax.random.split(key("dxc-grad", spec, str(dtype), t), 3)
-    dy, sw = _make(kx, t, k, r, spec, dtype)
-    x = jax.random.normal(kb, (t, k), jnp.float32).astype(dtype)
-    bias = jnp.zeros((r,), dtype)
-    target = dy.astype(jnp.float32)
-
-    def loss(x, values, bias):
-        return jnp.sum(ops.sparse_linear(x, sw.replace(values=values), bias).astype(jnp.float32) * target)
-
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    poison(x.shape, dtype)
-    gx, gv, _ = grad(x, sw.values, bias)
-    dense = F.decompress(sw).astype(jnp.float32)
-    ref_x = jnp.dot(target, dense.T, precision=HIGHEST)
-    ref_v = F.compress_like(jnp.dot(x.astype(jnp.float32).T, target, precision=HIGHEST), sw)
-    compare(gx, ref_x, TOL[dtype], "dx")
-    compare(gv, ref_v, TOL[dtype], "dvalues")
-    text = grad.lower(x, sw.values, bias).compile().as_text()
-    calls_ = [line for line in text.splitlines() if 'custom_call_target="jaxsparse_spmm_t_condensed"' in line]
-    assert len(calls_) == 1, calls_
-    # dy reaches the kernel as XLA holds it: its producer is neither a transpose nor a copy, nor fuses one.
-    dy_name = re.search(r"custom-call\(([^,)]*)", calls_[0]).group(1).split()[-1].lstrip("%")
-    producer = parse_hlo(text)[dy_name]
-    assert producer.opcode not in ("transpose", "copy") and not {"transpose", "copy"} & set(producer.fused_opcodes), (
-        dy_name, producer)
+    """``jax.grad`` of ``sparse_linear`` under ``jit`` with ``JAXSPARSE_DX=condensed``: gradients right, the condensed
+    kernel called once with no transpose or copy in front of dy (``gpu_common.check_grads_on_dx_route``)."""
+    kx, kb = jax.random.split(key("dxc-grad", spec, str(dtype), t))
+    dy, sw = _make(kx, t, 640, 384, spec, dtype)
+    check_grads_on_dx_route(monkeypatch, "condensed", "jaxsparse_spmm_t_condensed", dy, sw, kb, TOL[dtype])
