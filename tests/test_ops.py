@@ -313,6 +313,23 @@ def test_dx_route_setting(monkeypatch):
     assert ops.dx_route() == "condensed"
     monkeypatch.setenv(ops.DX_ROUTE_ENV, "blocks")
     assert ops.dx_route() == "blocks"
+    monkeypatch.setenv(ops.DX_ROUTE_ENV, "resident")
+    assert ops.dx_route() == "resident"
+
+
+@pytest.mark.parametrize("transposable", [True, False])
+def test_resident_dx_route_off_its_kernel_is_the_transposed_route(monkeypatch, transposable):
+    """``JAXSPARSE_DX=resident`` where its kernel does not apply (here: no Hopper GPU) is the transposed route: with a
+    transposable mask the layer's gradient equals the masked dense one; with a plain mask dx is NaN, never wrong."""
+    monkeypatch.setenv(ops.DX_ROUTE_ENV, "resident")
+    x, sw, bias, dense = make(15, "128:2:16", k=512, r=256, transposable=transposable)
+    target = jax.random.normal(jax.random.PRNGKey(16), (*x.shape[:-1], sw.shape[1]))
+    gx = jax.jit(jax.grad(lambda x: jnp.sum(ops.sparse_linear(x, sw, bias).astype(jnp.float32) * target)))(x)
+    dx = jax.grad(lambda x: jnp.sum((x @ dense + bias) * target))(x.astype(jnp.float32))
+    if transposable:
+        np.testing.assert_allclose(np.asarray(gx, np.float32), np.asarray(dx), rtol=1e-5, atol=1e-5)
+    else:
+        assert np.isnan(np.asarray(gx)).any()
 
 
 @pytest.mark.parametrize("spec", ["128:2:16", "64:2:8"])
