@@ -221,7 +221,8 @@ def main() -> None:
         ("fwd+bwd condensed dX", "fwd+bwd",
          jax.jit(with_env(lambda x, dy, sw, b: sparse_vjp(x, dy, sw.values, b, sw), JAXSPARSE_DX="condensed")), same),
         # M = 16, R <= 1024 on Hopper: dy's rows resident in shared memory, per V block the product over its kept
-        # columns, summed by shared-memory atomics (any mask); the layer with it (elsewhere the transposed route).
+        # columns, summed in a shared tile in block order (any mask); the layer with it (elsewhere the transposed
+        # route).
         ("dX resident", "dX", jax.jit(lambda x, dy, sw, b: calls.spmm_t_resident(dy, sw)), same),
         ("fwd+bwd resident dX", "fwd+bwd",
          jax.jit(with_env(lambda x, dy, sw, b: sparse_vjp(x, dy, sw.values, b, sw), JAXSPARSE_DX="resident")), same),
@@ -238,7 +239,8 @@ def main() -> None:
          jax.jit(with_env(lambda x, dy, sw, b: sparse_vjp(x, dy, sw.values, b, sw), JAXSPARSE_SPMM_X="col")), same),
     ]
     if not calls.hopper_gpu():
-        hopper_only = ("col-major", "x^T", "x rows", "2:4 view", "condensed", "resident")  # the x^T engines, the TMA kernels
+        # the x^T engines, the TMA kernels, the wgmma dX kernels
+        hopper_only = ("col-major", "x^T", "x rows", "2:4 view", "condensed", "resident")
         variants = [v for v in variants if not any(h in v[0] for h in hopper_only)]
     wanted = lambda label: not args.only or any(o in label for o in args.only.split(",") if o)
     variants = [v for v in variants if wanted(v[0])]

@@ -623,7 +623,7 @@ def spmm_t_resident_unsupported(sw: SparseWeight) -> str | None:
     if sw.spec.m != RESIDENT_DX_M:
         return f"the resident dX kernel is built for M = {RESIDENT_DX_M}, got {sw.spec}"
     if r > RESIDENT_DX_MAX_ROWS:
-        return f"the resident dX kernel needs R <= {RESIDENT_DX_MAX_ROWS} (dy's rows live in shared memory), got R = {r}"
+        return f"the resident dX kernel needs R <= {RESIDENT_DX_MAX_ROWS} (dy's rows in shared memory), got R = {r}"
     if (k // sw.spec.m) % RESIDENT_DX_GROUPS:
         return f"the resident dX kernel needs G = K/M divisible by {RESIDENT_DX_GROUPS}, got K = {k}"
     if not hopper_gpu():
@@ -644,5 +644,3 @@ def spmm_t_resident(dy: jax.Array, sw: SparseWeight) -> jax.Array:
     _check_dy("spmm_t_resident", dy, sw, spmm_t_resident_unsupported(sw))
     return _call("jaxsparse_spmm_t_resident", (dy.shape[0], sw.shape[0]), dy.dtype, dy, resident_dx_fragments(sw),
                  sw.columns, v=np.int32(sw.spec.v), m=np.int32(sw.spec.m))
-
-
