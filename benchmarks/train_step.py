@@ -79,8 +79,8 @@ def run_config(cfg: dict, turn: dict | None = None) -> dict:
                           attention=cfg.get("attention", "softmax"), transposable=bool(cfg.get("transposable")) and sparse,
                           fuse_feed_forward=cfg.get("fuse_feed_forward", True),
                           exclusive_columns=bool(cfg.get("exclusive_columns")) and sparse)
-    # An in-process run's other configurations keep their own dX route (unless JAXSPARSE_DX is set).
-    with ops.dx_route_scope(step_cfg.dx_route(), keep_set=True):  # JAXSPARSE_DX, when set, wins
+    # An in-process run's other configurations keep their own dX route; a JAXSPARSE_DX set by the user wins.
+    with ops.dx_route_scope(step_cfg.dx_route(), keep_set=True):
         return _time_step(step_cfg, cfg, turn)
 
 

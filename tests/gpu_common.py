@@ -116,7 +116,6 @@ def standalone_layout_moves(hlo_text: str) -> list[str]:
     return sorted(out)
 
 
-
 HIGHEST = jax.lax.Precision.HIGHEST
 
 

@@ -29,10 +29,6 @@ def _needs_hopper():
         pytest.skip("the condensed dX kernel runs on Hopper (wgmma) only")
 
 
-def _make(rng, t: int, k: int, r: int, spec: str, dtype):
-    return dy_and_weight(rng, t, k, r, spec, dtype)
-
-
 def _check(dy, sw, tol):
     return check_dx(calls.spmm_t_condensed, dy, sw, tol, "spmm_t_condensed")
 
@@ -42,20 +38,20 @@ def _check(dy, sw, tol):
 @pytest.mark.parametrize("t", [1, 17, 200, 1000])
 def test_spmm_t_condensed_edge_tiles(spec, dtype, t):
     k, r = 40 * 16, (384 if spec.startswith("128") else 192)  # G = 40: 2.5 output tiles; 3 V blocks
-    dy, sw = _make(key("dxc", spec, str(dtype), t), t, k, r, spec, dtype)
+    dy, sw = dy_and_weight(key("dxc", spec, str(dtype), t), t, k, r, spec, dtype)
     _check(dy, sw, TOL[dtype])
 
 
 @pytest.mark.parametrize("spec", SPECS16)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_spmm_t_condensed_large(spec, dtype):
-    dy, sw = _make(key("dxc-large", spec, str(dtype)), 1000, 1024, 2176, spec, dtype)  # 17 blocks of 128
+    dy, sw = dy_and_weight(key("dxc-large", spec, str(dtype)), 1000, 1024, 2176, spec, dtype)  # 17 blocks of 128
     _check(dy, sw, TOL[dtype])
 
 
 def test_spmm_t_condensed_repeatable():
     """Same inputs twice give bit-identical outputs (no race between the pipeline's stages)."""
-    dy, sw = _make(key("dxc-rep"), 517, 1024, 1024, "128:2:16", jnp.bfloat16)
+    dy, sw = dy_and_weight(key("dxc-rep"), 517, 1024, 1024, "128:2:16", jnp.bfloat16)
     a = _check(dy, sw, TOL[jnp.bfloat16])
     b = _check(dy, sw, TOL[jnp.bfloat16])
     np.testing.assert_array_equal(a, b)
@@ -64,7 +60,7 @@ def test_spmm_t_condensed_repeatable():
 @pytest.mark.parametrize("spec,dtype,what", [("64:2:8", jnp.bfloat16, "M = 16"), ("128:2:32", jnp.bfloat16, "M = 16"),
                                              ("128:2:16", jnp.float32, "bfloat16 or float16")])
 def test_spmm_t_condensed_rejects(spec, dtype, what):
-    dy, sw = _make(key("dxc-rej", spec), 16, 512, 256, spec, dtype)
+    dy, sw = dy_and_weight(key("dxc-rej", spec), 16, 512, 256, spec, dtype)
     with pytest.raises(ValueError, match=what):
         calls.spmm_t_condensed(dy, sw)
 
@@ -76,5 +72,5 @@ def test_sparse_linear_grad_on_the_condensed_route(monkeypatch, spec, dtype, t):
     """``jax.grad`` of ``sparse_linear`` under ``jit`` with ``JAXSPARSE_DX=condensed``: gradients right, the condensed
     kernel called once with no transpose or copy in front of dy (``gpu_common.check_grads_on_dx_route``)."""
     kx, kb = jax.random.split(key("dxc-grad", spec, str(dtype), t))
-    dy, sw = _make(kx, t, 640, 384, spec, dtype)
+    dy, sw = dy_and_weight(kx, t, 640, 384, spec, dtype)
     check_grads_on_dx_route(monkeypatch, "condensed", "jaxsparse_spmm_t_condensed", dy, sw, kb, TOL[dtype])
