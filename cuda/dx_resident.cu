@@ -24,7 +24,7 @@ namespace jaxsparse {
 namespace {
 
 struct DxResidentParams {
-  const uint4* frags;    // [G/16][R/V][4 warps][32 lanes][V/16] 16-byte A fragments (format.resident_dx_fragments)
+  const uint4* frags;    // [G/16][R/V][4 warps][V/16][32 lanes] 16-byte A fragments (format.resident_dx_fragments)
   const uint8_t* cols;   // [R/V, G, 4]
   void* dx;              // [T, K]
   int tokens, k, rows, groups;
@@ -37,12 +37,14 @@ constexpr int kDrW = kDrGC * kDrM;            // output columns per chunk
 constexpr int kDrThreads = 256;               // two warpgroups
 constexpr int kDrMaxRows = 1024;              // dY's columns held per CTA
 constexpr int kDrDyBox = kDrBT * 128;         // [64 t][64 r] of 16-bit values, 128-byte swizzled
-constexpr int kDrStride = kDrW + 8;           // floats per row of the float32 tile
+constexpr int kDrStride = kDrW + 4;           // floats per row of the float32 tile
 constexpr int kDrTileBytes = kDrBT * kDrStride * 4;
 static_assert(kDrW == 256 && kDrThreads == 256, "the store pass gives each lane 8 of a row's 256 columns");
 
 __host__ __device__ constexpr int DrTileOff(int rows) { return (rows / 64) * kDrDyBox; }
-__host__ __device__ constexpr int DrBarOff(int rows) { return DrTileOff(rows) + kDrTileBytes; }
+// The current chunk's columns bytes, [R/V][16 groups][4], at most 16 blocks (R <= 1024, V >= 64): 1 KB.
+__host__ __device__ constexpr int DrColsOff(int rows) { return DrTileOff(rows) + kDrTileBytes; }
+__host__ __device__ constexpr int DrBarOff(int rows) { return DrColsOff(rows) + 1024; }
 constexpr int DrSmemBytes(int rows) { return DrBarOff(rows) + 8 + 1024; }
 
 template <typename T, int V>
@@ -55,6 +57,7 @@ __global__ void __launch_bounds__(kDrThreads, 1)
   const uint32_t smem_base = aligned.addr;
   float* tile = reinterpret_cast<float*>(aligned.ptr + DrTileOff(p.rows));
   const uint32_t bar = smem_base + DrBarOff(p.rows);
+  uint32_t* cols_s = reinterpret_cast<uint32_t*>(aligned.ptr + DrColsOff(p.rows));
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int wg = warp >> 2, wq = warp & 3;
@@ -63,6 +66,13 @@ __global__ void __launch_bounds__(kDrThreads, 1)
   const int blocks = p.rows / V, chunks = p.groups / kDrGC;
   const int boxes = p.rows / 64;
 
+  // A chunk's columns words (4 bytes: one group's 4 kept columns) for every block: word b * 16 + g, one per thread.
+  const int col_words = (p.rows / V) * kDrGC;
+  auto cols_word = [&](int j) -> uint32_t {
+    return reinterpret_cast<const uint32_t*>(p.cols)[(tid / kDrGC) * p.groups + j * kDrGC + tid % kDrGC];
+  };
+  if (tid < col_words) cols_s[tid] = cols_word(0);
+  uint32_t next_cols = tid < col_words && p.groups > kDrGC ? cols_word(1) : 0u;  // the next chunk's, in flight
   if (tid == 0) MbarInit(bar, 1);
   for (int i = tid; i < kDrBT * kDrStride / 4; i += kDrThreads) reinterpret_cast<float4*>(tile)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   __syncthreads();
@@ -76,7 +86,7 @@ __global__ void __launch_bounds__(kDrThreads, 1)
   const int items = mine * chunks;
   auto frag_ptr = [&](int n) {
     const int j = n / mine, b = wg + 2 * (n % mine);
-    return p.frags + ((static_cast<int64_t>(j) * blocks + b) * 4 + wq) * 32 * KS + lane * KS;
+    return p.frags + ((static_cast<int64_t>(j) * blocks + b) * 4 + wq) * 32 * KS + lane;
   };
   // This warpgroup's A fragments of its current and next item; they stay live (fenced) until the wgmma reading
   // them has completed, since an RS wgmma reads its registers asynchronously.
@@ -85,7 +95,7 @@ __global__ void __launch_bounds__(kDrThreads, 1)
     const uint4* f = frag_ptr(n);
 #pragma unroll
     for (int s = 0; s < KS; ++s) {
-      const uint4 v = __ldg(f + s);
+      const uint4 v = __ldg(f + 32 * s);  // a warp's 32 lanes read 512 contiguous bytes
       dst[s][0] = v.x, dst[s][1] = v.y, dst[s][2] = v.z, dst[s][3] = v.w;
     }
   };
@@ -115,7 +125,7 @@ __global__ void __launch_bounds__(kDrThreads, 1)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int c = 16 * wq + gid + 8 * h;
-        col[h] = (c / 4) * kDrM + p.cols[(static_cast<int64_t>(b) * p.groups + g0 + c / 4) * 4 + c % 4];
+        col[h] = (c / 4) * kDrM + reinterpret_cast<const uint8_t*>(cols_s)[(b * kDrGC + c / 4) * 4 + c % 4];
       }
       WgmmaWait<0>();
       WgmmaFenceOperands(acc);
@@ -126,8 +136,13 @@ __global__ void __launch_bounds__(kDrThreads, 1)
       // warpgroup 0 is in, warpgroup 1 may add b + 1; barrier 2 the other way): plain read-modify-writes, no atomics,
       // the same order on every run.  Within a block the kept columns are distinct, so no two lanes share an address.
       if (b > 0) NamedBarSync(wg == 0 ? 2 : 1, kDrThreads);
+      // All 32 loads first, then the stores: a thread's 32 addresses are distinct (16 tokens x 2 columns), so the
+      // loads need not wait for each other's stores (the compiler cannot prove that across run-time columns).
+      float old[32];
 #pragma unroll
-      for (int q = 0; q < 32; ++q) tile[(8 * (q / 4) + 2 * tig + q % 2) * kDrStride + col[(q / 2) % 2]] += acc[q];
+      for (int q = 0; q < 32; ++q) old[q] = tile[(8 * (q / 4) + 2 * tig + q % 2) * kDrStride + col[(q / 2) % 2]];
+#pragma unroll
+      for (int q = 0; q < 32; ++q) tile[(8 * (q / 4) + 2 * tig + q % 2) * kDrStride + col[(q / 2) % 2]] = old[q] + acc[q];
       if (b + 1 < blocks) NamedBarArrive(wg == 0 ? 1 : 2, kDrThreads);
 #pragma unroll
       for (int s = 0; s < KS; ++s)
@@ -151,6 +166,10 @@ __global__ void __launch_bounds__(kDrThreads, 1)
         out.w = PackPair<T>(hi.z, hi.w);
         *reinterpret_cast<uint4*>(dx + static_cast<int64_t>(tok0 + row) * p.k + g0 * kDrM + 8 * lane) = out;
       }
+    }
+    if (j + 1 < chunks && tid < col_words) {  // no thread reads the columns between the two barriers
+      cols_s[tid] = next_cols;
+      if (j + 2 < chunks) next_cols = cols_word(j + 2);
     }
     __syncthreads();
   }

@@ -738,7 +738,8 @@ def resident_dx_fragments(sw: SparseWeight) -> jax.Array:
     holds its rows ``16w .. 16w + 15`` and lane ``4 gid + tig`` per k16 step ``s`` the words ``(h, q) = (0, 0), (1, 0),
     (0, 1), (1, 1)``, each the pair of elements ``(c, r) = (16w + gid + 8h, 16s + 8q + 2 tig + e)``, ``e = 0, 1`` (the
     mma.m16n8k16 A layout). Returned flat, ``[R * 4G]`` in the values' dtype, ordered
-    ``[j, b, w, gid, tig, s, q, h, e]``. Needs ``M > 4`` and ``G % 16 == 0``."""
+    ``[j, b, w, s, gid, tig, q, h, e]``: per warp and k16 step its 32 lanes' words are 512 contiguous bytes, so one
+    warp load is 4 cache lines. Needs ``M > 4`` and ``G % 16 == 0``."""
     k, r = sw.shape
     spec = sw.spec
     if sw.columns is None or spec.n != 2:
@@ -749,7 +750,7 @@ def resident_dx_fragments(sw: SparseWeight) -> jax.Array:
     wc = _kept_column_values(sw)  # [R, 4G]; r = b V + 16 s + 8 q + 2 tig + e, c = 64 j + 16 w + 8 h + gid
     blocks, steps, chunks = r // spec.v, spec.v // 16, g // RESIDENT_DX_GROUPS
     a = wc.reshape(blocks, steps, 2, 4, 2, chunks, 4, 2, 8)  # [b, s, q, tig, e, j, w, h, gid]
-    return a.transpose(5, 0, 6, 8, 3, 1, 2, 7, 4).reshape(-1)  # [j, b, w, gid, tig, s, q, h, e]
+    return a.transpose(5, 0, 6, 1, 8, 3, 2, 7, 4).reshape(-1)  # [j, b, w, s, gid, tig, q, h, e]
 
 
 def exact_column_fraction(w: np.ndarray, spec: Union[str, VNM]) -> float:

@@ -438,8 +438,8 @@ def test_resident_dx_fragments_reproduce_the_input_gradient(spec, k, r, dtype):
     blocks, g, steps = r // s.v, k // s.m, s.v // 16
     chunks = g // F.RESIDENT_DX_GROUPS
     assert frags.shape == (r * 4 * g,) and frags.dtype == sw.values.dtype
-    f = np.asarray(frags, np.float32).reshape(chunks, blocks, 4, 32, steps, 4, 2)  # [j, b, w, lane, s, word, e]
-    j, b, wq, lane, st, word, e = np.meshgrid(*[np.arange(n) for n in f.shape], indexing="ij")
+    f = np.asarray(frags, np.float32).reshape(chunks, blocks, 4, steps, 32, 4, 2)  # [j, b, w, s, lane, word, e]
+    j, b, wq, st, lane, word, e = np.meshgrid(*[np.arange(n) for n in f.shape], indexing="ij")
     gid, tig, h, q = lane // 4, lane % 4, word % 2, word // 2
     rows = b * s.v + 16 * st + 8 * q + 2 * tig + e
     cols = 64 * j + 16 * wq + 8 * h + gid
