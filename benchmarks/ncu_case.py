@@ -8,7 +8,8 @@ SPEC K N TILE: SPEC ``dense`` runs XLA's ``x @ w`` (TILE ignored but ``dw``); a 
 kernel on ``x [T, K]`` as it is (through the 2:4 view where M > 4); TILE ``dw`` runs the weight gradient instead: XLA's
 ``x^T @ dy`` for ``dense``, else the SDDMM on the route ``sparse_linear`` takes (session 21:
 ``ncu ... --kernel-name regex:"Sddmm|nvjet|gemm" ... python3 benchmarks/ncu_case.py 2:4 1024 4096 dw``); any other
-TILE runs the x^T kernel with ``x^T`` given.
+TILE runs the x^T kernel with ``x^T`` given; TILE ``dx_resident`` runs the resident input gradient ``dy @ W^T``
+(session 27: ``ncu ... --kernel-name regex:DxResident ... python3 benchmarks/ncu_case.py 128:2:16 4096 1024 dx_resident``).
 """
 import sys
 
@@ -23,8 +24,11 @@ spec, k, n, tile = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 t = 16384
 x = jax.random.normal(jax.random.PRNGKey(0), (t, k), jnp.float32).astype(jnp.bfloat16)
 w = (jax.random.normal(jax.random.PRNGKey(1), (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
-dy = jax.random.normal(jax.random.PRNGKey(2), (t, n), jnp.float32).astype(jnp.bfloat16) if tile == "dw" else None
-if tile == "dw" and spec == "dense":
+dy = jax.random.normal(jax.random.PRNGKey(2), (t, n), jnp.float32).astype(jnp.bfloat16)
+if tile == "dx_resident":
+    sw = F.compress(w, F.select_mask(w, spec), spec)
+    f, args = jax.jit(lambda dy, sw: calls.spmm_t_resident(dy, sw)), (dy, sw)
+elif tile == "dw" and spec == "dense":
     f, args = jax.jit(lambda x, dy: x.T @ dy), (x, dy)
 elif tile == "dw":
     sw = F.compress(w, F.select_mask(w, spec), spec)

@@ -88,9 +88,6 @@ __global__ void __launch_bounds__(kDrThreads, 1)
     const int j = n / mine, b = wg + 2 * (n % mine);
     return p.frags + ((static_cast<int64_t>(j) * blocks + b) * 4 + wq) * 32 * KS + lane;
   };
-  // This warpgroup's A fragments of its current and next item; they stay live (fenced) until the wgmma reading
-  // them has completed, since an RS wgmma reads its registers asynchronously.
-  uint32_t cur[KS][4], nxt[KS][4];
   auto load = [&](int n, uint32_t (&dst)[KS][4]) {
     const uint4* f = frag_ptr(n);
 #pragma unroll
@@ -99,58 +96,29 @@ __global__ void __launch_bounds__(kDrThreads, 1)
       dst[s][0] = v.x, dst[s][1] = v.y, dst[s][2] = v.z, dst[s][3] = v.w;
     }
   };
-  if (items > 0) load(0, cur);
-  MbarWait(bar, 0);
-
-  float acc[32];
-  int n = 0;
-  for (int j = 0; j < chunks; ++j) {
-    const int g0 = j * kDrGC;
-    for (int i = 0; i < mine; ++i, ++n) {
-      const int b = wg + 2 * i;
-      if (n + 1 < items) load(n + 1, nxt);
+  // Two accumulators and two fragment buffers, taken alternately: item n + 1's product runs while item n's sums go
+  // into the tile.  A buffer's fragments stay live (fenced) until the wgmma reading them has completed, since an RS
+  // wgmma reads its registers asynchronously; only then is the buffer refilled, with item n + 2's.
+  float acc_a[32], acc_b[32];
+  uint32_t frag_a[KS][4], frag_b[KS][4];
+  auto issue = [&](int n, float (&acc)[32], const uint32_t (&frag)[KS][4]) {
+    const int b = wg + 2 * (n % mine);
 #pragma unroll
-      for (int q = 0; q < 32; ++q) acc[q] = 0.f;
-      WgmmaFenceOperands(acc);
-      WgmmaFence();
+    for (int q = 0; q < 32; ++q) acc[q] = 0.f;
+    WgmmaFenceOperands(acc);
+    WgmmaFence();
 #pragma unroll
-      for (int s = 0; s < KS; ++s) {
-        const int r16 = b * KS + s;  // the k16 step's first row of R, in units of 16
-        const uint64_t db = WgmmaDescSw128(smem_base + (r16 / 4) * kDrDyBox + (r16 % 4) * 32, 16, 1024);
-        WgmmaRs<64, T, 0>::Run(acc, cur[s], db);
-      }
-      WgmmaCommit();
-      // Accumulator register q: condensed column 16 wq + gid + 8 ((q / 2) % 2), token 8 (q / 4) + 2 tig + q % 2.
-      int col[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int c = 16 * wq + gid + 8 * h;
-        col[h] = (c / 4) * kDrM + reinterpret_cast<const uint8_t*>(cols_s)[(b * kDrGC + c / 4) * 4 + c % 4];
-      }
-      WgmmaWait<0>();
-      WgmmaFenceOperands(acc);
-#pragma unroll
-      for (int s = 0; s < KS; ++s) WgmmaFenceOperands(cur[s]);
-
-      // The blocks' sums go into the tile in block order, one warpgroup at a time (named barrier 1: block b of
-      // warpgroup 0 is in, warpgroup 1 may add b + 1; barrier 2 the other way): plain read-modify-writes, no atomics,
-      // the same order on every run.  Within a block the kept columns are distinct, so no two lanes share an address.
-      if (b > 0) NamedBarSync(wg == 0 ? 2 : 1, kDrThreads);
-      // All 32 loads first, then the stores: a thread's 32 addresses are distinct (16 tokens x 2 columns), so the
-      // loads need not wait for each other's stores (the compiler cannot prove that across run-time columns).
-      float old[32];
-#pragma unroll
-      for (int q = 0; q < 32; ++q) old[q] = tile[(8 * (q / 4) + 2 * tig + q % 2) * kDrStride + col[(q / 2) % 2]];
-#pragma unroll
-      for (int q = 0; q < 32; ++q) tile[(8 * (q / 4) + 2 * tig + q % 2) * kDrStride + col[(q / 2) % 2]] = old[q] + acc[q];
-      if (b + 1 < blocks) NamedBarArrive(wg == 0 ? 1 : 2, kDrThreads);
-#pragma unroll
-      for (int s = 0; s < KS; ++s)
-#pragma unroll
-        for (int w = 0; w < 4; ++w) cur[s][w] = nxt[s][w];
+    for (int s = 0; s < KS; ++s) {
+      const int r16 = b * KS + s;  // the k16 step's first row of R, in units of 16
+      const uint64_t db = WgmmaDescSw128(smem_base + (r16 / 4) * kDrDyBox + (r16 % 4) * 32, 16, 1024);
+      WgmmaRs<64, T, 0>::Run(acc, frag[s], db);
     }
+    WgmmaCommit();
+  };
+  // Store pass of chunk j: warp w writes rows w, w + 8, ...; lane l columns 8 l .. 8 l + 7 (one 512-byte row per
+  // warp step); then the next chunk's columns words go in (no thread reads them between the two barriers).
+  auto store_chunk = [&](int j) {
     __syncthreads();
-    // Store pass: warp w writes rows w, w + 8, ...; lane l columns 8 l .. 8 l + 7 (one 512-byte row per warp step).
     T* __restrict__ dx = static_cast<T*>(p.dx);
 #pragma unroll
     for (int row = warp; row < kDrBT; row += kDrThreads / 32) {
@@ -164,14 +132,64 @@ __global__ void __launch_bounds__(kDrThreads, 1)
         out.y = PackPair<T>(lo.z, lo.w);
         out.z = PackPair<T>(hi.x, hi.y);
         out.w = PackPair<T>(hi.z, hi.w);
-        *reinterpret_cast<uint4*>(dx + static_cast<int64_t>(tok0 + row) * p.k + g0 * kDrM + 8 * lane) = out;
+        *reinterpret_cast<uint4*>(dx + static_cast<int64_t>(tok0 + row) * p.k + j * kDrW + 8 * lane) = out;
       }
     }
-    if (j + 1 < chunks && tid < col_words) {  // no thread reads the columns between the two barriers
+    if (j + 1 < chunks && tid < col_words) {
       cols_s[tid] = next_cols;
       if (j + 2 < chunks) next_cols = cols_word(j + 2);
     }
     __syncthreads();
+  };
+  // Item n: product n + 1 issued (its fragments are in), then product n waited for, its buffer refilled with item
+  // n + 2's fragments, and its sums added; the chunk's last item ends with the store pass.
+  auto step = [&](int n, float (&acc)[32], uint32_t (&frag)[KS][4], float (&acc_next)[32],
+                  uint32_t (&frag_next)[KS][4]) {
+    const bool next = n + 1 < items;
+    if (next) issue(n + 1, acc_next, frag_next);
+    const int b = wg + 2 * (n % mine);
+    // Accumulator register q: condensed column 16 wq + gid + 8 ((q / 2) % 2), token 8 (q / 4) + 2 tig + q % 2.
+    int col[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int c = 16 * wq + gid + 8 * h;
+      col[h] = (c / 4) * kDrM + reinterpret_cast<const uint8_t*>(cols_s)[(b * kDrGC + c / 4) * 4 + c % 4];
+    }
+    if (next)
+      WgmmaWait<1>();
+    else
+      WgmmaWait<0>();
+    WgmmaFenceOperands(acc);
+#pragma unroll
+    for (int s = 0; s < KS; ++s) WgmmaFenceOperands(frag[s]);
+    if (n + 2 < items) load(n + 2, frag);
+
+    // The blocks' sums go into the tile in block order, one warpgroup at a time (named barrier 1: block b of
+    // warpgroup 0 is in, warpgroup 1 may add b + 1; barrier 2 the other way): plain read-modify-writes, no atomics,
+    // the same order on every run.  Within a block the kept columns are distinct, so no two lanes share an address.
+    if (b > 0) NamedBarSync(wg == 0 ? 2 : 1, kDrThreads);
+    // All 32 loads first, then the stores: a thread's 32 addresses are distinct (16 tokens x 2 columns), so the
+    // loads need not wait for each other's stores (the compiler cannot prove that across run-time columns).
+    float old[32];
+#pragma unroll
+    for (int q = 0; q < 32; ++q) old[q] = tile[(8 * (q / 4) + 2 * tig + q % 2) * kDrStride + col[(q / 2) % 2]];
+#pragma unroll
+    for (int q = 0; q < 32; ++q) tile[(8 * (q / 4) + 2 * tig + q % 2) * kDrStride + col[(q / 2) % 2]] = old[q] + acc[q];
+    if (b + 1 < blocks) NamedBarArrive(wg == 0 ? 1 : 2, kDrThreads);
+    if (n % mine == mine - 1) store_chunk(n / mine);
+  };
+
+  if (items > 0) load(0, frag_a);
+  if (items > 1) load(1, frag_b);
+  MbarWait(bar, 0);
+  if (items > 0) {
+    issue(0, acc_a, frag_a);
+    for (int n = 0; n < items; n += 2) {
+      step(n, acc_a, frag_a, acc_b, frag_b);
+      if (n + 1 < items) step(n + 1, acc_b, frag_b, acc_a, frag_a);
+    }
+  } else {
+    for (int j = 0; j < chunks; ++j) store_chunk(j);  // a warpgroup with no block (R = V) still takes the barriers
   }
 #else
   __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
