@@ -13,8 +13,9 @@
 // weight tile passes through shared memory.  The two warpgroups take alternate blocks and add their accumulators
 // into a float32 [64 t][256 k] shared tile in block order, taking turns (any mask: columns kept by several blocks
 // sum, columns kept by none stay 0; the same sums on every run); at the chunk's end the tile goes out as 16-byte
-// rows of the input dtype and is cleared.  Work: 4/M of the dense product's MMAs; L2 traffic per CTA: its dY rows
-// once and Wc once.
+// rows of the input dtype and is cleared.  Each warpgroup keeps two accumulators, so its next block's product runs
+// while it adds the last one (v6; docs/kernel-notes.md, session 27).  Work: 4/M of the dense product's MMAs; L2
+// traffic per CTA: its dY rows once and Wc once.
 #include "common.cuh"
 #include "handlers.h"
 #include "mma_common.cuh"
