@@ -161,7 +161,8 @@ def hyperparameters(args: argparse.Namespace) -> dict[str, Any]:
             **({"regrow_every": args.regrow_every, "regrow_until": args.regrow_until, "regrow_decay": args.regrow_decay}
                if args.regrow_every else {}),
             **({"transposable_masks": True} if args.transposable_masks else {}),
-            **({"exclusive_columns": True} if args.exclusive_columns else {})}
+            **({"exclusive_columns": True} if args.exclusive_columns else {}),
+            **({"average_from": args.average_from} if args.average_from else {})}
 
 
 def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> argparse.Namespace:
@@ -182,7 +183,8 @@ def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> a
             "--fade", str(args.fade), "--score", args.score,
             "--regrow-every", str(args.regrow_every if sparsity != "dense" else 0),
             "--regrow-until", str(args.regrow_until), "--regrow-decay", str(args.regrow_decay if sparsity != "dense" else 0.0),
-            "--init", args.init if sparsity != "dense" else "pretrained", "--no-progress"]
+            "--init", args.init if sparsity != "dense" else "pretrained",
+            "--average-from", str(args.average_from if sparsity != "dense" else 0.0), "--no-progress"]
     if args.refit and sparsity != "dense":
         argv += ["--refit", "--refit-batches", str(args.refit_batches)]
     if args.transposable_masks and sparsity != "dense":
@@ -250,6 +252,11 @@ def summarize(runs: list[dict], tasks: Sequence[str], sparsities: Sequence[str],
             row: dict[str, Any] = {"task": task, "sparsity": sparsity, "n": len(accs), "seeds": seeds,
                                    "mean": None, "std": None, "delta": None, "target": TARGETS.get(sparsity),
                                    "verdict": None}
+            gains = [100 * (r["test_accuracy"] - r["last_test_accuracy"]) for r in runs
+                     if r["task"] == task and r["sparsity"] == sparsity and "last_test_accuracy" in r]
+            if len(gains) > 1:  # --average-from: averaged minus last step, paired on the same runs
+                row["averaging_gain"] = statistics.fmean(gains)
+                row["averaging_gain_se"] = statistics.stdev(gains) / math.sqrt(len(gains))
             if accs:
                 row["mean"] = statistics.fmean(accs)
                 row["std"] = statistics.stdev(accs) if len(accs) > 1 else None
@@ -282,6 +289,17 @@ def table(payload: dict) -> str:
         delta = "—" if r["sparsity"] == "dense" else _fmt(r["delta"], signed=True)
         lines.append(f"| {r['task']} | {r['sparsity']} | {seeds} | {acc} | {delta} | {target} | {verdict} |")
     return "\n".join(lines)
+
+
+def averaging_note(payload: dict) -> str:
+    """What ``--average-from`` changed, paired on the same runs: the averaged model's test accuracy minus the last
+    step's, mean and standard error over seeds."""
+    hp = payload["hyperparameters"]
+    gains = "; ".join(f"{r['task']} {r['sparsity']} {r['averaging_gain']:+.2f} ± {r['averaging_gain_se']:.2f}"
+                      for r in payload["summary"] if "averaging_gain" in r)
+    return (f"The table's sparse accuracies are the models averaged over the steps from {hp['average_from']:g} of "
+            f"each run (and from its final masks) to its end; against the last step of the same runs (paired, "
+            f"points, mean ± standard error): {gains}.")
 
 
 def compressed_note(payload: dict) -> str:
@@ -347,6 +365,7 @@ def section(payload: dict) -> str:
                                f"{hp['regrow_decay']:g})"] if hp.get("regrow_every") else [])
                            + (["transposable masks"] if hp.get("transposable_masks") else [])
                            + (["exclusive columns"] if hp.get("exclusive_columns") else [])
+                           + ([f"weights averaged from {hp['average_from']:g}"] if hp.get("average_from") else [])
                            + (["from the fine-tuned teacher"] if hp.get("init") == "teacher" else []))
     sparse_part = "" if dense_only else (
         "; sparse runs "
@@ -375,6 +394,7 @@ def section(payload: dict) -> str:
         "",
         table(payload),
         "",
+        *([averaging_note(payload), ""] if any("averaging_gain" in r for r in payload["summary"]) else []),
         f"jax {v.get('jax')}, flax {v.get('flax')}, optax {v.get('optax')}, jaxsparse {v.get('jaxsparse_commit') or 'n/a'}; "
         f"data from {'JAXSPARSE_DATA_DIR' if env.get('data_dir') else 'the installed packages'}. "
         f"Per-run accuracies: `{payload.get('path', 'accuracy.json')}`."
@@ -583,6 +603,9 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
             run = {k: metrics[k] for k in keep}
             if "regrow_mask_change" in metrics:  # learned masks: the share of kept weights that learning changed
                 run["regrow_mask_change"] = metrics["regrow_mask_change"]
+            for k in ("last_test_accuracy", "last_dev_accuracy", "averaged_steps"):  # --average-from
+                if k in metrics:
+                    run[k] = metrics[k]
             run.update(compilations=clock.count - c0, compile_seconds=clock.seconds - s0)
             runs.append(run)
             bar.write(f"{task:5s} {sparsity:9s} seed {seed}: test acc {100 * run['test_accuracy']:.2f}  "
@@ -613,7 +636,7 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
 SPARSE_ONLY_HYPERPARAMETERS = ("prune", "ladder", "prune_begin", "prune_end", "fade", "score", "distill",
                                "temperature", "distill_hidden", "distill_attention", "distill_augment", "augment_neighbors", "student_epochs", "student_lr", "compress", "init", "refit", "refit_batches",
                                "regrow_every", "regrow_until", "regrow_decay", "transposable_masks",
-                               "exclusive_columns")
+                               "exclusive_columns", "average_from")
 
 
 def _dense_settings(hp: dict) -> dict:

@@ -103,6 +103,11 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
                    help="choose masks that also keep W^T 2:4 along the output features "
                         "(jaxsparse.format.select_mask transposable=True), and run the input gradient as the 2:4 "
                         "forward product of W^T (JAXSPARSE_DX=transposed, unless JAXSPARSE_DX is set)")
+    p.add_argument("--average-from", type=float, default=0.0,
+                   help="evaluate and save the mean of the params over the run's last steps: those from this fraction "
+                        "of the run (and from the final masks) to its end; 0 = off. The metrics' test and dev "
+                        "accuracies are then the averaged model's, last_test_accuracy and last_dev_accuracy the last "
+                        "step's (a paired comparison on the same run)")
     p.add_argument("--exclusive-columns", action="store_true",
                    help="choose V:2:M masks (M > 4) whose every input column is kept by at most ceil(4 (R/V) / M) "
                         "of a kernel's R/V blocks in each group (jaxsparse.format.select_mask exclusive_columns=True): "
@@ -157,6 +162,8 @@ def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
             p.error("need 0 <= --regrow-decay < 1")
     elif args.regrow_decay != 0.0:
         p.error("--regrow-decay acts on learned masks: give --regrow-every > 0")
+    if not 0.0 <= args.average_from < 1.0:
+        p.error("need 0 <= --average-from < 1 (0: no averaging)")
     if args.transposable_masks and (getattr(args, "sparsity", None) == "dense" or args.prune not in ("gmp", "oneshot")):
         p.error("--transposable-masks chooses a sparse run's masks: give a --sparsity pattern and --prune gmp or oneshot")
     if args.exclusive_columns:
@@ -363,6 +370,13 @@ def _stderr(line: str) -> None:
 
 OPTIMIZER_SCOPE = "optimizer"
 """Named scope of the optimizer update in the training step (read by ``jaxsparse-profile``)."""
+
+
+@jax.jit
+def running_mean(mean: Any, params: Any, count: jax.Array) -> Any:
+    """The mean of ``count`` snapshots given the mean of the first ``count - 1`` and the last one: leaf by leaf
+    ``mean + (params - mean) / count``, in each leaf's dtype (``count`` = 1 returns ``params``)."""
+    return jax.tree_util.tree_map(lambda m, p: (m + (p - m) / count.astype(p.dtype)).astype(p.dtype), mean, params)
 
 
 def loss_fn(logits: jax.Array, labels: jax.Array, teacher_logits: jax.Array | None = None,
@@ -787,6 +801,13 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
     opt_state = tx.init(params)
     compress = _use_compressed(args.compress, spec, cfg)
     switch_step = prune.final_step + 1 if prune is not None else None
+    # --average-from: the params after steps average_start + 1 .. total are averaged (masks final by then).
+    average_from = float(getattr(args, "average_from", 0.0))
+    average_start = max(int(average_from * total), switch_step or 0) if average_from > 0 else None
+    if average_start is not None and average_start >= total:
+        raise ValueError(f"--average-from {average_from} leaves no step to average: the average would start after "
+                         f"step {average_start} of {total} (the masks become final after step {switch_step or 0})")
+    mean_params = None
 
     def make_logits(model):
         return jax.jit(lambda variables, *a: model.apply(variables, *a))
@@ -809,10 +830,13 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
     extra: dict = {}
     evaluate_dev, evaluate_test = _Evaluator(dev, args.batch_size), _Evaluator(test, args.batch_size)
 
-    def variables_now():
+    def variables_of(p):
         if "sparsity" in extra:
-            return {"params": params, **extra}
-        return pruning.model_variables(params, opt_state) if (prune is not None and not compressed) else {"params": params}
+            return {"params": p, **extra}
+        return pruning.model_variables(p, opt_state) if (prune is not None and not compressed) else {"params": p}
+
+    def variables_now():
+        return variables_of(params)
 
     try:
         from tqdm.auto import tqdm
@@ -841,6 +865,9 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
             params, opt_state, loss = step(params, opt_state, {**extra, **teacher_extra}, batch_of(idx), k_drop)
             losses.append(loss)
             global_step += 1
+            if average_start is not None and global_step > average_start:
+                n_mean = global_step - average_start
+                mean_params = params if n_mean == 1 else running_mean(mean_params, params, jnp.float32(n_mean))
             # Learned masks: the final pattern's first masks, and its final ones (fixed from final_step on).
             if regrow and global_step == prune.schedule.stage_steps[-1] + 1:
                 first_masks = jax.device_get(pruning.masks_of(opt_state))
@@ -860,6 +887,17 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
 
     test_metrics = evaluate_test(logits_fn, variables_now())
     final = variables_now()
+    averaged = {}
+    if average_start is not None:  # the averaged model is the run's result; the last step's stays beside it
+        final = variables_of(mean_params)
+        dev_last, test_last = history[-1]["dev_accuracy"], test_metrics
+        dev_avg, test_metrics = evaluate_dev(logits_fn, final), evaluate_test(logits_fn, final)
+        averaged = {"average_from": average_from, "average_start_step": average_start,
+                    "averaged_steps": global_step - average_start, "dev_accuracy": dev_avg["accuracy"],
+                    "last_dev_accuracy": dev_last, "last_test_accuracy": test_last["accuracy"],
+                    "last_test_loss": test_last["loss"]}
+        log(f"averaged params of steps {average_start + 1}-{global_step}: dev acc {dev_avg['accuracy']:.4f} "
+            f"(last step {dev_last:.4f})")
     if prune is not None and not compressed:
         achieved = pruning.sparsity_of(params, pruning.masks_of(opt_state))
     elif compressed:  # a values array [R, 2K/M] stands for a dense [K, R] kernel
@@ -883,7 +921,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         **({"exclusive_columns": True} if exclusive else {}),
         "train_examples": len(train), "dev_examples": len(dev), "test_examples": len(test), "steps": global_step,
         "history": history, "dev_accuracy": history[-1]["dev_accuracy"], "test_accuracy": test_metrics["accuracy"],
-        "test_loss": test_metrics["loss"], "weight_sparsity": achieved,
+        "test_loss": test_metrics["loss"], **averaged, "weight_sparsity": achieved,
         "device": str(jax.devices()[0].device_kind), "devices": n_dev, "seconds": time.time() - t_start,
     }
     return metrics, final

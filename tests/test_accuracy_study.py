@@ -273,3 +273,23 @@ def test_transposable_masks_are_passed_through(acc):
     payload = _payload(acc, "trec", ["dense", "64:2:8"], {"dense": [0.9, 0.9], "64:2:8": [0.8, 0.8]}, **hp)
     payload["summary"] = []
     assert "transposable masks" in acc.section(payload)
+
+
+def test_average_from_reaches_the_sparse_runs_and_reports_the_paired_gain(acc):
+    """--average-from reaches the sparse runs only, is recorded only when set, and the section names it and gives the
+    averaged-minus-last-step difference, paired per run."""
+    args = acc.parse_args(["--quick", "--prune", "oneshot", "--average-from", "0.75"])
+    assert acc.run_args(args, "trec", "64:2:8", 0).average_from == 0.75
+    assert acc.run_args(args, "trec", "dense", 0).average_from == 0.0
+    hp = acc.hyperparameters(args)
+    assert hp["average_from"] == 0.75 and "average_from" in acc.SPARSE_ONLY_HYPERPARAMETERS
+    assert "average_from" not in acc.hyperparameters(acc.parse_args(["--quick"]))
+    payload = _payload(acc, "trec", ["dense", "64:2:8"], {"dense": [0.9, 0.92], "64:2:8": [0.81, 0.83]}, **hp)
+    for run, last in zip([r for r in payload["runs"] if r["sparsity"] == "64:2:8"], (0.80, 0.81)):
+        run["last_test_accuracy"] = last
+    payload["summary"] = acc.summarize(payload["runs"], ["trec"], ["dense", "64:2:8"], 2)
+    row = payload["summary"][1]
+    assert row["averaging_gain"] == pytest.approx(1.5) and row["averaging_gain_se"] == pytest.approx(0.5)
+    assert "averaging_gain" not in payload["summary"][0]
+    text = acc.section(payload)
+    assert "weights averaged from 0.75" in text and "trec 64:2:8 +1.50 ± 0.50" in text

@@ -640,3 +640,45 @@ def test_transposable_masks_run_takes_the_transposed_dx_route(tmp_path, monkeypa
     for argv in (["--sparsity", "dense", "--transposable-masks"], ["--prune", "none", "--transposable-masks"]):
         with pytest.raises(SystemExit):
             train.parse_args(argv)
+
+
+def test_running_mean_is_the_mean_of_the_snapshots():
+    rng = np.random.default_rng(0)
+    snaps = [{"a": rng.normal(size=(3, 4)).astype(np.float32), "b": {"c": rng.normal(size=5).astype(np.float32)}}
+             for _ in range(5)]
+    mean = snaps[0]
+    for k, s in enumerate(snaps[1:], start=2):
+        mean = train.running_mean(mean, s, jax.numpy.float32(k))
+    np.testing.assert_allclose(mean["a"], np.mean([s["a"] for s in snaps], axis=0), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(mean["b"]["c"], np.mean([s["b"]["c"] for s in snaps], axis=0), rtol=1e-6, atol=1e-6)
+    assert mean["a"].dtype == np.float32
+
+
+def test_average_from_evaluates_the_averaged_model_beside_the_last_step(tmp_path):
+    """--average-from: the run's result is the mean of its last steps' params (compressed values here: the one-shot
+    masks are final from step 1), the last step's accuracies stay beside it; averaging only the last step gives the
+    last step's model exactly."""
+    base = TINY + ["--sparsity", "16:2:8", "--compress", "on"]  # 512 / 32 = 16 steps
+    metrics = train.run(train.parse_args(base + ["--average-from", "0.5", "--out", str(tmp_path / "half")]))
+    assert metrics["average_start_step"] == 8 and metrics["averaged_steps"] == 8 and metrics["compressed_training"]
+    for k in ("test_accuracy", "last_test_accuracy", "dev_accuracy", "last_dev_accuracy"):
+        assert 0.0 <= metrics[k] <= 1.0, k
+    assert metrics["last_dev_accuracy"] == metrics["history"][-1]["dev_accuracy"]
+    layer = train.load_checkpoint(tmp_path / "half" / "checkpoint")["params"]["bert"]["encoder_layer_1"]["intermediate"]
+    assert "kernel" not in layer and np.isfinite(np.asarray(layer["values"])).all()
+
+    last = train.run(train.parse_args(base + ["--average-from", "0.9375", "--out", str(tmp_path / "last")]))
+    assert last["averaged_steps"] == 1
+    assert last["test_accuracy"] == last["last_test_accuracy"] and last["dev_accuracy"] == last["last_dev_accuracy"]
+    assert last["test_loss"] == last["last_test_loss"]
+
+
+def test_average_from_rejects_ranges_that_average_nothing(tmp_path):
+    for value in ("1.0", "-0.1"):
+        with pytest.raises(SystemExit):
+            train.parse_args(TINY + ["--average-from", value])
+    # The learned masks become final after step 15 of 16: averaging from 0.5 would still start after step 16.
+    args = train.parse_args(TINY + ["--sparsity", "16:2:8", "--compress", "off", "--regrow-every", "2",
+                                    "--regrow-until", "0.97", "--average-from", "0.5", "--out", str(tmp_path / "r")])
+    with pytest.raises(ValueError, match="leaves no step to average"):
+        train.run(args)
