@@ -375,7 +375,7 @@ OPTIMIZER_SCOPE = "optimizer"
 @jax.jit
 def running_mean(mean: Any, params: Any, count: jax.Array) -> Any:
     """The mean of ``count`` snapshots given the mean of the first ``count - 1`` and the last one: leaf by leaf
-    ``mean + (params - mean) / count``, in each leaf's dtype (``count`` = 1 returns ``params``)."""
+    ``mean + (params - mean) / count``, in each leaf's dtype (:func:`fit` takes the first snapshot as it is)."""
     return jax.tree_util.tree_map(lambda m, p: (m + (p - m) / count.astype(p.dtype)).astype(p.dtype), mean, params)
 
 
