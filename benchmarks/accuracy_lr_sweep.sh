@@ -50,6 +50,7 @@ for f in sorted(glob.glob(os.environ["OUT"] + "/*.json")):
         lr = hp.get("student_lr") if r["sparsity"] != "dense" and hp.get("student_lr") else hp["lr"]
         regrow = f"  regrow {hp['regrow_every']}/{hp['regrow_decay']:g} changed {r['regrow_mask_change']:.3f}" \
             if r["sparsity"] != "dense" and hp.get("regrow_every") else ""
+        last = f"  (last step: test {100*r['last_test_accuracy']:.2f})" if "last_test_accuracy" in r else ""
         print(f"{r['task']:5s} {r['sparsity']:7s} lr {lr:g} seed {r['seed']}  "
-              f"dev {100*r['dev_accuracy']:.2f}  test {100*r['test_accuracy']:.2f}  {r['seconds']:.0f} s{regrow}")
+              f"dev {100*r['dev_accuracy']:.2f}  test {100*r['test_accuracy']:.2f}{last}  {r['seconds']:.0f} s{regrow}")
 PY
