@@ -24,7 +24,8 @@ spec, k, n, tile = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 t = 16384
 x = jax.random.normal(jax.random.PRNGKey(0), (t, k), jnp.float32).astype(jnp.bfloat16)
 w = (jax.random.normal(jax.random.PRNGKey(1), (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
-dy = jax.random.normal(jax.random.PRNGKey(2), (t, n), jnp.float32).astype(jnp.bfloat16)
+dy = (jax.random.normal(jax.random.PRNGKey(2), (t, n), jnp.float32).astype(jnp.bfloat16)
+      if tile in ("dw", "dx_resident") else None)  # the products that read dy
 if tile == "dx_resident":
     sw = F.compress(w, F.select_mask(w, spec), spec)
     f, args = jax.jit(lambda dy, sw: calls.spmm_t_resident(dy, sw)), (dy, sw)

@@ -125,7 +125,7 @@ def dx_route(route: Optional[str] = None) -> str:
     ``"resident"``: the ``jaxsparse_spmm_t_resident`` kernel where it applies (Hopper, ``M = 16``, ``R <= 1024``: per 64
     tokens all of dy's rows in shared memory, per V block the product over its kept columns, summed in a shared tile
     in block order, any mask; :func:`jaxsparse.ffi.calls.spmm_t_resident`; slower than the transposed route in
-    session 26), the transposed route elsewhere (so, like it, for transposable masks). ``None`` reads
+    sessions 26-27), the transposed route elsewhere (so, like it, for transposable masks). ``None`` reads
     ``JAXSPARSE_DX``.
     The default follows the measurements in docs/kernel-notes.md: the v1 kernel is slower than the dense
     route at every M measured on the H100 (64:2:8 at 16384x1024x4096: 0.92 ms against 0.20 ms), so it
