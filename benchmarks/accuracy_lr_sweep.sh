@@ -8,6 +8,8 @@
 # DENSE="task:lr:seeds ..."   dense runs at --lr lr, seeds comma-separated, one process each
 # SPARSITY=128:2:16             the sparse runs' pattern (default 64:2:8); a seed may be a comma-free list "0+1"
 #   (one process trains those seeds one after the other, sharing its compilations)
+# GPUS=3                        spread the processes round-robin over that many GPUs (CUDA_VISIBLE_DEVICES; default 1);
+#   the processes of one GPU share one teacher (--teacher-dir /tmp/teachers/gpuN), as those of one call did before
 set -u
 : "${OUT:?set OUT to the folder for the result files}"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 JAXSPARSE_DATA_DIR=$PWD/.devdata PYTHONPATH=$PWD JAXSPARSE_COMMIT=${COMMIT:-unknown}
@@ -16,22 +18,25 @@ t0=$(date +%s); el() { echo "$(( $(date +%s) - t0 ))s"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 mkdir -p /tmp/teachers /tmp/acc
 pids=()
+n=0  # processes started (the next one's GPU is n % GPUS)
 for spec in ${SPARSE:-}; do
   IFS=: read task lr seed opts <<< "$spec"
   tag=$(echo "${opts:-}" | sed 's/--//g; s/,/_/g; s/=/-/g')
   sp=${SPARSITY:-64:2:8}
   d=/tmp/acc/sparse_${task}_${sp//:/_}_lr${lr}${tag:+_$tag}_s${seed//+/-}; mkdir -p $d
-  timeout ${LIMIT:-570} python3 benchmarks/accuracy.py --tasks $task --sparsities $sp --seed-list ${seed//+/,} --epochs 6 \
+  g=$(( n % ${GPUS:-1} )); n=$(( n + 1 ))
+  CUDA_VISIBLE_DEVICES=$g timeout ${LIMIT:-570} python3 benchmarks/accuracy.py --tasks $task --sparsities $sp --seed-list ${seed//+/,} --epochs 6 \
     --prune-end 0.33 --fade 0.15 --distill 0.9 --refit-batches 32 --temperature 2 --score activation \
     --init teacher --prune oneshot --refit --distill-hidden 5 --distill-attention 1 --distill-augment 0.3 \
-    --augment-neighbors 8 --student-epochs 24 --student-lr $lr ${opts//,/ } --teacher-dir /tmp/teachers \
+    --augment-neighbors 8 --student-epochs 24 --student-lr $lr ${opts//,/ } --teacher-dir /tmp/teachers/gpu$g \
     --out-dir $d --no-progress > $d/log.txt 2>&1 &
   pids+=($!)
 done
 for spec in ${DENSE:-}; do
   IFS=: read task lr seeds <<< "$spec"
   d=/tmp/acc/dense_${task}_lr${lr}_s${seeds//,/}; mkdir -p $d
-  timeout ${LIMIT:-570} python3 benchmarks/accuracy.py --tasks $task --sparsities dense --seed-list $seeds --epochs 6 \
+  g=$(( n % ${GPUS:-1} )); n=$(( n + 1 ))
+  CUDA_VISIBLE_DEVICES=$g timeout ${LIMIT:-570} python3 benchmarks/accuracy.py --tasks $task --sparsities dense --seed-list $seeds --epochs 6 \
     --lr $lr --out-dir $d --no-progress > $d/log.txt 2>&1 &
   pids+=($!)
 done
