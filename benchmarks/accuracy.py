@@ -603,7 +603,7 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
             run = {k: metrics[k] for k in keep}
             if "regrow_mask_change" in metrics:  # learned masks: the share of kept weights that learning changed
                 run["regrow_mask_change"] = metrics["regrow_mask_change"]
-            for k in ("last_test_accuracy", "last_dev_accuracy", "averaged_steps"):  # --average-from
+            for k in ("last_test_accuracy", "last_dev_accuracy", "average_start_step", "averaged_steps"):  # --average-from
                 if k in metrics:
                     run[k] = metrics[k]
             run.update(compilations=clock.count - c0, compile_seconds=clock.seconds - s0)
