@@ -80,8 +80,18 @@ def run_config(cfg: dict, turn: dict | None = None) -> dict:
                           fuse_feed_forward=cfg.get("fuse_feed_forward", True),
                           exclusive_columns=bool(cfg.get("exclusive_columns")) and sparse)
     # An in-process run's other configurations keep their own dX route; a JAXSPARSE_DX set by the user wins.
-    with ops.dx_route_scope(step_cfg.dx_route(), keep_set=True):
-        return _time_step(step_cfg, cfg, turn)
+    hidden = cfg.get("mlp_hidden")  # how sparse_mlp hands h over (ops.mlp_hidden_layout); None: as the environment says
+    previous = os.environ.get(ops.MLP_HIDDEN_ENV)
+    if hidden is not None:
+        os.environ[ops.MLP_HIDDEN_ENV] = hidden
+    try:
+        with ops.dx_route_scope(step_cfg.dx_route(), keep_set=True):
+            return _time_step(step_cfg, cfg, turn)
+    finally:
+        if previous is None:
+            os.environ.pop(ops.MLP_HIDDEN_ENV, None)
+        else:
+            os.environ[ops.MLP_HIDDEN_ENV] = previous
 
 
 def _time_step(step_cfg, cfg: dict, turn: dict | None) -> dict:
@@ -231,7 +241,9 @@ def _ffn(r: dict) -> str:
     """How a row's FFNs ran: ``fused`` (one sparse_mlp), ``unfused``, or ``-`` where no layer is compressed."""
     if r.get("mode") != "compressed":
         return "-"
-    return "fused" if r.get("fuse_feed_forward", True) else "unfused"
+    if not r.get("fuse_feed_forward", True):
+        return "unfused"
+    return "fused, h row" if r.get("mlp_hidden") == "row" else "fused"
 
 
 def print_table(rows: list[dict]) -> None:
@@ -271,7 +283,7 @@ def plot(rows: list[dict], path: str) -> str | None:
     groups = sorted({(r["model"], r["seq_len"], r["batch_size"]) for r in rows})
     for g in groups:
         sel = [r for r in rows if (r["model"], r["seq_len"], r["batch_size"]) == g and "error" not in r
-               and r.get("fuse_feed_forward", True)]
+               and r.get("fuse_feed_forward", True) and r.get("mlp_hidden") != "row"]
         xs = [SPARSITIES.index(r["sparsity"]) if r["sparsity"] in SPARSITIES else i for i, r in enumerate(sel)]
         label = f"{g[0]} seq {g[1]} batch {g[2]}"
         ax1.plot(xs, [r["speedup_vs_dense"] or float("nan") for r in sel], "o-", label=f"{label}, synced")
@@ -331,6 +343,10 @@ def main(argv=None) -> int:
                     help="compressed FFNs as one jaxsparse.ops.sparse_mlp with the activation in the kernels (fused), "
                          "as two layers and XLA's activation (unfused, BertConfig.fuse_feed_forward=False), or each "
                          "sparse configuration both ways in one run")
+    ap.add_argument("--mlp-hidden", default="auto", choices=("auto", "row", "both"),
+                    help="how a fused FFN hands its hidden activation to its second layer (JAXSPARSE_MLP_HIDDEN, "
+                         "jaxsparse.ops.mlp_hidden_layout): auto (h^T from the first epilogue where both layers take "
+                         "the x^T route), row, or each fused sparse configuration both ways in one run")
     ap.add_argument("--worker-timeout", type=float, default=900.0, help="seconds per worker (--concurrent: all)")
     ap.add_argument("--out", default=None, help="json path (default benchmarks/results/<gpu>/train_step[_quick].json)")
     ap.add_argument("--plot", default=None, help="png path (default docs/train_step.png; none in --quick)")
@@ -364,10 +380,13 @@ def main(argv=None) -> int:
                 ap.error(f"no batch size in BATCH for {model} seq {seq}: pass --batch-size")
             for s in sparsities:
                 ffns = [True] if s == "dense" else {"fused": [True], "unfused": [False], "both": [True, False]}[a.ffn]
-                for fuse in ffns:
+                variants = [(fuse, hidden) for fuse in ffns
+                            for hidden in ({"auto": [None], "row": ["row"], "both": [None, "row"]}[a.mlp_hidden]
+                                           if fuse and s != "dense" else [None])]
+                for fuse, hidden in variants:
                     configs.append({"model": model, "seq_len": seq, "batch_size": batch, "sparsity": s,
                                     "dtype": a.dtype, "attention": a.attention, "steps": steps, "warmup": warmup,
-                                    "fuse_feed_forward": fuse,
+                                    "fuse_feed_forward": fuse, **({"mlp_hidden": hidden} if hidden else {}),
                                     **({"transposable": True} if a.transposable and s != "dense" else {}),
                                     **({"exclusive_columns": True} if a.exclusive_columns and s != "dense" else {})})
     t0 = time.time()

@@ -22,7 +22,9 @@
 // separate pass over z is gone.  Session 22 also built the backward's half (the input gradient times act'(z) in the
 // epilogue, reading it where the stores write) and measured it no faster than XLA's multiply after the product
 // (0.314 against 0.310 ms at 16384 x 1024 x 4096, benchmarks/ffn_epilogue.py), which XLA also fuses with the bias
-// gradient's reduction: it was removed.
+// gradient's reduction: it was removed.  act_mode 2 (session 28) is act_mode 1 with act(z) stored transposed, [R, T],
+// straight from the accumulators (StoreXtActTransposed): that is the x^T the block's second layer reads on this
+// route, so its jaxsparse_transpose is gone (the plain kernel only, not the warp-specialized one).
 // Needs T % 8 == 0 (16-byte rows of x^T) and R % BR == 0, BR <= V; the Python side takes this path only then.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -49,12 +51,15 @@ struct SpmmXtParams {
   int tokens, k, rows, groups, v, m;
   int bias_f32;          // bias is float32 (else the input dtype)
   int activation;        // 0 none, 1 gelu (tanh), 2 gelu_erf, 3 relu (Activate)
-  void* y2;              // null: y = act(x W + b); else (act_mode 1) y = act(z), y2 = act'(z) for z = x W + b
+  void* y2;              // null: y = act(x W + b); else (act_mode 1, 2) y = act(z), y2 = act'(z) for z = x W + b
+  int y_t;               // act_mode 2: y is stored transposed, [R, T] (y2 stays [T, R])
   int meta_pairs;        // warp-specialized kernel: metadata by TMA pairs where they fit (LaunchWs clears it where not)
 };
 
-// The stores' extra work for act_mode 1 (none without y2).
-__device__ __forceinline__ StagedExtra Extra(const SpmmXtParams& p) { return StagedExtra{p.y2, p.activation}; }
+// The stores' extra work for act_mode 1 and 2 (none without y2; act_mode 2 writes y itself, StoreXtActTransposed).
+__device__ __forceinline__ StagedExtra Extra(const SpmmXtParams& p) {
+  return StagedExtra{p.y2, p.activation, p.y_t == 0};
+}
 
 constexpr int kKc = 64;           // condensed k per stage: one 128-byte swizzle row of 16-bit values per k
 constexpr int kThreads = 256;     // two warpgroups
@@ -241,6 +246,33 @@ __device__ __forceinline__ void StageXtAccumulators(float (&acc)[NCH][NW / 2], u
   }
 }
 
+// act_mode 2: act(z) of one warpgroup's accumulators (warp wq of it) stored transposed, y^T [R, T], straight from the
+// registers.  A thread holds two adjacent tokens of a feature per accumulator pair (i, i + 1), so each store is one
+// 32-bit word; a warp's store covers 8 features x 16 contiguous bytes, and the next 8-token column fills the other
+// halves of those 32-byte sectors (L2 merges them).  z is rounded to T first, as the staged tile and y2 see it.
+template <typename T, int NW, int NCH>
+__device__ __forceinline__ void StoreXtActTransposed(float (&acc)[NCH][NW / 2], const SpmmXtParams& p, int row0,
+                                                     int tok0, int r_base, int t_base, int wq, int lane) {
+  const int r_lo = r_base + 16 * wq + (lane >> 2);
+  const float bias_lo = BiasAt<T>(p.bias, p.bias_f32, row0 + r_lo);
+  const float bias_hi = BiasAt<T>(p.bias, p.bias_f32, row0 + r_lo + 8);
+  uint32_t* __restrict__ yt = static_cast<uint32_t*>(p.y);  // pairs of T
+  const int64_t words_per_row = p.tokens / 2;
+#pragma unroll
+  for (int c = 0; c < NCH; ++c) {
+#pragma unroll
+    for (int i = 0; i < NW / 2; i += 2) {
+      const int hi = (i >> 1) & 1;
+      const int t = tok0 + t_base + c * NW + 8 * (i >> 2) + 2 * (lane & 3);  // even; T % 8 == 0: t + 1 < T too
+      if (t >= p.tokens) continue;
+      const float b = hi ? bias_hi : bias_lo;
+      const float a0 = Activate(p.activation, ToFloat(FromFloat<T>(acc[c][i] + b)));
+      const float a1 = Activate(p.activation, ToFloat(FromFloat<T>(acc[c][i + 1] + b)));
+      yt[static_cast<int64_t>(row0 + r_lo + 8 * hi) * words_per_row + t / 2] = PackPair<T>(a0, a1);
+    }
+  }
+}
+
 template <typename T, int BR, int BT, int STAGES, int MIN_BLOCKS>
 __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const SpmmXtParams p) {
 #ifdef JAXSPARSE_WGMMA
@@ -320,6 +352,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
   CpAsyncWait<0>();
   __syncthreads();  // no wgmma or copy touches the pipeline buffers any more: reuse them as the Y tile
   StageXtAccumulators<T, NW, NCH>(acc, smem, L::kYRowBytes, p, row0, 64 * wr, wt * WN, wq, lane);
+  if (p.y_t) StoreXtActTransposed<T, NW, NCH>(acc, p, row0, tok0, 64 * wr, wt * WN, wq, lane);
   __syncthreads();
   StoreStagedTile<T, BT, BR, kThreads>(smem, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows, tok0, row0,
                                        threadIdx.x, Extra(p));
@@ -621,6 +654,12 @@ int AutoTile(const SpmmXtParams& p, bool can128, bool x_rows) {
 template <typename T>
 ffi::Error Dispatch(cudaStream_t stream, SpmmXtParams p, int tile, bool x_rows) {
   const bool can128 = p.rows % 128 == 0 && (p.cols == nullptr || p.v % 128 == 0);
+  if (p.y_t) {  // act_mode 2: only the plain kernel's epilogue stores y^T
+    if (x_rows || tile == kTileWs128x256 || tile == kTileWs64x256)
+      return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: act_mode 2 (y^T) reads x^T on tile auto, 128x256, "
+                                         "64x256, 128x128 or 64x128 (not the warp-specialized tiles, not x_rows)");
+    if (tile == kTileAuto && p.cols == nullptr) tile = can128 ? kTile128x128 : kTile64x128;
+  }
   if (tile == kTileAuto) tile = AutoTile(p, can128, x_rows);
   if ((tile == kTile128x256 || tile == kTile128x128 || tile == kTileWs128x256) && !can128)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: 128-feature tiles need R % 128 == 0 and V >= 128");
@@ -647,17 +686,25 @@ ffi::Error Dispatch(cudaStream_t stream, SpmmXtParams p, int tile, bool x_rows) 
   }
 }
 
-// act_mode's operands: mode 1 needs an activation and a second output like y; mode 0 takes it empty.
-ffi::Error CheckActMode(int32_t act_mode, int32_t activation, const ffi::AnyBuffer& out, const ffi::AnyBuffer& out2) {
-  if (act_mode != 0 && act_mode != 1)
-    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: act_mode must be 0 or 1 (the activation and its derivative)");
-  if (act_mode == 1 && activation == 0)
-    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: act_mode 1 needs an activation");
-  const bool like_out = out2.dimensions().size() == 2 && out2.dimensions()[0] == out.dimensions()[0] &&
-                        out2.dimensions()[1] == out.dimensions()[1] && out2.element_type() == out.element_type();
-  if (act_mode == 1 ? !like_out : out2.element_count() != 0)
-    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: the second output must be [T, R] like y for act_mode 1, "
-                                       "and empty otherwise, got " + ShapeString(out2));
+// act_mode's operands: mode 1 (y = act(z) [T, R]) and mode 2 (y = act(z)^T [R, T]) need an activation and a second
+// output act'(z) [T, R] in y's dtype; mode 0 takes it empty.
+ffi::Error CheckActMode(int32_t act_mode, int32_t activation, int64_t tokens, int64_t rows, const ffi::AnyBuffer& out,
+                        const ffi::AnyBuffer& out2) {
+  if (act_mode < 0 || act_mode > 2)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: act_mode must be 0, 1 (the activation and its derivative) "
+                                       "or 2 (the same, the activation stored [R, T])");
+  if (act_mode != 0 && activation == 0)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: act_mode 1 and 2 need an activation");
+  const bool y_t = act_mode == 2;
+  if (out.dimensions()[0] != (y_t ? rows : tokens) || out.dimensions()[1] != (y_t ? tokens : rows))
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: the output must be " +
+                                       std::string(y_t ? "[R, T] for act_mode 2" : "[T, R]") + ", got " +
+                                       ShapeString(out));
+  const bool derivative = out2.dimensions().size() == 2 && out2.dimensions()[0] == tokens &&
+                          out2.dimensions()[1] == rows && out2.element_type() == out.element_type();
+  if (act_mode != 0 ? !derivative : out2.element_count() != 0)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: the second output must be [T, R] in y's dtype for act_mode "
+                                       "1 and 2, and empty otherwise, got " + ShapeString(out2));
   return ffi::Error::Success();
 }
 
@@ -674,11 +721,10 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer val
   const int64_t k = Dim(xt, x_rows ? 1 : 0), tokens = Dim(xt, x_rows ? 0 : 1), rows = Dim(values, 0);
   if (ffi::Error e = CheckSpec("jaxsparse_spmm_xt", v, m); e.failure()) return e;
   const int64_t groups = k / m;
-  if (k % m || Dim(values, 1) != 2 * groups || out->dimensions()[0] != tokens || out->dimensions()[1] != rows ||
-      rows % 64)
+  if (k % m || Dim(values, 1) != 2 * groups || rows % 64)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: inconsistent shapes: x^T " + ShapeString(xt) + ", values " +
-                                       ShapeString(values) + ", out " + ShapeString(*out) +
-                                       " (need values [R, 2K/M], R % 64 == 0)");
+                                       ShapeString(values) + " (need values [R, 2K/M], R % 64 == 0)");
+  if (ffi::Error e = CheckActMode(act_mode, activation, tokens, rows, *out, *out2); e.failure()) return e;
   if (ffi::Error e = CheckSparseWeight("jaxsparse_spmm_xt", rows, groups, columns, metadata, v, m); e.failure())
     return e;
   if (!x_rows && tokens % 8) return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T needs T % 8 == 0");
@@ -686,7 +732,6 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer val
   if (values.element_type() != dt || out->element_type() != dt)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T, values and the output must share one dtype");
   if (ffi::Error e = CheckEpilogue("jaxsparse_spmm_xt", bias, rows, dt, activation); e.failure()) return e;
-  if (ffi::Error e = CheckActMode(act_mode, activation, *out, *out2); e.failure()) return e;
   const bool has_bias = bias.element_count() > 0;
   if (tokens == 0 || rows == 0) return ffi::Error::Success();
   if (tokens >= (int64_t(1) << 30) || k >= (int64_t(1) << 30) || rows >= (int64_t(1) << 30) ||
@@ -708,7 +753,8 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer val
   p.m = m;
   p.bias_f32 = has_bias && bias.element_type() == ffi::F32;
   p.activation = activation;
-  p.y2 = act_mode == 1 ? out2->untyped_data() : nullptr;
+  p.y2 = act_mode != 0 ? out2->untyped_data() : nullptr;
+  p.y_t = act_mode == 2;
   p.meta_pairs = 1;
   if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, tile, x_rows == 1);
   if (dt == ffi::F16) return Dispatch<__half>(stream, p, tile, x_rows == 1);
@@ -726,8 +772,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSpmmXt, jaxsparse::SpmmXtImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // columns [R/V, G, 4] or [0]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // metadata [R, G/8]
                                   .Arg<xla::ffi::AnyBuffer>()               // bias [R] or [0]
-                                  .Ret<xla::ffi::AnyBuffer>()               // y [T, R]
-                                  .Ret<xla::ffi::AnyBuffer>()               // act'(z) [T, R] (act_mode 1) or [0]
+                                  .Ret<xla::ffi::AnyBuffer>()               // y [T, R] ([R, T] for act_mode 2)
+                                  .Ret<xla::ffi::AnyBuffer>()               // act'(z) [T, R] (act_mode 1, 2) or [0]
                                   .Attr<int32_t>("v")
                                   .Attr<int32_t>("m")
                                   .Attr<int32_t>("activation")

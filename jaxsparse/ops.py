@@ -24,7 +24,7 @@ from jaxsparse.format import transpose_2_4 as format_transpose_2_4
 from jaxsparse.format import block_dx_operands
 
 __all__ = ["decompress", "transpose_2_4", "spmm", "sddmm", "spmm_t", "dx_route",
-           "dx_route_scope", "linear_x_layout", "sparse_linear", "sparse_mlp", "FUSED_ACTIVATIONS", "masked_linear",
+           "dx_route_scope", "linear_x_layout", "mlp_hidden_layout", "sparse_linear", "sparse_mlp", "FUSED_ACTIVATIONS", "masked_linear",
            "spmm_unsupported"]
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -226,16 +226,20 @@ def _no_cotangent(a: Optional[jax.Array]):
 
 
 def _forward_keeping_x(x2: jax.Array, sw: SparseWeight, bias: Optional[jax.Array], activation: Optional[str] = None,
-                       with_derivative: bool = False):
+                       with_derivative: bool = False, transpose_out: bool = False):
     """One layer's forward on the route :func:`sparse_linear` takes (:func:`linear_x_layout`), and what its SDDMM
     reads: ``(out, x)``, or ``(out, x^T)`` on the ``"col"`` route. ``out`` is ``act(x @ W + bias)``, or with
     ``with_derivative`` the pair ``(act(z), act'(z))`` for ``z = x @ W + bias``, both from the kernel's epilogue on a
-    GPU (``z`` is rounded to the input dtype first, as the product's output would be)."""
+    GPU (``z`` is rounded to the input dtype first, as the product's output would be); ``transpose_out`` (``"col"``
+    route, with ``with_derivative``) gives ``act(z)^T`` in that pair, written so by the epilogue (act_mode 2)."""
     col = linear_x_layout(x2.shape[0], sw) == "col"
+    if transpose_out and not (col and with_derivative):
+        raise ValueError("transpose_out needs the layer's x^T route and with_derivative")
 
     def ref(x, s, b):
         if with_derivative:
             out = reference.activation_with_derivative(activation, reference.spmm(x, s, b))
+            out = (out[0].T, out[1]) if transpose_out else out
         else:
             out = reference.spmm(x, s, b, activation)
         return out, (x.T if col else x)
@@ -243,11 +247,19 @@ def _forward_keeping_x(x2: jax.Array, sw: SparseWeight, bias: Optional[jax.Array
     def cuda(x, s, b):
         if col:
             xt = cuda_calls.transpose(x)
-            return cuda_calls.spmm_from_xt(xt, s, b, activation, with_derivative=with_derivative), xt
+            return cuda_calls.spmm_from_xt(xt, s, b, activation, with_derivative=with_derivative,
+                                           transpose_out=transpose_out), xt
         return cuda_calls.spmm(x, s, b, activation, x_layout="row", with_derivative=with_derivative), x
 
     with jax.named_scope("jaxsparse_spmm"):
         return dispatch.call("spmm", ref, cuda, x2, sw, bias, unsupported=spmm_unsupported(sw))
+
+
+def _forward_from_xt(xt: jax.Array, sw: SparseWeight, bias: Optional[jax.Array]) -> jax.Array:
+    """A ``"col"``-route layer's forward from its input already transposed, ``x^T [K, T]``."""
+    ref = lambda a, s, b: reference.spmm(a.T, s, b)
+    with jax.named_scope("jaxsparse_spmm"):
+        return dispatch.call("spmm", ref, cuda_calls.spmm_from_xt, xt, sw, bias, unsupported=spmm_unsupported(sw))
 
 
 def _sddmm_kept(kept: jax.Array, dy: jax.Array, sw: SparseWeight) -> jax.Array:
@@ -329,7 +341,37 @@ def _times(a: jax.Array, b: jax.Array) -> jax.Array:
     return (a.astype(jnp.float32) * b.astype(jnp.float32)).astype(a.dtype)
 
 
+MLP_HIDDEN_ENV = "JAXSPARSE_MLP_HIDDEN"
+MLP_HIDDEN_LAYOUTS = ("auto", "row", "col")
+
+
+def mlp_hidden_layout(tokens: int, sw1: SparseWeight, sw2: SparseWeight, layout: Optional[str] = None) -> str:
+    """How :func:`sparse_mlp`'s first product hands the hidden activation ``h`` to the second: ``"col"``, as ``h^T``
+    from its epilogue (act_mode 2), which the second layer's x^T route reads with no transpose of its own; or
+    ``"row"``, as ``h``. ``layout`` ``None`` reads ``JAXSPARSE_MLP_HIDDEN`` (``auto``, ``row`` or ``col``; default
+    ``auto``, which is ``col`` exactly where it can be: both layers on the ``"col"`` route (:func:`linear_x_layout`)
+    and the x^T tile setting not a warp-specialized one). An explicit ``col`` that the layers cannot take raises
+    ``ValueError``."""
+    if layout is None:
+        layout = os.environ.get(MLP_HIDDEN_ENV, "auto").strip().lower() or "auto"
+    if layout not in MLP_HIDDEN_LAYOUTS:
+        raise ValueError(f"the feed-forward hidden layout ({MLP_HIDDEN_ENV}) must be one of {MLP_HIDDEN_LAYOUTS}, "
+                         f"got {layout!r}")
+    tile = os.environ.get(cuda_calls.SPMM_XT_TILE_ENV, "auto").strip().lower()
+    problem = None
+    if linear_x_layout(tokens, sw1) != "col" or linear_x_layout(tokens, sw2) != "col":
+        problem = "both layers on the x^T route (linear_x_layout)"
+    elif tile.startswith("ws"):
+        problem = f"a plain x^T tile, not {tile} ({cuda_calls.SPMM_XT_TILE_ENV})"
+    if layout == "col" and problem:
+        raise ValueError(f"sparse_mlp: a transposed hidden activation needs {problem}")
+    return "col" if layout == "col" or (layout == "auto" and problem is None) else "row"
+
+
 def _mlp_fwd(x2, sw1, b1, sw2, b2, activation):
+    if mlp_hidden_layout(x2.shape[0], sw1, sw2) == "col":  # h^T from the first epilogue: no transpose of h
+        (ht, dact), x_kept = _forward_keeping_x(x2, sw1, b1, activation, with_derivative=True, transpose_out=True)
+        return _forward_from_xt(ht, sw2, b2), (x_kept, dact, ht, sw1, b1, sw2, b2)
     (h, dact), x_kept = _forward_keeping_x(x2, sw1, b1, activation, with_derivative=True)
     y, h_kept = _forward_keeping_x(h, sw2, b2)
     return y, (x_kept, dact, h_kept, sw1, b1, sw2, b2)

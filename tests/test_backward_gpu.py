@@ -567,3 +567,31 @@ def test_sparse_mlp_grad_hlo_fuses_the_activation(monkeypatch, spec):
     assert not layout_moves(text), layout_moves(text)
     assert len(re.findall(r"act_mode = 1 ", text)) == 1, "one forward call writes act and act'"
     assert not re.search(r"= \S+ erf\(", text), "XLA computes no GELU: the kernels do"
+
+
+@pytest.mark.parametrize("hidden", ["col", "row"])
+def test_sparse_mlp_transposed_hidden_drops_the_transpose_of_h(monkeypatch, hidden):
+    """128:2:16 on the x^T route (Hopper's default): with the hidden activation handed over as h^T (act_mode 2,
+    ops.mlp_hidden_layout "col", the default there) the block's gradient runs one jaxsparse_transpose (of x) where
+    the "row" hand-over runs two (x and h), and XLA adds no transpose or copy. (Its values: at 128:2:16
+    test_sparse_mlp_grad_on_kernels runs this default route against float32 references.)"""
+    from jaxsparse import ops
+
+    _skip_unless_col()
+    _force_backward_kernels(monkeypatch, "transposed")
+    monkeypatch.delenv("JAXSPARSE_SPMM_X", raising=False)
+    monkeypatch.delenv("JAXSPARSE_SPMM_XT_TILE", raising=False)
+    monkeypatch.setenv(ops.MLP_HIDDEN_ENV, hidden)
+    spec = "128:2:16"
+    x, _, sw1 = _make(key("mlp-ht", 1), 256, 512, 512, spec, jnp.bfloat16, transposable=True)
+    _, _, sw2 = _make(key("mlp-ht", 2), 256, 512, 256, spec, jnp.bfloat16, transposable=True)
+    assert ops.mlp_hidden_layout(256, sw1, sw2) == hidden
+
+    def loss(x, v1, v2):
+        y = ops.sparse_mlp(x, sw1.replace(values=v1), None, sw2.replace(values=v2), None, "gelu_erf")
+        return jnp.sum(y.astype(jnp.float32))
+
+    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(x, sw1.values, sw2.values).compile().as_text()
+    assert not layout_moves(text), layout_moves(text)
+    assert text.count('custom_call_target="jaxsparse_transpose"') == (1 if hidden == "col" else 2)
+    assert len(re.findall(r"act_mode = 2 ", text)) == (1 if hidden == "col" else 0)

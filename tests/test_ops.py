@@ -553,6 +553,54 @@ def test_sparse_mlp_is_two_layers_and_the_activation(monkeypatch, spec, activati
             assert rel_err(g, w) < 1e-5
 
 
+@pytest.mark.parametrize("spec", ["64:2:8", "128:2:16"])
+def test_sparse_mlp_transposed_hidden_gives_the_same_block(monkeypatch, spec):
+    """JAXSPARSE_SPMM_X=col: the block hands h^T from its first product to the second (mlp_hidden_layout "col",
+    act_mode 2 on a GPU) and keeps it for the second SDDMM; value and every gradient equal the "row" hand-over's."""
+    from jaxsparse.ffi import calls
+
+    monkeypatch.setenv(calls.SPMM_X_LAYOUT_ENV, "col")
+    x, sw1, b1, _ = make(31, spec, k=256, r=512, tokens=(2, 8), dtype=jnp.bfloat16)
+    _, sw2, b2, _ = make(32, spec, k=512, r=128, dtype=jnp.bfloat16)
+    target = jax.random.normal(jax.random.PRNGKey(33), (2, 8, 128))
+
+    def loss(x, v1, b1, v2, b2):
+        y = ops.sparse_mlp(x, sw1.replace(values=v1), b1, sw2.replace(values=v2), b2, "gelu_erf")
+        return jnp.sum(jnp.tanh(y) * target)
+
+    args = (x, sw1.values, b1, sw2.values, b2)
+    results = {}
+    for layout in ("row", "col"):
+        monkeypatch.setenv(ops.MLP_HIDDEN_ENV, layout)
+        assert ops.mlp_hidden_layout(16, sw1, sw2) == layout
+        results[layout] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))(*args)
+    monkeypatch.setenv(ops.MLP_HIDDEN_ENV, "auto")
+    assert ops.mlp_hidden_layout(16, sw1, sw2) == "col"  # both layers on the x^T route
+    np.testing.assert_allclose(np.float32(results["col"][0]), np.float32(results["row"][0]), rtol=1e-6)
+    for g, w in zip(results["col"][1], results["row"][1]):
+        assert rel_err(g.astype(jnp.float32), w.astype(jnp.float32)) < 1e-6
+
+
+def test_mlp_hidden_layout_rejects(monkeypatch):
+    from jaxsparse.ffi import calls
+
+    _, sw1, _, _ = make(34, "64:2:8", k=256, r=512, dtype=jnp.bfloat16)
+    _, sw2, _, _ = make(35, "64:2:8", k=512, r=128, dtype=jnp.bfloat16)
+    monkeypatch.setenv(calls.SPMM_X_LAYOUT_ENV, "row")
+    assert ops.mlp_hidden_layout(16, sw1, sw2) == "row"
+    with pytest.raises(ValueError, match="both layers on the x\\^T route"):
+        ops.mlp_hidden_layout(16, sw1, sw2, "col")
+    monkeypatch.setenv(calls.SPMM_X_LAYOUT_ENV, "col")
+    monkeypatch.setenv(calls.SPMM_XT_TILE_ENV, "ws128x256")
+    assert ops.mlp_hidden_layout(16, sw1, sw2) == "row"
+    with pytest.raises(ValueError, match="a plain x\\^T tile"):
+        ops.mlp_hidden_layout(16, sw1, sw2, "col")
+    with pytest.raises(ValueError, match="JAXSPARSE_MLP_HIDDEN"):
+        ops.mlp_hidden_layout(16, sw1, sw2, "transposed")
+    with pytest.raises(ValueError, match="transpose_out needs"):
+        ops._forward_keeping_x(jnp.zeros((16, 256), jnp.bfloat16), sw1, None, "gelu", transpose_out=True)
+
+
 @pytest.mark.parametrize("activation", ops.FUSED_ACTIVATIONS)
 def test_activation_derivative_is_the_gradient(activation):
     z = jnp.linspace(-6, 6, 101)

@@ -319,6 +319,42 @@ def test_spmm_with_derivative(monkeypatch, spec, route, activation):
     assert _rel_err(d, reference.activation_with_derivative(activation, z)[1]) < TOL[dtype]
 
 
+@xt_marks
+@pytest.mark.parametrize("spec, tile", [("128:2:16", "auto"), ("128:2:16", "128x256"), ("128:2:16", "64x256"),
+                                        ("64:2:8", "64x128"), ("128:2:32", "128x128"), ("2:4", "auto")])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_spmm_from_xt_transposed_activation(spec, tile, dtype):
+    """act_mode 2 (``transpose_out``): act(z)^T [R, T] from the accumulators and act'(z) [T, R] from the staged tile,
+    both poisoned first; 1000 tokens (a tail on every token tile) and 384 features (a tail of 128-feature tiles
+    over the 256-wide ones)."""
+    from jaxsparse import reference
+
+    t, r = 1000, 384
+    x, sw, bias = _make(key("xt-transposed", spec, tile, str(dtype)), t, 512, r, spec, dtype, with_bias=True)
+    poison((2, t, r), dtype)
+    f = jax.jit(lambda xt, sw, b: calls.spmm_from_xt(xt, sw, b, "gelu_erf", tile, with_derivative=True,
+                                                      transpose_out=True))
+    ht, d = f(calls.transpose(x), sw, bias)
+    assert ht.shape == (r, t) and d.shape == (t, r) and ht.dtype == d.dtype == dtype
+    z = _reference(x, sw, bias, None)
+    f_ref, d_ref = reference.activation_with_derivative("gelu_erf", z)
+    assert _rel_err(ht, f_ref.T) < TOL[dtype]
+    assert _rel_err(d, d_ref) < TOL[dtype]
+    # every row of h^T (a feature) and of act'(z) (a token) is written, the tails included
+    assert np.all(np.abs(np.asarray(ht.astype(jnp.float32)) - np.asarray(f_ref.T)).max(axis=1) < 0.1)
+    assert np.all(np.abs(np.asarray(d.astype(jnp.float32)) - np.asarray(d_ref)).max(axis=1) < 0.1)
+
+
+@xt_marks
+def test_spmm_from_xt_transposed_activation_rejects():
+    x, sw, bias = _make(key("xt-transposed-rejects"), 256, 512, 256, "128:2:16", jnp.bfloat16, with_bias=True)
+    xt = calls.transpose(x)
+    with pytest.raises(ValueError, match="transpose_out needs with_derivative"):
+        calls.spmm_from_xt(xt, sw, bias, "gelu", transpose_out=True)
+    with pytest.raises(ValueError, match="plain x\\^T tiles"):
+        calls.spmm_from_xt(xt, sw, bias, "gelu", "ws128x256", with_derivative=True, transpose_out=True)
+
+
 def test_fused_epilogue_rejects():
     x, sw, bias = _make(key("fused-rejects"), 64, 512, 384, "2:4", jnp.bfloat16, with_bias=True)
     with pytest.raises(ValueError, match="with_derivative needs an activation"):

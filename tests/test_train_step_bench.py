@@ -42,6 +42,26 @@ def test_quick_writes_json(tmp_path, capsys):
         rows["dense"]["step_ms_pipelined"] / rows["64:2:8"]["step_ms_pipelined"])
 
 
+def test_mlp_hidden_both_runs_each_fused_sparse_row_both_ways(tmp_path, monkeypatch, capsys):
+    """--mlp-hidden both: the sparse configuration twice, once with JAXSPARSE_MLP_HIDDEN=row (labelled in the table),
+    the dense one once; the variable is set only while its row runs."""
+    from jaxsparse import ops
+
+    monkeypatch.delenv(ops.MLP_HIDDEN_ENV, raising=False)
+    bench = _load()
+    seen = []
+    time_step = bench._time_step
+    monkeypatch.setattr(bench, "_time_step", lambda step_cfg, cfg, turn: (
+        seen.append(os.environ.get(ops.MLP_HIDDEN_ENV)), time_step(step_cfg, cfg, turn))[1])
+    out = tmp_path / "train_step.json"
+    rc = bench.main(["--quick", "--sparsities", "dense,64:2:8", "--steps", "1", "--warmup", "1", "--batch-size", "2",
+                     "--in-process", "--mlp-hidden", "both", "--out", str(out)])
+    assert rc == 0 and "fused, h row" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["sparsity"], r.get("mlp_hidden")) for r in rows] == [("dense", None), ("64:2:8", None), ("64:2:8", "row")]
+    assert seen == [None, None, "row"] and ops.MLP_HIDDEN_ENV not in os.environ
+
+
 def test_mode_falls_back_to_masked_dense_with_the_reason():
     from jaxsparse.models import bert
     from jaxsparse.trainstep import sparse_mode

@@ -303,24 +303,33 @@ def spmm_xt_tile(tile: str | None = None) -> int:
 
 
 def spmm_from_xt(xt: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activation: str | None = None,
-                 tile: str | None = None, with_derivative: bool = False):
+                 tile: str | None = None, with_derivative: bool = False, transpose_out: bool = False):
     """:func:`spmm` from ``x^T [K, T]`` by the Hopper handler ``jaxsparse_spmm_xt`` (what ``x_layout="col"``
     runs after :func:`transpose`): ``[T, R]`` in ``xt.dtype`` (a pair with ``with_derivative``, as :func:`spmm`).
     Needs ``T % 8 == 0``, ``R % 128 == 0`` and a Hopper GPU with the sm_90a build, besides :func:`spmm`'s list.
-    ``tile``: see :func:`spmm_xt_tile`."""
+    ``tile``: see :func:`spmm_xt_tile`.
+
+    ``transpose_out`` (with ``with_derivative``; act_mode 2): the pair ``(act(z)^T [R, T], act'(z) [T, R])``, the
+    first being the ``x^T`` a following layer on this route reads (:func:`jaxsparse.ops.sparse_mlp`); the
+    warp-specialized tiles do not take it (``ValueError``)."""
     k, r = sw.shape
     if xt.ndim != 2 or xt.shape[0] != k:
         raise ValueError(f"spmm_from_xt: need x^T [{k}, T], got {xt.shape}")
     _spmm_checks("spmm_from_xt", sw, xt.dtype, bias, activation)
     _check_act_mode("spmm_from_xt", activation, with_derivative)
+    if transpose_out and not with_derivative:
+        raise ValueError("spmm_from_xt: transpose_out needs with_derivative (act_mode 2)")
+    if transpose_out and _setting(tile, SPMM_XT_TILE_ENV).startswith("ws"):
+        raise ValueError(f"spmm_from_xt: transpose_out runs on the plain x^T tiles, not {_setting(tile, SPMM_XT_TILE_ENV)}"
+                         f" ({SPMM_XT_TILE_ENV})")
     spmm_x_layout(xt.shape[1], sw, "col")  # raises ValueError naming the constraint the shapes miss
-    return _spmm_xt_call(xt, sw, bias, activation, tile, act_mode=int(with_derivative))
+    return _spmm_xt_call(xt, sw, bias, activation, tile, act_mode=2 if transpose_out else int(with_derivative))
 
 
 def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str | None = None,
                   x_rows: bool = False, act_mode: int = 0):
     """The ``jaxsparse_spmm_xt`` call, operands checked: ``xt`` is x^T [K, T], or x [T, K] with ``x_rows``.
-    ``act_mode`` 1 returns ``(act(z), act'(z))`` (cuda/spmm_xt.cu)."""
+    ``act_mode`` 1 returns ``(act(z), act'(z))``, 2 ``(act(z)^T, act'(z))`` (cuda/spmm_xt.cu)."""
     b = bias if bias is not None else jnp.zeros((0,), xt.dtype)
     tokens = xt.shape[0] if x_rows else xt.shape[1]
     name = _setting(tile, SPMM_XT_TILE_ENV)
@@ -332,13 +341,14 @@ def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str |
         raise ValueError(f"spmm: the TMA row kernel reads x [T, K] with tile {', '.join(SPMM_ROW_TILES)}, got {name} "
                          f"({SPMM_XT_TILE_ENV}; or {SPMM_ROW_KERNEL_ENV}=mma)")
     out = ((tokens, sw.shape[1]), xt.dtype)
+    first = ((sw.shape[1], tokens), xt.dtype) if act_mode == 2 else out
     results = _call_results(
-        "jaxsparse_spmm_xt", [out, out if act_mode == 1 else ((0,), xt.dtype)], xt, sw.values,
+        "jaxsparse_spmm_xt", [first, out if act_mode != 0 else ((0,), xt.dtype)], xt, sw.values,
         _columns_operand(sw), sw.metadata, b, v=np.int32(sw.spec.v),
         m=np.int32(sw.spec.m), activation=np.int32(ACTIVATION_CODES[activation]), act_mode=np.int32(act_mode),
         tile=np.int32(tile_id), x_rows=np.int32(x_rows),
     )
-    return tuple(results) if act_mode == 1 else results[0]
+    return tuple(results) if act_mode != 0 else results[0]
 
 
 SDDMM_SPLIT_ENV = "JAXSPARSE_SDDMM_SPLIT"
