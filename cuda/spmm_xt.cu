@@ -23,8 +23,8 @@
 // epilogue, reading it where the stores write) and measured it no faster than XLA's multiply after the product
 // (0.314 against 0.310 ms at 16384 x 1024 x 4096, benchmarks/ffn_epilogue.py), which XLA also fuses with the bias
 // gradient's reduction: it was removed.  act_mode 2 (session 28) is act_mode 1 with act(z) stored transposed, [R, T],
-// straight from the accumulators (StoreXtActTransposed): that is the x^T the block's second layer reads on this
-// route, so its jaxsparse_transpose is gone (the plain kernel only, not the warp-specialized one).
+// staged as a second tile (StageXtActTransposed, StoreStagedTileT): that is the x^T the block's second layer reads on
+// this route, so its jaxsparse_transpose is gone (the plain kernel only, not the warp-specialized one).
 // Needs T % 8 == 0 (16-byte rows of x^T) and R % BR == 0, BR <= V; the Python side takes this path only then.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -56,7 +56,7 @@ struct SpmmXtParams {
   int meta_pairs;        // warp-specialized kernel: metadata by TMA pairs where they fit (LaunchWs clears it where not)
 };
 
-// The stores' extra work for act_mode 1 and 2 (none without y2; act_mode 2 writes y itself, StoreXtActTransposed).
+// The stores' extra work for act_mode 1 and 2 (none without y2; act_mode 2 writes y itself, StoreStagedTileT).
 __device__ __forceinline__ StagedExtra Extra(const SpmmXtParams& p) {
   return StagedExtra{p.y2, p.activation, p.y_t == 0};
 }
@@ -76,7 +76,10 @@ struct XtLayout {
   static constexpr int kMetaOff = kPipeBytes;
   static constexpr int kYRowBytes = BR * 2 + 16;  // [BT tokens][BR features] + pad
   static constexpr int kEpiBytes = BT * kYRowBytes;
+  static constexpr int kYtRowBytes = BT * 2 + 16;  // act_mode 2's act(z)^T: [BR features][BT tokens] + pad, after it
+  static constexpr int kEpiTOff = kEpiBytes;
   static constexpr int kLoopBytes = kMetaOff + STAGES * kMetaBytes;
+  static_assert(kEpiTOff + BR * kYtRowBytes <= kLoopBytes, "both epilogue tiles fit where the pipeline was");
   static constexpr int kColsOff = kLoopBytes > kEpiBytes ? kLoopBytes : kEpiBytes;  // the block's column bytes
   static_assert(kStageBytes % 1024 == 0, "swizzle atoms are 1024-byte aligned");
 };
@@ -246,30 +249,43 @@ __device__ __forceinline__ void StageXtAccumulators(float (&acc)[NCH][NW / 2], u
   }
 }
 
-// act_mode 2: act(z) of one warpgroup's accumulators (warp wq of it) stored transposed, y^T [R, T], straight from the
-// registers.  A thread holds two adjacent tokens of a feature per accumulator pair (i, i + 1), so each store is one
-// 32-bit word; a warp's store covers 8 features x 16 contiguous bytes, and the next 8-token column fills the other
-// halves of those 32-byte sectors (L2 merges them).  z is rounded to T first, as the staged tile and y2 see it.
+// act_mode 2: act(z) of one warpgroup's accumulators (warp wq of it) staged transposed, as [BR features][BT tokens]
+// (feature rows `row_bytes` apart), for StoreStagedTileT.  A thread holds two adjacent tokens of a feature per
+// accumulator pair (i, i + 1): one 32-bit word; with rows 16 bytes longer than the tokens (4 banks), a warp's 8
+// features x 4 token pairs land on 32 different banks.  z is rounded to T first, as the [T, R] tile and y2 see it.
 template <typename T, int NW, int NCH>
-__device__ __forceinline__ void StoreXtActTransposed(float (&acc)[NCH][NW / 2], const SpmmXtParams& p, int row0,
-                                                     int tok0, int r_base, int t_base, int wq, int lane) {
+__device__ __forceinline__ void StageXtActTransposed(float (&acc)[NCH][NW / 2], unsigned char* tile, int row_bytes,
+                                                     const SpmmXtParams& p, int row0, int r_base, int t_base, int wq,
+                                                     int lane) {
   const int r_lo = r_base + 16 * wq + (lane >> 2);
   const float bias_lo = BiasAt<T>(p.bias, p.bias_f32, row0 + r_lo);
   const float bias_hi = BiasAt<T>(p.bias, p.bias_f32, row0 + r_lo + 8);
-  uint32_t* __restrict__ yt = static_cast<uint32_t*>(p.y);  // pairs of T
-  const int64_t words_per_row = p.tokens / 2;
 #pragma unroll
   for (int c = 0; c < NCH; ++c) {
 #pragma unroll
     for (int i = 0; i < NW / 2; i += 2) {
       const int hi = (i >> 1) & 1;
-      const int t = tok0 + t_base + c * NW + 8 * (i >> 2) + 2 * (lane & 3);  // even; T % 8 == 0: t + 1 < T too
-      if (t >= p.tokens) continue;
+      const int t = t_base + c * NW + 8 * (i >> 2) + 2 * (lane & 3);  // tile-local, even
       const float b = hi ? bias_hi : bias_lo;
       const float a0 = Activate(p.activation, ToFloat(FromFloat<T>(acc[c][i] + b)));
       const float a1 = Activate(p.activation, ToFloat(FromFloat<T>(acc[c][i + 1] + b)));
-      yt[static_cast<int64_t>(row0 + r_lo + 8 * hi) * words_per_row + t / 2] = PackPair<T>(a0, a1);
+      *reinterpret_cast<uint32_t*>(tile + (r_lo + 8 * hi) * row_bytes + 2 * t) = PackPair<T>(a0, a1);
     }
+  }
+}
+
+// Writes a tile staged as [BR features][BT tokens] to y^T [rows, tokens] at (row0, tok0) with 16-byte stores along the
+// tokens (a feature's BT tokens are 2 BT contiguous bytes); tokens past `tokens` are skipped (T % 8 == 0).
+template <typename T, int BT, int BR, int THREADS>
+__device__ __forceinline__ void StoreStagedTileT(const unsigned char* tile, int row_bytes, T* __restrict__ yt,
+                                                 int tokens, int tok0, int row0, int thread) {
+  constexpr int kChunks = BT / 8;  // 16-byte chunks per feature row
+#pragma unroll 4
+  for (int i = thread; i < BR * kChunks; i += THREADS) {
+    const int r = i / kChunks, c = i % kChunks;
+    if (tok0 + 8 * c < tokens)
+      *reinterpret_cast<uint4*>(yt + static_cast<int64_t>(row0 + r) * tokens + tok0 + 8 * c) =
+          *reinterpret_cast<const uint4*>(tile + r * row_bytes + 16 * c);
   }
 }
 
@@ -352,10 +368,13 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
   CpAsyncWait<0>();
   __syncthreads();  // no wgmma or copy touches the pipeline buffers any more: reuse them as the Y tile
   StageXtAccumulators<T, NW, NCH>(acc, smem, L::kYRowBytes, p, row0, 64 * wr, wt * WN, wq, lane);
-  if (p.y_t) StoreXtActTransposed<T, NW, NCH>(acc, p, row0, tok0, 64 * wr, wt * WN, wq, lane);
+  if (p.y_t) StageXtActTransposed<T, NW, NCH>(acc, smem + L::kEpiTOff, L::kYtRowBytes, p, row0, 64 * wr, wt * WN, wq, lane);
   __syncthreads();
   StoreStagedTile<T, BT, BR, kThreads>(smem, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows, tok0, row0,
                                        threadIdx.x, Extra(p));
+  if (p.y_t)
+    StoreStagedTileT<T, BT, BR, kThreads>(smem + L::kEpiTOff, L::kYtRowBytes, static_cast<T*>(p.y), p.tokens, tok0,
+                                          row0, threadIdx.x);
 #else
   __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
 #endif
