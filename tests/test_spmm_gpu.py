@@ -324,7 +324,7 @@ def test_spmm_with_derivative(monkeypatch, spec, route, activation):
                                         ("64:2:8", "64x128"), ("128:2:32", "128x128"), ("2:4", "auto")])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_spmm_from_xt_transposed_activation(spec, tile, dtype):
-    """act_mode 2 (``transpose_out``): act(z)^T [R, T] from the accumulators and act'(z) [T, R] from the staged tile,
+    """act_mode 2 (``transpose_out``): act(z)^T [R, T] and act'(z) [T, R], each from its own staged tile,
     both poisoned first; 1000 tokens (a tail on every token tile) and 384 features (a tail of 128-feature tiles
     over the 256-wide ones)."""
     from jaxsparse import reference
