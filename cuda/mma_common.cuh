@@ -203,11 +203,10 @@ __device__ __forceinline__ float BiasAt(const void* bias, int bias_f32, int row)
 }
 
 // What a staged tile's store does besides copying it to y (StoreStagedTile): with `y2`, write act(tile) to y and
-// act'(tile) to y2 (the tile holds a pre-activation); without `store_y` only act'(tile) to y2 (y written elsewhere).
+// act'(tile) to y2 (the tile holds a pre-activation).
 struct StagedExtra {
   void* y2 = nullptr;
   int activation = 0;
-  bool store_y = true;
 };
 
 // Writes an output tile staged in shared memory as [BT tokens][BR features] (token rows `row_bytes` apart)
@@ -238,7 +237,7 @@ __device__ __forceinline__ void StoreStagedTile(const unsigned char* tile, int r
         }
         *reinterpret_cast<uint4*>(static_cast<T*>(extra.y2) + at(i)) = d4;
       }
-      if (extra.store_y) *reinterpret_cast<uint4*>(y + at(i)) = v4;
+      *reinterpret_cast<uint4*>(y + at(i)) = v4;
     }
   }
 }

@@ -24,7 +24,9 @@
 // (0.314 against 0.310 ms at 16384 x 1024 x 4096, benchmarks/ffn_epilogue.py), which XLA also fuses with the bias
 // gradient's reduction: it was removed.  act_mode 2 (session 28) is act_mode 1 with act(z) stored transposed, [R, T],
 // staged as a second tile (StageXtActTransposed, StoreStagedTileT): that is the x^T the block's second layer reads on
-// this route, so its jaxsparse_transpose is gone (the plain kernel only, not the warp-specialized one).
+// this route, so its jaxsparse_transpose is gone (the plain kernel only, not the warp-specialized one).  Its staging
+// computes act and act' once per element (v2 computed act there and both again in the store pass: no faster than
+// act_mode 1 plus a transpose on the H100; docs/kernel-notes.md, session 28).
 // Needs T % 8 == 0 (16-byte rows of x^T) and R % BR == 0, BR <= V; the Python side takes this path only then.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -56,10 +58,8 @@ struct SpmmXtParams {
   int meta_pairs;        // warp-specialized kernel: metadata by TMA pairs where they fit (LaunchWs clears it where not)
 };
 
-// The stores' extra work for act_mode 1 and 2 (none without y2; act_mode 2 writes y itself, StoreStagedTileT).
-__device__ __forceinline__ StagedExtra Extra(const SpmmXtParams& p) {
-  return StagedExtra{p.y2, p.activation, p.y_t == 0};
-}
+// The stores' extra work for act_mode 1 (none without y2; act_mode 2 stages act and act' itself).
+__device__ __forceinline__ StagedExtra Extra(const SpmmXtParams& p) { return StagedExtra{p.y2, p.activation}; }
 
 constexpr int kKc = 64;           // condensed k per stage: one 128-byte swizzle row of 16-bit values per k
 constexpr int kThreads = 256;     // two warpgroups
@@ -249,14 +249,16 @@ __device__ __forceinline__ void StageXtAccumulators(float (&acc)[NCH][NW / 2], u
   }
 }
 
-// act_mode 2: act(z) of one warpgroup's accumulators (warp wq of it) staged transposed, as [BR features][BT tokens]
-// (feature rows `row_bytes` apart), for StoreStagedTileT.  A thread holds two adjacent tokens of a feature per
-// accumulator pair (i, i + 1): one 32-bit word; with rows 16 bytes longer than the tokens (4 banks), a warp's 8
-// features x 4 token pairs land on 32 different banks.  z is rounded to T first, as the [T, R] tile and y2 see it.
+// act_mode 2's staging of one warpgroup's accumulators (warp wq of it): act(z) transposed into `tile_t`, [BR features]
+// [BT tokens] (feature rows `row_bytes_t` apart), for StoreStagedTileT, and act'(z) into `tile`, [BT tokens][BR
+// features], for a plain copy to y2: each element's activation and derivative computed once (ActivateWithGrad), as
+// act_mode 1's store pass does.  A thread holds two adjacent tokens of a feature per accumulator pair (i, i + 1): one
+// 32-bit word of `tile_t`; with its rows 16 bytes longer than the tokens (4 banks), a warp's 8 features x 4 token pairs
+// land on 32 different banks.  z is rounded to T first, as act_mode 1's staged tile rounds it.
 template <typename T, int NW, int NCH>
 __device__ __forceinline__ void StageXtActTransposed(float (&acc)[NCH][NW / 2], unsigned char* tile, int row_bytes,
-                                                     const SpmmXtParams& p, int row0, int r_base, int t_base, int wq,
-                                                     int lane) {
+                                                     unsigned char* tile_t, int row_bytes_t, const SpmmXtParams& p,
+                                                     int row0, int r_base, int t_base, int wq, int lane) {
   const int r_lo = r_base + 16 * wq + (lane >> 2);
   const float bias_lo = BiasAt<T>(p.bias, p.bias_f32, row0 + r_lo);
   const float bias_hi = BiasAt<T>(p.bias, p.bias_f32, row0 + r_lo + 8);
@@ -264,12 +266,15 @@ __device__ __forceinline__ void StageXtActTransposed(float (&acc)[NCH][NW / 2], 
   for (int c = 0; c < NCH; ++c) {
 #pragma unroll
     for (int i = 0; i < NW / 2; i += 2) {
-      const int hi = (i >> 1) & 1;
+      const int hi = (i >> 1) & 1, r = r_lo + 8 * hi;
       const int t = t_base + c * NW + 8 * (i >> 2) + 2 * (lane & 3);  // tile-local, even
       const float b = hi ? bias_hi : bias_lo;
-      const float a0 = Activate(p.activation, ToFloat(FromFloat<T>(acc[c][i] + b)));
-      const float a1 = Activate(p.activation, ToFloat(FromFloat<T>(acc[c][i + 1] + b)));
-      *reinterpret_cast<uint32_t*>(tile + (r_lo + 8 * hi) * row_bytes + 2 * t) = PackPair<T>(a0, a1);
+      float f0, d0, f1, d1;
+      ActivateWithGrad(p.activation, ToFloat(FromFloat<T>(acc[c][i] + b)), f0, d0);
+      ActivateWithGrad(p.activation, ToFloat(FromFloat<T>(acc[c][i + 1] + b)), f1, d1);
+      *reinterpret_cast<uint32_t*>(tile_t + r * row_bytes_t + 2 * t) = PackPair<T>(f0, f1);
+      reinterpret_cast<T*>(tile + t * row_bytes)[r] = FromFloat<T>(d0);
+      reinterpret_cast<T*>(tile + (t + 1) * row_bytes)[r] = FromFloat<T>(d1);
     }
   }
 }
@@ -367,14 +372,20 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
   // ---------------------------------------------------------------- epilogue
   CpAsyncWait<0>();
   __syncthreads();  // no wgmma or copy touches the pipeline buffers any more: reuse them as the Y tile
+  if (p.y_t) {  // act_mode 2: act'(z) [T, R] copied to y2, act(z)^T [R, T] to y
+    StageXtActTransposed<T, NW, NCH>(acc, smem, L::kYRowBytes, smem + L::kEpiTOff, L::kYtRowBytes, p, row0, 64 * wr,
+                                     wt * WN, wq, lane);
+    __syncthreads();
+    StoreStagedTile<T, BT, BR, kThreads>(smem, L::kYRowBytes, static_cast<T*>(p.y2), p.tokens, p.rows, tok0, row0,
+                                         threadIdx.x);
+    StoreStagedTileT<T, BT, BR, kThreads>(smem + L::kEpiTOff, L::kYtRowBytes, static_cast<T*>(p.y), p.tokens, tok0,
+                                          row0, threadIdx.x);
+    return;
+  }
   StageXtAccumulators<T, NW, NCH>(acc, smem, L::kYRowBytes, p, row0, 64 * wr, wt * WN, wq, lane);
-  if (p.y_t) StageXtActTransposed<T, NW, NCH>(acc, smem + L::kEpiTOff, L::kYtRowBytes, p, row0, 64 * wr, wt * WN, wq, lane);
   __syncthreads();
   StoreStagedTile<T, BT, BR, kThreads>(smem, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows, tok0, row0,
                                        threadIdx.x, Extra(p));
-  if (p.y_t)
-    StoreStagedTileT<T, BT, BR, kThreads>(smem + L::kEpiTOff, L::kYtRowBytes, static_cast<T*>(p.y), p.tokens, tok0,
-                                          row0, threadIdx.x);
 #else
   __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
 #endif
