@@ -126,10 +126,10 @@ def _block_rows(a, w, bias, w2, bias2, sw, sw2, sets, m: int, v: int) -> list[di
     t, k, n, act = a.tokens, a.k, a.n, a.activation
     fn_act = reference.ACTIVATIONS[act]
 
-    def dense_loss(x, g, w, b, w2, b2):
-        h = fn_act(jnp.dot(x, w, preferred_element_type=jnp.float32) + b).astype(x.dtype)
-        y = jnp.dot(h, w2, preferred_element_type=jnp.float32) + b2
-        return jnp.sum(y * g)
+    def dense_loss(x, g, w, b, w2, b2):  # as bf16 nn.Dense runs it: every product, forward and backward, in bf16
+        h = fn_act(jnp.dot(x, w) + b)
+        y = jnp.dot(h, w2) + b2
+        return jnp.sum(y.astype(jnp.float32) * g)
 
     def sparse_loss(x, g, v1, b, v2, b2):
         y = ops.sparse_mlp(x, sw.replace(values=v1), b, sw2.replace(values=v2), b2, act)
