@@ -400,7 +400,9 @@ def sparse_mlp(x: jax.Array, sw1: SparseWeight, b1: Optional[jax.Array], sw2: Sp
     weights' values and both biases: :func:`sparse_linear` twice with the activation fused into the kernels.
 
     The first product's epilogue writes the activation (the second product's input) and its derivative (kept for
-    the backward) in one pass, so XLA's activation pass over the ``[tokens, F]`` pre-activation is gone; the backward
+    the backward) in one pass, so XLA's activation pass over the ``[tokens, F]`` pre-activation is gone; where both
+    layers take the x^T route it writes the activation transposed, as the second layer reads it
+    (:func:`mlp_hidden_layout`), so no transpose of it runs either; the backward
     multiplies the second layer's input gradient by that derivative in XLA's bias-gradient reduction
     (docs/kernel-notes.md, session 22: an epilogue multiply measured no faster).
 
