@@ -24,8 +24,8 @@ from jaxsparse.format import transpose_2_4 as format_transpose_2_4
 from jaxsparse.format import block_dx_operands
 
 __all__ = ["decompress", "transpose_2_4", "spmm", "sddmm", "spmm_t", "dx_route",
-           "dx_route_scope", "linear_x_layout", "mlp_hidden_layout", "sparse_linear", "sparse_mlp", "FUSED_ACTIVATIONS", "masked_linear",
-           "spmm_unsupported"]
+           "dx_route_scope", "linear_x_layout", "mlp_hidden_layout", "sparse_linear", "sparse_mlp",
+           "FUSED_ACTIVATIONS", "masked_linear", "spmm_unsupported"]
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 

@@ -319,9 +319,9 @@ def spmm_from_xt(xt: jax.Array, sw: SparseWeight, bias: jax.Array | None = None,
     _check_act_mode("spmm_from_xt", activation, with_derivative)
     if transpose_out and not with_derivative:
         raise ValueError("spmm_from_xt: transpose_out needs with_derivative (act_mode 2)")
-    if transpose_out and _setting(tile, SPMM_XT_TILE_ENV).startswith("ws"):
-        raise ValueError(f"spmm_from_xt: transpose_out runs on the plain x^T tiles, not {_setting(tile, SPMM_XT_TILE_ENV)}"
-                         f" ({SPMM_XT_TILE_ENV})")
+    tile_name = _setting(tile, SPMM_XT_TILE_ENV)
+    if transpose_out and tile_name.startswith("ws"):
+        raise ValueError(f"spmm_from_xt: transpose_out runs on the plain x^T tiles, not {tile_name} ({SPMM_XT_TILE_ENV})")
     spmm_x_layout(xt.shape[1], sw, "col")  # raises ValueError naming the constraint the shapes miss
     return _spmm_xt_call(xt, sw, bias, activation, tile, act_mode=2 if transpose_out else int(with_derivative))
 
