@@ -45,6 +45,7 @@ import common  # noqa: E402
 common.import_jaxsparse_from_install_or_checkout()  # the installed package has the kernels
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 from jaxsparse import data as data_lib  # noqa: E402
 from jaxsparse import dispatch  # noqa: E402
 from jaxsparse import ffi as jsffi  # noqa: E402
@@ -82,6 +83,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--teacher-dir", type=Path, default=None,
                    help="share distillation teachers between processes: the first trains and saves "
                         "teacher-<task>.npz here (under a file lock), the others load it")
+    p.add_argument("--teacher-seeds", type=int, default=1,
+                   help="the soft labels (--distill) are the mean logits of this many dense teachers, seeds 0 .. N-1 "
+                        "(the in-step terms and --init teacher keep seed 0's teacher)")
     p.add_argument("--prune-end", type=float, default=0.5, help="GMP ramp from step 0 to this fraction of all steps")
     p.add_argument("--prune", default="gmp", choices=("gmp", "oneshot"),
                    help="how sparse runs reach their pattern: GMP through the default ladder, or one-shot at step 0")
@@ -132,6 +136,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.seed_values = ([int(x) for x in args.seed_list.split(",") if x.strip()] if args.seed_list
                         else list(range(args.seeds)))
     train.check_recipe_arguments(p, args)
+    if args.teacher_seeds < 1 or (args.teacher_seeds > 1 and args.distill <= 0):
+        p.error(f"--teacher-seeds must be >= 1, and above 1 it needs --distill > 0 (got {args.teacher_seeds})")
     if not args.tasks or not args.sparsities or args.seeds < 1 or not args.seed_values:
         p.error("need at least one task, one sparsity and --seeds >= 1")
     if args.dtype == "auto":
@@ -162,7 +168,8 @@ def hyperparameters(args: argparse.Namespace) -> dict[str, Any]:
                if args.regrow_every else {}),
             **({"transposable_masks": True} if args.transposable_masks else {}),
             **({"exclusive_columns": True} if args.exclusive_columns else {}),
-            **({"average_from": args.average_from} if args.average_from else {})}
+            **({"average_from": args.average_from} if args.average_from else {}),
+            **({"teacher_seeds": args.teacher_seeds} if args.teacher_seeds > 1 else {})}
 
 
 def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> argparse.Namespace:
@@ -331,8 +338,10 @@ def distill_note(payload: dict) -> str:
           if hp.get("augment_neighbors") else "")
     augment = (f", and the same terms on a copy of each batch with {hp['distill_augment']:g} of its tokens replaced"
                f"{by} (--distill-augment)" if hp.get("distill_augment") else "")
+    soft = (f"; the soft labels are the mean logits of {hp['teacher_seeds']} dense teachers, seeds 0-"
+            f"{hp['teacher_seeds'] - 1} (--teacher-seeds)" if hp.get("teacher_seeds", 1) > 1 else "")
     return (f"; sparse runs distil from a dense teacher per task (seed 0, same schedule; test accuracy {accs or 'n/a'}) "
-            f"with {' and '.join(terms)}{augment}")
+            f"with {' and '.join(terms)}{augment}{soft}")
 
 
 def section(payload: dict) -> str:
@@ -493,19 +502,20 @@ class _Progress:
             self.bar.close()
 
 
-def _teacher(args: argparse.Namespace, task: str, data: train.TaskTokens, cfg, pretrained, cache) -> tuple[Any, dict, Any]:
-    """The dense teacher of ``task`` (seed 0): ``(train logits, metrics, params)``, trained here, or loaded from /
-    saved to ``--teacher-dir``."""
-    targs = run_args(args, task, "dense", 0)
+def _teacher(args: argparse.Namespace, task: str, data: train.TaskTokens, cfg, pretrained, cache,
+             seed: int = 0) -> tuple[Any, dict, Any]:
+    """The dense teacher of ``task`` and ``seed``: ``(train logits, metrics, params)``, trained here, or loaded from /
+    saved to ``--teacher-dir`` (``teacher-<task>.npz`` for seed 0, ``teacher-<task>-s<seed>.npz`` otherwise)."""
+    targs = run_args(args, task, "dense", seed)
     if args.teacher_dir is None:
         return train.fit_teacher(targs, data, cfg, pretrained, cache=cache, log=lambda line: None)
     import fcntl
-    import numpy as np
     from flax import traverse_util
 
     args.teacher_dir.mkdir(parents=True, exist_ok=True)
-    path = args.teacher_dir / f"teacher-{task}.npz"
-    with open(args.teacher_dir / f"teacher-{task}.lock", "w") as lock:
+    name = f"teacher-{task}" + (f"-s{seed}" if seed else "")
+    path = args.teacher_dir / f"{name}.npz"
+    with open(args.teacher_dir / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one process trains, the others wait and load
         if path.exists():
             saved = np.load(path, allow_pickle=False)
@@ -577,6 +587,16 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
             payload["teachers"][task] = {"seed": 0, "test_accuracy": tm["test_accuracy"],
                                          "dev_accuracy": tm["dev_accuracy"], "seconds": time.time() - r0}
             log(f"{task} teacher (dense, seed 0): test acc {100 * tm['test_accuracy']:.2f} ({time.time() - r0:.0f} s)")
+            if args.teacher_seeds > 1:  # the soft labels: the mean logits of seeds 0 .. N-1
+                members = [(teachers[task], tm)] + [_teacher(args, task, data[task], cfg, pretrained, cache, seed)[:2]
+                                                    for seed in range(1, args.teacher_seeds)]
+                teachers[task] = np.mean([np.asarray(m[0], np.float32) for m in members], axis=0)
+                payload["teachers"][task].update(
+                    soft_label_seeds=list(range(args.teacher_seeds)),
+                    member_test_accuracy=[m[1]["test_accuracy"] for m in members],
+                    member_dev_accuracy=[m[1]["dev_accuracy"] for m in members], seconds=time.time() - r0)
+                accs = ", ".join(f"{100 * m[1]['test_accuracy']:.2f}" for m in members)
+                log(f"{task} soft labels: mean logits of {args.teacher_seeds} dense teachers (test acc {accs})")
     bar = _Progress(sum(steps_of[t, s] for t, s, _ in grid), not args.no_progress)
     last: dict[tuple[str, str], float] = {}
     try:
@@ -636,7 +656,7 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
 SPARSE_ONLY_HYPERPARAMETERS = ("prune", "ladder", "prune_begin", "prune_end", "fade", "score", "distill",
                                "temperature", "distill_hidden", "distill_attention", "distill_augment", "augment_neighbors", "student_epochs", "student_lr", "compress", "init", "refit", "refit_batches",
                                "regrow_every", "regrow_until", "regrow_decay", "transposable_masks",
-                               "exclusive_columns", "average_from")
+                               "exclusive_columns", "average_from", "teacher_seeds")
 
 
 def _dense_settings(hp: dict) -> dict:

@@ -130,6 +130,34 @@ def test_seed_slices_share_one_teacher_and_merge(acc, tmp_path, monkeypatch):
     assert "sparse runs distil from a dense teacher" in (tmp_path / "m" / "accuracy.md").read_text()
 
 
+def test_teacher_seeds_average_the_soft_labels(acc, tmp_path, monkeypatch):
+    """--teacher-seeds 2: two dense teachers (seeds 0 and 1, saved apart), the sparse runs' soft labels are the mean of
+    their train logits, the study records both and names it; rejected without --distill."""
+    import numpy as np
+
+    from jaxsparse import train
+
+    common = ["--quick", "--tasks", "trec", "--sparsities", "2:4", "--seeds", "1", "--distill", "0.5",
+              "--teacher-seeds", "2", "--teacher-dir", str(tmp_path / "teachers"), "--no-progress"]
+    assert acc.main(common + ["--out-dir", str(tmp_path / "a")]) == 0
+    saved = [np.load(tmp_path / "teachers" / f"teacher-trec{sfx}.npz")["logits"] for sfx in ("", "-s1")]
+    assert not np.allclose(saved[0], saved[1])  # two seeds, two teachers
+    seen = []
+    real_fit = train.fit
+    monkeypatch.setattr(train, "fit_teacher", lambda *a, **k: pytest.fail("the saved teachers should be loaded"))
+    monkeypatch.setattr(train, "fit", lambda *a, teacher_logits=None, **k: (
+        seen.append(teacher_logits), real_fit(*a, teacher_logits=teacher_logits, **k))[1])
+    assert acc.main(common + ["--out-dir", str(tmp_path / "b")]) == 0
+    assert len(seen) == 1 and np.allclose(seen[0], (saved[0] + saved[1]) / 2)
+    payload = json.loads((tmp_path / "b" / "accuracy.json").read_text())
+    assert payload["hyperparameters"]["teacher_seeds"] == 2 and "teacher_seeds" in acc.SPARSE_ONLY_HYPERPARAMETERS
+    assert payload["teachers"]["trec"]["soft_label_seeds"] == [0, 1]
+    assert len(payload["teachers"]["trec"]["member_test_accuracy"]) == 2
+    assert "mean logits of 2 dense teachers" in acc.section(payload)
+    with pytest.raises(SystemExit):
+        acc.parse_args(["--quick", "--teacher-seeds", "2"])
+
+
 def test_saved_teacher_serves_studies_that_differ_only_in_sparse_settings(acc, tmp_path, monkeypatch):
     """The teacher is a dense run: a study with another pruning recipe loads it, one with another lr refuses it."""
     from jaxsparse import train
