@@ -147,13 +147,9 @@ def _block_rows(a, w, bias, w2, bias2, sw, sw2, sets, m: int, v: int) -> list[di
     for name, (loss, params, hidden) in cases.items():
         vg = jax.jit(jax.value_and_grad(loss, argnums=(0, 2, 3, 4, 5)))
         run = lambda x, g, vg=vg, params=params: vg(x, g, *params)
-        with ops.dx_route_scope("transposed"):  # the routes are read when the block is traced: trace here
-            if hidden is not None:
-                os.environ[ops.MLP_HIDDEN_ENV] = hidden
-            try:
-                jax.block_until_ready(run(*grad_sets[0]))
-            finally:
-                os.environ.pop(ops.MLP_HIDDEN_ENV, None)
+        # the routes are read when the block is traced: trace here
+        with ops.dx_route_scope("transposed"), ops.mlp_hidden_scope(hidden):
+            jax.block_until_ready(run(*grad_sets[0]))
         ms = common.time_jax(run, grad_sets)
         floor_ms = floor_dense if hidden is None else floor_sparse
         rows.append({"case": name, "ms": round(ms, 4), "floor_ms": round(floor_ms, 4),

@@ -80,18 +80,9 @@ def run_config(cfg: dict, turn: dict | None = None) -> dict:
                           fuse_feed_forward=cfg.get("fuse_feed_forward", True),
                           exclusive_columns=bool(cfg.get("exclusive_columns")) and sparse)
     # An in-process run's other configurations keep their own dX route; a JAXSPARSE_DX set by the user wins.
-    hidden = cfg.get("mlp_hidden")  # how sparse_mlp hands h over (ops.mlp_hidden_layout); None: as the environment says
-    previous = os.environ.get(ops.MLP_HIDDEN_ENV)
-    if hidden is not None:
-        os.environ[ops.MLP_HIDDEN_ENV] = hidden
-    try:
-        with ops.dx_route_scope(step_cfg.dx_route(), keep_set=True):
-            return _time_step(step_cfg, cfg, turn)
-    finally:
-        if previous is None:
-            os.environ.pop(ops.MLP_HIDDEN_ENV, None)
-        else:
-            os.environ[ops.MLP_HIDDEN_ENV] = previous
+    # How sparse_mlp hands h over (ops.mlp_hidden_layout); None: as the environment says.
+    with ops.mlp_hidden_scope(cfg.get("mlp_hidden")), ops.dx_route_scope(step_cfg.dx_route(), keep_set=True):
+        return _time_step(step_cfg, cfg, turn)
 
 
 def _time_step(step_cfg, cfg: dict, turn: dict | None) -> dict:

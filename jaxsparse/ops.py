@@ -24,7 +24,7 @@ from jaxsparse.format import transpose_2_4 as format_transpose_2_4
 from jaxsparse.format import block_dx_operands
 
 __all__ = ["decompress", "transpose_2_4", "spmm", "sddmm", "spmm_t", "dx_route",
-           "dx_route_scope", "linear_x_layout", "mlp_hidden_layout", "sparse_linear", "sparse_mlp",
+           "dx_route_scope", "linear_x_layout", "mlp_hidden_layout", "mlp_hidden_scope", "sparse_linear", "sparse_mlp",
            "FUSED_ACTIVATIONS", "masked_linear", "spmm_unsupported"]
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -139,20 +139,28 @@ def dx_route(route: Optional[str] = None) -> str:
 
 
 @contextlib.contextmanager
-def dx_route_scope(route: Optional[str], *, keep_set: bool = False) -> Iterator[None]:
-    """Sets ``JAXSPARSE_DX`` to ``route`` for the block and restores it after: the route is read when the sparse
-    layers are traced, so trace (jit-compile) inside the block. ``None`` changes nothing; with ``keep_set`` a route
-    already set in the environment wins."""
-    previous = os.environ.get(DX_ROUTE_ENV)
-    if route is not None and not (keep_set and previous is not None):
-        os.environ[DX_ROUTE_ENV] = dx_route(route)
+def _env_scope(name: str, value: Optional[str], keep_set: bool = False) -> Iterator[None]:
+    """Sets the environment variable ``name`` to ``value`` for the block and restores it after (``None`` changes
+    nothing; with ``keep_set`` a value already set wins)."""
+    previous = os.environ.get(name)
+    if value is not None and not (keep_set and previous is not None):
+        os.environ[name] = value
     try:
         yield
     finally:
         if previous is None:
-            os.environ.pop(DX_ROUTE_ENV, None)
+            os.environ.pop(name, None)
         else:
-            os.environ[DX_ROUTE_ENV] = previous
+            os.environ[name] = previous
+
+
+@contextlib.contextmanager
+def dx_route_scope(route: Optional[str], *, keep_set: bool = False) -> Iterator[None]:
+    """Sets ``JAXSPARSE_DX`` to ``route`` for the block and restores it after: the route is read when the sparse
+    layers are traced, so trace (jit-compile) inside the block. ``None`` changes nothing; with ``keep_set`` a route
+    already set in the environment wins."""
+    with _env_scope(DX_ROUTE_ENV, None if route is None else dx_route(route), keep_set):
+        yield
 
 
 def spmm_t(dy: jax.Array, sw: SparseWeight, route: Optional[str] = None) -> jax.Array:
@@ -345,6 +353,17 @@ MLP_HIDDEN_ENV = "JAXSPARSE_MLP_HIDDEN"
 MLP_HIDDEN_LAYOUTS = ("auto", "row", "col")
 
 
+@contextlib.contextmanager
+def mlp_hidden_scope(layout: Optional[str]) -> Iterator[None]:
+    """Sets ``JAXSPARSE_MLP_HIDDEN`` to ``layout`` for the block and restores it after (read when :func:`sparse_mlp`
+    is traced, so trace inside the block); ``None`` changes nothing."""
+    if layout is not None and layout not in MLP_HIDDEN_LAYOUTS:
+        raise ValueError(f"the feed-forward hidden layout ({MLP_HIDDEN_ENV}) must be one of {MLP_HIDDEN_LAYOUTS}, "
+                         f"got {layout!r}")
+    with _env_scope(MLP_HIDDEN_ENV, layout):
+        yield
+
+
 def mlp_hidden_layout(tokens: int, sw1: SparseWeight, sw2: SparseWeight, layout: Optional[str] = None) -> str:
     """How :func:`sparse_mlp`'s first product hands the hidden activation ``h`` to the second: ``"col"``, as ``h^T``
     from its epilogue (act_mode 2), which the second layer's x^T route reads with no transpose of its own; or
@@ -357,12 +376,11 @@ def mlp_hidden_layout(tokens: int, sw1: SparseWeight, sw2: SparseWeight, layout:
     if layout not in MLP_HIDDEN_LAYOUTS:
         raise ValueError(f"the feed-forward hidden layout ({MLP_HIDDEN_ENV}) must be one of {MLP_HIDDEN_LAYOUTS}, "
                          f"got {layout!r}")
-    tile = os.environ.get(cuda_calls.SPMM_XT_TILE_ENV, "auto").strip().lower()
     problem = None
     if linear_x_layout(tokens, sw1) != "col" or linear_x_layout(tokens, sw2) != "col":
         problem = "both layers on the x^T route (linear_x_layout)"
-    elif tile.startswith("ws"):
-        problem = f"a plain x^T tile, not {tile} ({cuda_calls.SPMM_XT_TILE_ENV})"
+    else:
+        problem = cuda_calls.transpose_out_problem()
     if layout == "col" and problem:
         raise ValueError(f"sparse_mlp: a transposed hidden activation needs {problem}")
     return "col" if layout == "col" or (layout == "auto" and problem is None) else "row"

@@ -597,6 +597,13 @@ def test_mlp_hidden_layout_rejects(monkeypatch):
         ops.mlp_hidden_layout(16, sw1, sw2, "col")
     with pytest.raises(ValueError, match="JAXSPARSE_MLP_HIDDEN"):
         ops.mlp_hidden_layout(16, sw1, sw2, "transposed")
+    monkeypatch.setenv(ops.MLP_HIDDEN_ENV, "auto")
+    with ops.mlp_hidden_scope("row"):  # sets for the block, restores after
+        assert ops.mlp_hidden_layout(16, sw1, sw2) == "row"
+    assert os.environ[ops.MLP_HIDDEN_ENV] == "auto"
+    with pytest.raises(ValueError, match="JAXSPARSE_MLP_HIDDEN"):
+        with ops.mlp_hidden_scope("transposed"):
+            pass
     with pytest.raises(ValueError, match="transpose_out needs"):
         ops._forward_keeping_x(jnp.zeros((16, 256), jnp.bfloat16), sw1, None, "gelu", transpose_out=True)
 

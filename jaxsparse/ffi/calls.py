@@ -319,11 +319,19 @@ def spmm_from_xt(xt: jax.Array, sw: SparseWeight, bias: jax.Array | None = None,
     _check_act_mode("spmm_from_xt", activation, with_derivative)
     if transpose_out and not with_derivative:
         raise ValueError("spmm_from_xt: transpose_out needs with_derivative (act_mode 2)")
-    tile_name = _setting(tile, SPMM_XT_TILE_ENV)
-    if transpose_out and tile_name.startswith("ws"):
-        raise ValueError(f"spmm_from_xt: transpose_out runs on the plain x^T tiles, not {tile_name} ({SPMM_XT_TILE_ENV})")
+    if transpose_out and (problem := transpose_out_problem(tile)):
+        raise ValueError(f"spmm_from_xt: transpose_out needs {problem}")
     spmm_x_layout(xt.shape[1], sw, "col")  # raises ValueError naming the constraint the shapes miss
     return _spmm_xt_call(xt, sw, bias, activation, tile, act_mode=2 if transpose_out else int(with_derivative))
+
+
+def transpose_out_problem(tile: str | None = None) -> str | None:
+    """Why :func:`spmm_from_xt`'s ``transpose_out`` (act_mode 2) cannot run on the x^T tile ``tile`` (``None``: the
+    ``JAXSPARSE_SPMM_XT_TILE`` setting), or None where it can: only the plain tiles' epilogue stores y^T."""
+    name = _setting(tile, SPMM_XT_TILE_ENV)
+    if name.startswith("ws"):
+        return f"a plain x^T tile, not {name} ({SPMM_XT_TILE_ENV}): act_mode 2 runs on the plain x^T tiles only"
+    return None
 
 
 def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str | None = None,
