@@ -620,7 +620,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 // Tile configurations <BR features, BT tokens, stages, CTAs per SM>; the attribute `tile` picks one
 // (0 = auto).  BR = 64 is the only choice for V = 64 (one column set per CTA).
 // 5 and 6 are the warp-specialized persistent kernel (SpmmWgmmaXtWsKernel) at 128x256 and 64x256 (the only
-// tiles that read x [T, K], x_rows 1; at 128x256 on m64n256 products there).
+// tiles that read x [T, K], x_rows 1; at 128x256 on m64n256 products there).  The 128x128 tile runs a 4-stage ring
+// (loads two stages ahead; two CTAs an SM still fit): 1-13 % faster than 3 stages in all 18 pairs of BERT-large
+// shape and epilogue mode (session 29, benchmarks/xt_tiles.py); a fifth stage for 128x256 gained nothing consistent.
 enum XtTile {
   kTileAuto = 0,
   kTile128x256 = 1,
@@ -704,7 +706,7 @@ ffi::Error Dispatch(cudaStream_t stream, SpmmXtParams p, int tile, bool x_rows) 
     case kTile64x256:
       return LaunchTile<T, 64, 256, 4, 1>(stream, p);
     case kTile128x128:
-      return LaunchTile<T, 128, 128, 3, 2>(stream, p);
+      return LaunchTile<T, 128, 128, 4, 2>(stream, p);
     case kTile64x128:
       return LaunchTile<T, 64, 128, 4, 2>(stream, p);
     case kTileWs128x256:
