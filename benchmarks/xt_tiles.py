@@ -41,16 +41,14 @@ def main(argv=None) -> int:
     if jax.default_backend() != "gpu" or not jffi.available():
         print("xt_tiles.py needs a GPU and the built jaxsparse CUDA extension")
         return 1
-    dt, t = jnp.bfloat16, a.tokens
+    dt, t = jnp.bfloat16, a.tokens  # common.layer_operands' dtype
     rows = []
     for spec in a.specs.split(","):
         for shape, (k, n) in SHAPES.items():
-            key = jax.random.PRNGKey(k + n)
-            w = (jax.random.normal(key, (k, n), jnp.float32) / k ** 0.5).astype(dt)
+            xs, _, w, bias = common.layer_operands(t, k, n)
             sw = F.compress(w, F.select_mask(w, spec, transposable=True), spec)
-            bias = jax.random.normal(jax.random.PRNGKey(1), (n,), jnp.float32).astype(dt)
-            xs = [(jax.random.normal(jax.random.PRNGKey(2 + i), (t, k), jnp.float32).astype(dt),) for i in range(2)]
-            xts = [(calls.transpose(x),) for (x,) in xs]
+            xts = [(calls.transpose(x),) for x in xs]
+            xs = [(x,) for x in xs]
             dense = common.time_jax(jax.jit(lambda x: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(dt)),
                                     xs)
             rows.append(dict(spec=spec, shape=shape, k=k, n=n, mode="xla dense", tile="-", ms=round(dense, 4)))

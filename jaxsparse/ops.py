@@ -353,14 +353,19 @@ MLP_HIDDEN_ENV = "JAXSPARSE_MLP_HIDDEN"
 MLP_HIDDEN_LAYOUTS = ("auto", "row", "col")
 
 
+def _check_mlp_hidden(layout: str) -> str:
+    """``layout`` if it is one of :data:`MLP_HIDDEN_LAYOUTS`, else ``ValueError`` naming them."""
+    if layout not in MLP_HIDDEN_LAYOUTS:
+        raise ValueError(f"the feed-forward hidden layout ({MLP_HIDDEN_ENV}) must be one of {MLP_HIDDEN_LAYOUTS}, "
+                         f"got {layout!r}")
+    return layout
+
+
 @contextlib.contextmanager
 def mlp_hidden_scope(layout: Optional[str]) -> Iterator[None]:
     """Sets ``JAXSPARSE_MLP_HIDDEN`` to ``layout`` for the block and restores it after (read when :func:`sparse_mlp`
     is traced, so trace inside the block); ``None`` changes nothing."""
-    if layout is not None and layout not in MLP_HIDDEN_LAYOUTS:
-        raise ValueError(f"the feed-forward hidden layout ({MLP_HIDDEN_ENV}) must be one of {MLP_HIDDEN_LAYOUTS}, "
-                         f"got {layout!r}")
-    with _env_scope(MLP_HIDDEN_ENV, layout):
+    with _env_scope(MLP_HIDDEN_ENV, None if layout is None else _check_mlp_hidden(layout)):
         yield
 
 
@@ -373,10 +378,7 @@ def mlp_hidden_layout(tokens: int, sw1: SparseWeight, sw2: SparseWeight, layout:
     ``ValueError``."""
     if layout is None:
         layout = os.environ.get(MLP_HIDDEN_ENV, "auto").strip().lower() or "auto"
-    if layout not in MLP_HIDDEN_LAYOUTS:
-        raise ValueError(f"the feed-forward hidden layout ({MLP_HIDDEN_ENV}) must be one of {MLP_HIDDEN_LAYOUTS}, "
-                         f"got {layout!r}")
-    problem = None
+    _check_mlp_hidden(layout)
     if linear_x_layout(tokens, sw1) != "col" or linear_x_layout(tokens, sw2) != "col":
         problem = "both layers on the x^T route (linear_x_layout)"
     else:
