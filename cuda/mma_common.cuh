@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace jaxsparse {
 
@@ -202,12 +203,76 @@ __device__ __forceinline__ float BiasAt(const void* bias, int bias_f32, int row)
   return bias_f32 ? static_cast<const float*>(bias)[row] : ToFloat(static_cast<const T*>(bias)[row]);
 }
 
+// The activation table of the bf16 feed-forward epilogues (cuda/act_table.cuh builds it and says why): entry i holds
+// act(z) | act'(z) << 16 as bf16 codes for the bf16 code z = ActTableCode(i): 2^-4 <= z < 4 (768 codes), then
+// -16 < z <= -2^-4 (1024 codes).
+constexpr uint32_t kActTableLo = 0x3D80u;   // |z| = 2^-4
+constexpr uint32_t kActTablePos = 0x300u;   // positive codes up to z = 4 (0x4080)
+constexpr uint32_t kActTableNeg = 0x400u;   // negative codes down to z = -16 (0xC180)
+constexpr int kActTableEntries = static_cast<int>(kActTablePos + kActTableNeg);
+constexpr int kActTableBytes = 4 * kActTableEntries;
+__host__ __device__ constexpr uint32_t ActTableCode(int i) {
+  return i < static_cast<int>(kActTablePos) ? kActTableLo + i : 0x8000u | (kActTableLo + (i - kActTablePos));
+}
+
+// act(z) | act'(z) << 16 (bf16 codes) for the bf16 code `code` of z, activation 1 (GELU, tanh) or 2 (GELU, erf), from
+// `table` (that activation's, in shared memory) where z is in it; elsewhere: |z| < 2^-4 by Taylor polynomials in float32
+// (through z^4 for act, z^3 for act'), z >= 4 gives (z, 1), z <= -16 (-0, 0), NaN and infinities (NaN, NaN).  Each of
+// these is the correctly rounded bf16 of the exact function on its whole range (cuda/act_table.cuh).  Branch-free: the
+// table is read at index 0 where it is not used.
+__device__ __forceinline__ uint32_t ActGradBf16(const uint32_t* table, uint32_t code, int activation) {
+  const uint32_t mag = code & 0x7FFFu;
+  const bool neg = (code & 0x8000u) != 0;
+  const uint32_t off = mag - kActTableLo;  // wraps below the table
+  const bool in = off < (neg ? kActTableNeg : kActTablePos);
+  const uint32_t word = table[in ? off + (neg ? kActTablePos : 0u) : 0u];
+  const float z = __uint_as_float(code << 16), z2 = z * z;
+  // act(z) = z/2 + z^2/sqrt(2 pi) + c4 z^4, act'(z) = 1/2 + 2 z/sqrt(2 pi) + c3 z^3 (c4 = -1/(6 sqrt(2 pi)) for the
+  // erf GELU; (k0 k1 - k0^3/3)/2 for the tanh one, k0 = sqrt(2/pi), k1 = 0.044715; c3 = 4 c4)
+  const float c4 = activation == 1 ? -0.06681995f : -0.06649038f;
+  const float f = z * (0.5f + z * (0.39894228f + c4 * z2));
+  const float df = 0.5f + z * (0.79788456f + 4.f * c4 * z2);
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(f, df);  // .x (low half) = f
+  uint32_t other = mag < kActTableLo ? *reinterpret_cast<const uint32_t*>(&pair)
+                                     : (neg ? 0x00008000u : (code | 0x3F800000u));
+  other = mag >= 0x7F80u ? 0x7FC07FC0u : other;
+  return in ? word : other;
+}
+
 // What a staged tile's store does besides copying it to y (StoreStagedTile): with `y2`, write act(tile) to y and
-// act'(tile) to y2 (the tile holds a pre-activation).
+// act'(tile) to y2 (the tile holds a pre-activation); with `table` (bf16 only), act and act' come from ActGradBf16.
 struct StagedExtra {
   void* y2 = nullptr;
   int activation = 0;
+  const uint32_t* table = nullptr;
 };
+
+// act and act' of the 8 bf16 pre-activations in `v4`, from the table: act into v4, act' into d4.
+__device__ __forceinline__ void ActGradChunkTable(uint4& v4, uint4& d4, const uint32_t* table, int activation) {
+  uint32_t* h = reinterpret_cast<uint32_t*>(&v4);
+  uint32_t* d = reinterpret_cast<uint32_t*>(&d4);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t lo = ActGradBf16(table, h[j] & 0xFFFFu, activation);
+    const uint32_t hi = ActGradBf16(table, h[j] >> 16, activation);
+    h[j] = __byte_perm(lo, hi, 0x5410);  // the two act(z)
+    d[j] = __byte_perm(lo, hi, 0x7632);  // the two act'(z)
+  }
+}
+
+// act and act' of the 8 pre-activations in `v4` (of type T), computed in float32: act into v4, act' into d4.
+template <typename T>
+__device__ __forceinline__ void ActGradChunkFormula(uint4& v4, uint4& d4, int activation) {
+  T* h = reinterpret_cast<T*>(&v4);
+  T* d = reinterpret_cast<T*>(&d4);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    float f, df;
+    ActivateWithGrad(activation, ToFloat(h[j]), f, df);
+    h[j] = FromFloat<T>(f);
+    d[j] = FromFloat<T>(df);
+  }
+}
 
 // Writes an output tile staged in shared memory as [BT tokens][BR features] (token rows `row_bytes` apart)
 // to y [tokens, rows] at (tok0, row0) with 16-byte stores (and `extra`'s stores at the same places); tokens past
@@ -221,25 +286,32 @@ __device__ __forceinline__ void StoreStagedTile(const unsigned char* tile, int r
   constexpr int kTotal = BT * kChunks;
   auto at = [&](int i) { return static_cast<int64_t>(tok0 + i / kChunks) * rows + row0 + (i % kChunks) * 8; };
   auto staged = [&](int i) { return *reinterpret_cast<const uint4*>(tile + (i / kChunks) * row_bytes + (i % kChunks) * 16); };
-  for (int i = thread; i < kTotal; i += THREADS) {
-    if (tok0 + i / kChunks < tokens) {
-      uint4 v4 = staged(i);
-      if (extra.y2 != nullptr) {
-        uint4 d4;
-        T* h = reinterpret_cast<T*>(&v4);
-        T* d = reinterpret_cast<T*>(&d4);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          float f, df;
-          ActivateWithGrad(extra.activation, ToFloat(h[j]), f, df);
-          h[j] = FromFloat<T>(f);
-          d[j] = FromFloat<T>(df);
+  // One loop per kind of extra work, chosen once: a branch inside the loop body keeps the compiler from overlapping
+  // one chunk's math with the next (session 30: act_mode 2's staging ran 2.2x slower with the table test inside it).
+  auto store_all = [&](auto with_extra, auto activate) {
+    for (int i = thread; i < kTotal; i += THREADS) {
+      if (tok0 + i / kChunks < tokens) {
+        uint4 v4 = staged(i);
+        if constexpr (decltype(with_extra)::value) {
+          uint4 d4;
+          activate(v4, d4);
+          *reinterpret_cast<uint4*>(static_cast<T*>(extra.y2) + at(i)) = d4;
         }
-        *reinterpret_cast<uint4*>(static_cast<T*>(extra.y2) + at(i)) = d4;
+        *reinterpret_cast<uint4*>(y + at(i)) = v4;
       }
-      *reinterpret_cast<uint4*>(y + at(i)) = v4;
+    }
+  };
+  if (extra.y2 == nullptr) {
+    store_all(std::false_type{}, [](uint4&, uint4&) {});
+    return;
+  }
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    if (extra.table != nullptr) {
+      store_all(std::true_type{}, [&](uint4& v4, uint4& d4) { ActGradChunkTable(v4, d4, extra.table, extra.activation); });
+      return;
     }
   }
+  store_all(std::true_type{}, [&](uint4& v4, uint4& d4) { ActGradChunkFormula<T>(v4, d4, extra.activation); });
 }
 
 // Two floats as one 32-bit word of two 16-bit values (lo in the low half).

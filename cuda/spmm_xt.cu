@@ -35,6 +35,7 @@
 #include <string>
 #include <type_traits>
 
+#include "act_table.cuh"
 #include "common.cuh"
 #include "handlers.h"
 #include "mma_common.cuh"
@@ -56,10 +57,26 @@ struct SpmmXtParams {
   void* y2;              // null: y = act(x W + b); else (act_mode 1, 2) y = act(z), y2 = act'(z) for z = x W + b
   int y_t;               // act_mode 2: y is stored transposed, [R, T] (y2 stays [T, R])
   int meta_pairs;        // warp-specialized kernel: metadata by TMA pairs where they fit (LaunchWs clears it where not)
+  int act_table;         // act_mode 1, 2 in bf16 with a GELU: act and act' from the table of cuda/act_table.cuh
 };
 
-// The stores' extra work for act_mode 1 (none without y2; act_mode 2 stages act and act' itself).
-__device__ __forceinline__ StagedExtra Extra(const SpmmXtParams& p) { return StagedExtra{p.y2, p.activation}; }
+// The stores' extra work for act_mode 1 (none without y2; act_mode 2 stages act and act' itself); `table` is the
+// activation table in shared memory, or null.
+__device__ __forceinline__ StagedExtra Extra(const SpmmXtParams& p, const uint32_t* table) {
+  return StagedExtra{p.y2, p.activation, table};
+}
+
+// Where a CTA keeps the activation table: the table of p.activation copied from global memory into shared memory at
+// `dst` (shared address; generic pointer `ptr`) by `threads` threads, or null where p.act_table is off.  The copies
+// are cp.async, uncommitted: the caller commits them with its next group and waits for them before the epilogue.
+template <typename T>
+__device__ __forceinline__ const uint32_t* StartActTable(const SpmmXtParams& p, uint32_t dst, unsigned char* ptr,
+                                                         int thread, int threads) {
+  if constexpr (!std::is_same<T, __nv_bfloat16>::value) return nullptr;
+  if (!p.act_table) return nullptr;
+  LoadActTable(dst, p.activation, thread, threads);
+  return reinterpret_cast<const uint32_t*>(ptr);
+}
 
 constexpr int kKc = 64;           // condensed k per stage: one 128-byte swizzle row of 16-bit values per k
 constexpr int kThreads = 256;     // two warpgroups
@@ -252,13 +269,14 @@ __device__ __forceinline__ void StageXtAccumulators(float (&acc)[NCH][NW / 2], u
 // act_mode 2's staging of one warpgroup's accumulators (warp wq of it): act(z) transposed into `tile_t`, [BR features]
 // [BT tokens] (feature rows `row_bytes_t` apart), for StoreStagedTileT, and act'(z) into `tile`, [BT tokens][BR
 // features], for a plain copy to y2: each element's activation and derivative computed once (ActivateWithGrad), as
-// act_mode 1's store pass does.  A thread holds two adjacent tokens of a feature per accumulator pair (i, i + 1): one
+// act_mode 1's store pass does, or with TABLE (bf16) read from the activation table (ActGradBf16).  A thread holds two adjacent tokens of a feature per accumulator pair (i, i + 1): one
 // 32-bit word of `tile_t`; with its rows 16 bytes longer than the tokens (4 banks), a warp's 8 features x 4 token pairs
 // land on 32 different banks.  z is rounded to T first, as act_mode 1's staged tile rounds it.
-template <typename T, int NW, int NCH>
+template <typename T, int NW, int NCH, bool TABLE>
 __device__ __forceinline__ void StageXtActTransposed(float (&acc)[NCH][NW / 2], unsigned char* tile, int row_bytes,
                                                      unsigned char* tile_t, int row_bytes_t, const SpmmXtParams& p,
-                                                     int row0, int r_base, int t_base, int wq, int lane) {
+                                                     int row0, int r_base, int t_base, int wq, int lane,
+                                                     const uint32_t* table) {
   const int r_lo = r_base + 16 * wq + (lane >> 2);
   const float bias_lo = BiasAt<T>(p.bias, p.bias_f32, row0 + r_lo);
   const float bias_hi = BiasAt<T>(p.bias, p.bias_f32, row0 + r_lo + 8);
@@ -269,14 +287,40 @@ __device__ __forceinline__ void StageXtActTransposed(float (&acc)[NCH][NW / 2], 
       const int hi = (i >> 1) & 1, r = r_lo + 8 * hi;
       const int t = t_base + c * NW + 8 * (i >> 2) + 2 * (lane & 3);  // tile-local, even
       const float b = hi ? bias_hi : bias_lo;
-      float f0, d0, f1, d1;
-      ActivateWithGrad(p.activation, ToFloat(FromFloat<T>(acc[c][i] + b)), f0, d0);
-      ActivateWithGrad(p.activation, ToFloat(FromFloat<T>(acc[c][i + 1] + b)), f1, d1);
-      *reinterpret_cast<uint32_t*>(tile_t + r * row_bytes_t + 2 * t) = PackPair<T>(f0, f1);
-      reinterpret_cast<T*>(tile + t * row_bytes)[r] = FromFloat<T>(d0);
-      reinterpret_cast<T*>(tile + (t + 1) * row_bytes)[r] = FromFloat<T>(d1);
+      if constexpr (TABLE) {  // bf16 (StageXtActTransposedAny)
+        const uint32_t w0 = ActGradBf16(table, __bfloat16_as_ushort(FromFloat<T>(acc[c][i] + b)), p.activation);
+        const uint32_t w1 = ActGradBf16(table, __bfloat16_as_ushort(FromFloat<T>(acc[c][i + 1] + b)), p.activation);
+        *reinterpret_cast<uint32_t*>(tile_t + r * row_bytes_t + 2 * t) = __byte_perm(w0, w1, 0x5410);
+        reinterpret_cast<uint16_t*>(tile + t * row_bytes)[r] = static_cast<uint16_t>(w0 >> 16);
+        reinterpret_cast<uint16_t*>(tile + (t + 1) * row_bytes)[r] = static_cast<uint16_t>(w1 >> 16);
+      } else {
+        float f0, d0, f1, d1;
+        ActivateWithGrad(p.activation, ToFloat(FromFloat<T>(acc[c][i] + b)), f0, d0);
+        ActivateWithGrad(p.activation, ToFloat(FromFloat<T>(acc[c][i + 1] + b)), f1, d1);
+        *reinterpret_cast<uint32_t*>(tile_t + r * row_bytes_t + 2 * t) = PackPair<T>(f0, f1);
+        reinterpret_cast<T*>(tile + t * row_bytes)[r] = FromFloat<T>(d0);
+        reinterpret_cast<T*>(tile + (t + 1) * row_bytes)[r] = FromFloat<T>(d1);
+      }
     }
   }
+}
+
+// StageXtActTransposed with the table where there is one (bf16), the float32 formula otherwise: the choice made once,
+// outside the unrolled loop (a branch inside it kept the compiler from overlapping one pair's math with the next).
+template <typename T, int NW, int NCH>
+__device__ __forceinline__ void StageXtActTransposedAny(float (&acc)[NCH][NW / 2], unsigned char* tile, int row_bytes,
+                                                        unsigned char* tile_t, int row_bytes_t, const SpmmXtParams& p,
+                                                        int row0, int r_base, int t_base, int wq, int lane,
+                                                        const uint32_t* table) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    if (table != nullptr) {
+      StageXtActTransposed<T, NW, NCH, true>(acc, tile, row_bytes, tile_t, row_bytes_t, p, row0, r_base, t_base, wq,
+                                             lane, table);
+      return;
+    }
+  }
+  StageXtActTransposed<T, NW, NCH, false>(acc, tile, row_bytes, tile_t, row_bytes_t, p, row0, r_base, t_base, wq, lane,
+                                          nullptr);
 }
 
 // Writes a tile staged as [BR features][BT tokens] to y^T [rows, tokens] at (row0, tok0) with 16-byte stores along the
@@ -328,6 +372,9 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
 #pragma unroll
     for (int i = 0; i < NW / 2; ++i) acc[c][i] = 0.f;
   XtMeta meta(wr, warp & 3, lane, p.groups / 8);
+  // The activation table after the column bytes (LaunchTile's smem), its copies in the first stage's group.
+  const int table_off = L::kColsOff + (p.cols != nullptr ? (kc_total + 15) / 16 * 16 : 0);
+  const uint32_t* table = StartActTable<T>(p, smem_base + table_off, smem + table_off, tid, kThreads);
   // Stage s (operands and metadata words) into ring slot s % STAGES.
   auto load = [&](int s) {
     LoadXtStage<T, BR, BT, kThreads>(smem_base + (s % STAGES) * L::kStageBytes, s * kKc, tid, p, row0, tok0, scol);
@@ -373,8 +420,8 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
   CpAsyncWait<0>();
   __syncthreads();  // no wgmma or copy touches the pipeline buffers any more: reuse them as the Y tile
   if (p.y_t) {  // act_mode 2: act'(z) [T, R] copied to y2, act(z)^T [R, T] to y
-    StageXtActTransposed<T, NW, NCH>(acc, smem, L::kYRowBytes, smem + L::kEpiTOff, L::kYtRowBytes, p, row0, 64 * wr,
-                                     wt * WN, wq, lane);
+    StageXtActTransposedAny<T, NW, NCH>(acc, smem, L::kYRowBytes, smem + L::kEpiTOff, L::kYtRowBytes, p, row0,
+                                        64 * wr, wt * WN, wq, lane, table);
     __syncthreads();
     StoreStagedTile<T, BT, BR, kThreads>(smem, L::kYRowBytes, static_cast<T*>(p.y2), p.tokens, p.rows, tok0, row0,
                                          threadIdx.x);
@@ -385,7 +432,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
   StageXtAccumulators<T, NW, NCH>(acc, smem, L::kYRowBytes, p, row0, 64 * wr, wt * WN, wq, lane);
   __syncthreads();
   StoreStagedTile<T, BT, BR, kThreads>(smem, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows, tok0, row0,
-                                       threadIdx.x, Extra(p));
+                                       threadIdx.x, Extra(p, table));
 #else
   __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
 #endif
@@ -443,7 +490,8 @@ struct XtWsLayout {
   static constexpr int kMetaBytes = BR * 8;  // a stage's metadata words: [BR rows][2]
   static constexpr int kMetaOff = kEpiOff + kEpiTokens * kYRowBytes;
   static constexpr int kBarOff = kMetaOff + STAGES * kMetaBytes;  // full[STAGES] then empty[STAGES], 8 bytes each
-  static constexpr int kBytes = kBarOff + 2 * STAGES * 8;
+  static constexpr int kTableOff = (kBarOff + 2 * STAGES * 8 + 15) / 16 * 16;  // the activation table (act_table)
+  static constexpr int kBytes = kTableOff + kActTableBytes;
   static_assert(kStageBytes % 1024 == 0 && kBarOff % 8 == 0, "alignment");
 };
 
@@ -546,6 +594,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     const int wr = WR == 2 ? cw : 0;  // feature half of this warpgroup
     const int wt = WR == 2 ? 0 : cw;  // token half
     unsigned char* ytile = smem + L::kEpiOff;
+    // The consumers copy the activation table once; each waits for its copies before its first epilogue, whose
+    // named barrier then shows all of them to every consumer.
+    const uint32_t* table = StartActTable<T>(p, smem_base + L::kTableOff, smem + L::kTableOff, ctid, 256);
+    CpAsyncCommit();
     int it = 0;
     for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
       const int row0 = (tile % nfb) * BR, tok0 = (tile / nfb) * BT;
@@ -599,6 +651,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         if (hit) static_cast<float*>(p.y)[tid] = acc[0][1];
         continue;
       }
+      CpAsyncWait<0>();  // the activation table landed (this thread's copies; a no-op after the first tile)
 #pragma unroll
       for (int ch = 0; ch < L::kEpiChunks; ++ch) {
         NamedBarSync(1, 256);  // the previous chunk's (or tile's) stores have read the staged Y
@@ -606,7 +659,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                                                                                  64 * wr, wt * WN, wq, lane, ch);
         NamedBarSync(1, 256);
         StoreStagedTile<T, L::kEpiTokens, BR, 256>(ytile, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows,
-                                                   tok0 + ch * L::kEpiTokens, row0, ctid, Extra(p));
+                                                   tok0 + ch * L::kEpiTokens, row0, ctid, Extra(p, table));
       }
     }
   }
@@ -639,7 +692,8 @@ ffi::Error LaunchTile(cudaStream_t stream, const SpmmXtParams& p) {
   if (!Sm90aImageLoaded<kernel>())
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: needs an sm_90a build on a Hopper GPU");
   using L = XtLayout<BR, BT, STAGES>;
-  const int smem = L::kColsOff + (p.cols != nullptr ? (4 * p.groups + 15) / 16 * 16 : 0) + 1024;
+  const int smem = L::kColsOff + (p.cols != nullptr ? (4 * p.groups + 15) / 16 * 16 : 0) +
+                   (p.act_table ? kActTableBytes : 0) + 1024;
   if (smem > 227 * 1024)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: K too large for the column table in shared memory (4G = " +
                                        std::to_string(4 * p.groups) + " bytes)");
@@ -743,7 +797,7 @@ ffi::Error CheckActMode(int32_t act_mode, int32_t activation, int64_t tokens, in
 ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer values, ffi::Buffer<ffi::U8> columns,
                       ffi::Buffer<ffi::U32> metadata, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
                       ffi::Result<ffi::AnyBuffer> out2, int32_t v, int32_t m, int32_t activation, int32_t act_mode,
-                      int32_t tile, int32_t x_rows) {
+                      int32_t tile, int32_t x_rows, int32_t act_table) {
   if (xt.dimensions().size() != 2 || values.dimensions().size() != 2 || out->dimensions().size() != 2)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T, values and the output must be 2-D");
   if (x_rows != 0 && x_rows != 1)
@@ -788,6 +842,7 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer val
   p.y2 = act_mode != 0 ? out2->untyped_data() : nullptr;
   p.y_t = act_mode == 2;
   p.meta_pairs = 1;
+  p.act_table = act_table != 0 && dt == ffi::BF16 && act_mode != 0 && (activation == 1 || activation == 2);
   if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, tile, x_rows == 1);
   if (dt == ffi::F16) return Dispatch<__half>(stream, p, tile, x_rows == 1);
   return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T must be bfloat16 or float16");
@@ -811,5 +866,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSpmmXt, jaxsparse::SpmmXtImpl,
                                   .Attr<int32_t>("activation")
                                   .Attr<int32_t>("act_mode")
                                   .Attr<int32_t>("tile")
-                                  .Attr<int32_t>("x_rows"),  // 0 = x^T [K, T], 1 = x [T, K] (M = 4)
+                                  .Attr<int32_t>("x_rows")  // 0 = x^T [K, T], 1 = x [T, K] (M = 4)
+                                  .Attr<int32_t>("act_table"),  // 1: act and act' from the bf16 table (act_table.cuh)
                               JAXSPARSE_GRAPH_SAFE);

@@ -355,6 +355,86 @@ def test_spmm_from_xt_transposed_activation_rejects():
         calls.spmm_from_xt(xt, sw, bias, "gelu", "ws128x256", with_derivative=True, transpose_out=True)
 
 
+# ----------------------------------------------------------------------------- the bf16 activation table
+#
+# act_mode 1 and 2 in bf16 with a GELU read act(z) and act'(z) from a table of z's bf16 codes (cuda/act_table.cuh),
+# with Taylor polynomials below |z| = 2^-4 and limits beyond 4 and -16. Every branch gives the correctly rounded bf16
+# of the exact function, so each output is checked element by element against math.erf / math.tanh in float64 at the
+# kernel's own z (the same product without activation: z rounded to bf16, as the epilogue rounds it), on biases that put
+# z in every range. The float32 formula (JAXSPARSE_ACT_TABLE=off) is off by an ulp here and there; so is this check's
+# own rounding (float64 -> float32 -> bf16), so a few one-ulp differences pass and nothing larger does.
+
+TABLE_BIASES = np.array([-40.0, -17.0, -16.0, -13.0, -6.0, -4.0, -1.5, -0.25, -0.05, 0.0, 0.0, 0.03, 0.3, 1.0, 3.9, 4.0,
+                         6.0, 30.0], np.float32)
+
+
+def _exact_gelu(activation: str, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(act(z), act'(z)) in float64, for "gelu" (tanh) or "gelu_erf"."""
+    import math
+
+    z = z.astype(np.float64)
+    if activation == "gelu_erf":  # Phi(z) = erfc(-z / sqrt 2) / 2: no cancellation in the negative tail
+        cdf = 0.5 * np.frompyfunc(math.erfc, 1, 1)(-z / math.sqrt(2.0)).astype(np.float64)
+        return z * cdf, cdf + z * np.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi)
+    k0, k1 = math.sqrt(2.0 / math.pi), 0.044715
+    u = k0 * (z + k1 * z ** 3)
+    with np.errstate(over="ignore"):  # 1 + tanh(u) and 1 - tanh(u) without cancellation (e^(2|u|) may overflow to inf)
+        plus, minus = 2.0 / (1.0 + np.exp(-2.0 * u)), 2.0 / (1.0 + np.exp(2.0 * u))
+    return 0.5 * z * plus, 0.5 * plus + 0.5 * z * plus * minus * k0 * (1.0 + 3.0 * k1 * z * z)
+
+
+def _bf16_ulps(out, exact: np.ndarray) -> np.ndarray:
+    """Distance in bf16 codes (monotone order) between the bf16 array ``out`` and ``exact`` rounded to bf16."""
+    def ordered(a):
+        bits = np.asarray(a, jnp.bfloat16).view(np.uint16).astype(np.int32)
+        return np.where(bits & 0x8000, -(bits & 0x7FFF), bits)
+
+    return np.abs(ordered(out) - ordered(exact.astype(np.float32).astype(jnp.bfloat16)))
+
+
+@xt_marks
+@pytest.mark.parametrize("spec, route", [("2:4", "row-tma"), ("64:2:8", "row-tma"), ("128:2:16", "xt-128x128"),
+                                         ("128:2:16", "xt-ws128x256"), ("128:2:16", "xt-transposed")])
+@pytest.mark.parametrize("activation", ["gelu_erf", "gelu"])
+@pytest.mark.parametrize("table", ["on", "off"])
+def test_activation_table_every_range(monkeypatch, spec, route, activation, table):
+    """act(z) and act'(z) from the epilogue, element by element against the exact function at the kernel's own z, z
+    spread over every range of the table (``TABLE_BIASES``); a token whose input holds a NaN gets NaN in both outputs.
+    1000 tokens (a tail tile), 256 features."""
+    monkeypatch.setenv(calls.ACT_TABLE_ENV, table)
+    transposed = route == "xt-transposed"
+    _fused_route(monkeypatch, "xt-128x128" if transposed else route)
+    t, k, r, dtype = 1000, 512, 256, jnp.bfloat16
+    x, sw, _ = _make(key("act-table", spec, route, activation), t, k, r, spec, dtype, with_bias=False)
+    x = (x.astype(jnp.float32) * 0.2).astype(dtype).at[17].set(jnp.nan)  # products of std ~0.3; token 17 all NaN
+    bias = jnp.asarray(np.resize(TABLE_BIASES, r), dtype)
+    z = jax.jit(lambda x, sw, b: calls.spmm(x, sw, b))(x, sw, bias)  # the kernel's z, rounded to bf16
+    poison((2, t, r), dtype)
+    if transposed:
+        ht, d = jax.jit(lambda x, sw, b: calls.spmm_from_xt(calls.transpose(x), sw, b, activation, "128x128",
+                                                             with_derivative=True, transpose_out=True))(x, sw, bias)
+        h = ht.T
+    else:
+        h, d = jax.jit(lambda x, sw, b: calls.spmm(x, sw, b, activation, with_derivative=True))(x, sw, bias)
+    z32, h, d = (np.asarray(a.astype(jnp.float32)) for a in (z, h, d))
+    nan_row = np.zeros(t, bool)
+    nan_row[17] = True
+    assert np.isnan(z32[17]).all() and np.isnan(h[17]).all() and np.isnan(d[17]).all()
+    assert np.isfinite(z32[~nan_row]).all() and np.isfinite(h[~nan_row]).all() and np.isfinite(d[~nan_row]).all()
+    zz = z32[~nan_row]
+    for lo, hi in [(-np.inf, -16), (-16, -4), (-4, -2 ** -4), (-2 ** -4, 2 ** -4), (2 ** -4, 4), (4, np.inf)]:
+        assert ((zz > lo) & (zz < hi)).sum() > 100, f"few z in ({lo}, {hi})"
+    f_exact, d_exact = _exact_gelu(activation, zz)
+    # The float32 formula loses the far negative tail (1 + erf(z / sqrt 2) cancels below z = -3): checked above it.
+    checked = np.ones_like(zz, bool) if table == "on" else zz > -3
+    for name, out, exact in [("act", h[~nan_row], f_exact), ("act'", d[~nan_row], d_exact)]:
+        ulps = _bf16_ulps(out[checked], exact[checked])
+        worst = ulps.argmax()
+        assert ulps.max() <= 1, (f"{name}: {ulps.max()} bf16 ulps at z = {zz[checked][worst]}: {out[checked][worst]} "
+                                 f"against {exact[checked][worst]}")
+        assert (ulps > 0).mean() < (1e-4 if table == "on" else 1e-2), f"{name}: {(ulps > 0).mean():.2e} off by an ulp"
+
+
 def test_fused_epilogue_rejects():
     x, sw, bias = _make(key("fused-rejects"), 64, 512, 384, "2:4", jnp.bfloat16, with_bias=True)
     with pytest.raises(ValueError, match="with_derivative needs an activation"):

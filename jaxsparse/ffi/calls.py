@@ -325,6 +325,23 @@ def spmm_from_xt(xt: jax.Array, sw: SparseWeight, bias: jax.Array | None = None,
     return _spmm_xt_call(xt, sw, bias, activation, tile, act_mode=2 if transpose_out else int(with_derivative))
 
 
+ACT_TABLE_ENV = "JAXSPARSE_ACT_TABLE"
+ACT_TABLE_SETTINGS = ("on", "off")
+
+
+def act_table(setting: str | None = None) -> bool:
+    """Whether the x^T SpMM's bf16 feed-forward epilogues (``with_derivative``, a GELU) read ``act(z)`` and
+    ``act'(z)`` from a table of the bf16 codes of ``z`` in shared memory (cuda/act_table.cuh: every entry the correctly
+    rounded value, polynomials and limits outside the table) instead of computing them in float32 (about 45
+    instructions an element: as long as the stores they feed). ``setting`` ``None`` reads ``JAXSPARSE_ACT_TABLE``
+    (``on``, the default, or ``off``: the float32 formula, kept for comparison). fp16 and ReLU always compute."""
+    setting = _setting(setting, ACT_TABLE_ENV, "on")
+    if setting not in ACT_TABLE_SETTINGS:
+        raise ValueError(f"the activation table setting ({ACT_TABLE_ENV}) must be one of {ACT_TABLE_SETTINGS}, "
+                         f"got {setting!r}")
+    return setting == "on"
+
+
 def transpose_out_problem(tile: str | None = None) -> str | None:
     """Why :func:`spmm_from_xt`'s ``transpose_out`` (act_mode 2) cannot run on the x^T tile ``tile`` (``None``: the
     ``JAXSPARSE_SPMM_XT_TILE`` setting), or None where it can: only the plain tiles' epilogue stores y^T."""
@@ -354,7 +371,7 @@ def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str |
         "jaxsparse_spmm_xt", [first, out if act_mode != 0 else ((0,), xt.dtype)], xt, sw.values,
         _columns_operand(sw), sw.metadata, b, v=np.int32(sw.spec.v),
         m=np.int32(sw.spec.m), activation=np.int32(ACTIVATION_CODES[activation]), act_mode=np.int32(act_mode),
-        tile=np.int32(tile_id), x_rows=np.int32(x_rows),
+        tile=np.int32(tile_id), x_rows=np.int32(x_rows), act_table=np.int32(act_table()),
     )
     return tuple(results) if act_mode != 0 else results[0]
 
