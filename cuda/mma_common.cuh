@@ -215,11 +215,11 @@ __host__ __device__ constexpr uint32_t ActTableCode(int i) {
   return i < static_cast<int>(kActTablePos) ? kActTableLo + i : 0x8000u | (kActTableLo + (i - kActTablePos));
 }
 
-// act(z) | act'(z) << 16 (bf16 codes) for the bf16 code `code` of z, activation 1 (GELU, tanh) or 2 (GELU, erf), from
-// `table` (that activation's, in shared memory) where z is in it; elsewhere: |z| < 2^-4 by Taylor polynomials in float32
-// (through z^4 for act, z^3 for act'), z >= 4 gives (z, 1), z <= -16 (-0, 0), NaN and infinities (NaN, NaN).  Each of
-// these is the correctly rounded bf16 of the exact function on its whole range (cuda/act_table.cuh).  Branch-free: the
-// table is read at index 0 where it is not used.
+// act(z) | act'(z) << 16 (bf16 codes) for the bf16 code `code` of z, activation 1 (GELU, tanh) or 2 (GELU, erf),
+// from `table` (that activation's, in shared memory) where z is in it; elsewhere: |z| < 2^-4 by Taylor polynomials
+// in float32 (through z^4 for act, z^3 for act'), z >= 4 gives (z, 1), z <= -16 (-0, 0), NaN and infinities (NaN,
+// NaN).  Each of these is the correctly rounded bf16 of the exact function on its whole range (cuda/act_table.cuh).
+// Branch-free: the table is read at index 0 where it is not used.
 __device__ __forceinline__ uint32_t ActGradBf16(const uint32_t* table, uint32_t code, int activation) {
   const uint32_t mag = code & 0x7FFFu;
   const bool neg = (code & 0x8000u) != 0;
@@ -307,7 +307,8 @@ __device__ __forceinline__ void StoreStagedTile(const unsigned char* tile, int r
   }
   if constexpr (std::is_same<T, __nv_bfloat16>::value) {
     if (extra.table != nullptr) {
-      store_all(std::true_type{}, [&](uint4& v4, uint4& d4) { ActGradChunkTable(v4, d4, extra.table, extra.activation); });
+      store_all(std::true_type{},
+                [&](uint4& v4, uint4& d4) { ActGradChunkTable(v4, d4, extra.table, extra.activation); });
       return;
     }
   }

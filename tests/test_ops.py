@@ -480,6 +480,20 @@ def test_x_transposed_layer_route_gives_the_same_gradients(monkeypatch, spec):
         calls.spmm_xt_tile("huge")
 
 
+def test_act_table_setting(monkeypatch):
+    """``JAXSPARSE_ACT_TABLE``: on by default, ``off`` for the float32 formula, anything else a ValueError naming it."""
+    from jaxsparse.ffi import calls
+
+    monkeypatch.delenv(calls.ACT_TABLE_ENV, raising=False)
+    assert calls.act_table() is True
+    assert calls.act_table("off") is False
+    monkeypatch.setenv(calls.ACT_TABLE_ENV, " OFF ")
+    assert calls.act_table() is False
+    monkeypatch.setenv(calls.ACT_TABLE_ENV, "sometimes")
+    with pytest.raises(ValueError, match="JAXSPARSE_ACT_TABLE"):
+        calls.act_table()
+
+
 def test_xt_kernel_tiles_and_row_kernel_refuse_what_they_cannot_take(monkeypatch):
     """Tiles the x^T SpMM or the TMA row kernel cannot take, and the tma SDDMM engine on R % 128 != 0, raise
     ValueError before anything is launched (no GPU needed)."""

@@ -359,7 +359,7 @@ def test_spmm_from_xt_transposed_activation_rejects():
 #
 # act_mode 1 and 2 in bf16 with a GELU read act(z) and act'(z) from a table of z's bf16 codes (cuda/act_table.cuh),
 # with Taylor polynomials below |z| = 2^-4 and limits beyond 4 and -16. Every branch gives the correctly rounded bf16
-# of the exact function, so each output is checked element by element against math.erf / math.tanh in float64 at the
+# of the exact function, so each output is checked element by element against the function in float64 (erfc, exp) at the
 # kernel's own z (the same product without activation: z rounded to bf16, as the epilogue rounds it), on biases that put
 # z in every range. The float32 formula (JAXSPARSE_ACT_TABLE=off) is off by an ulp here and there; so is this check's
 # own rounding (float64 -> float32 -> bf16), so a few one-ulp differences pass and nothing larger does.
