@@ -100,6 +100,10 @@ struct XtLayout {
   static constexpr int kLoopBytes = kMetaOff + STAGES * kMetaBytes;
   static_assert(kEpiTOff + BR * kYtRowBytes <= kLoopBytes, "both epilogue tiles fit where the pipeline was");
   static constexpr int kColsOff = kLoopBytes > kEpiBytes ? kLoopBytes : kEpiBytes;  // the block's column bytes
+  // The activation table (p.act_table) after the column bytes; LaunchTile's shared memory and the kernel both use it.
+  __host__ __device__ static int TableOff(const SpmmXtParams& p) {
+    return kColsOff + (p.cols != nullptr ? (4 * p.groups + 15) / 16 * 16 : 0);
+  }
   static_assert(kStageBytes % 1024 == 0, "swizzle atoms are 1024-byte aligned");
 };
 
@@ -271,9 +275,10 @@ __device__ __forceinline__ void StageXtAccumulators(float (&acc)[NCH][NW / 2], u
 // act_mode 2's staging of one warpgroup's accumulators (warp wq of it): act(z) transposed into `tile_t`, [BR features]
 // [BT tokens] (feature rows `row_bytes_t` apart), for StoreStagedTileT, and act'(z) into `tile`, [BT tokens][BR
 // features], for a plain copy to y2: each element's activation and derivative computed once (ActivateWithGrad), as
-// act_mode 1's store pass does, or with TABLE (bf16) read from the activation table (ActGradBf16).  A thread holds two adjacent tokens of a feature per accumulator pair (i, i + 1): one
-// 32-bit word of `tile_t`; with its rows 16 bytes longer than the tokens (4 banks), a warp's 8 features x 4 token pairs
-// land on 32 different banks.  z is rounded to T first, as act_mode 1's staged tile rounds it.
+// act_mode 1's store pass does, or with TABLE (bf16) read from the activation table (ActGradBf16).  A thread holds two
+// adjacent tokens of a feature per accumulator pair (i, i + 1): one 32-bit word of `tile_t`; with its rows 16 bytes
+// longer than the tokens (4 banks), a warp's 8 features x 4 token pairs land on 32 different banks.  z is rounded to T
+// first, as act_mode 1's staged tile rounds it.
 template <typename T, int NW, int NCH, bool TABLE>
 __device__ __forceinline__ void StageXtActTransposed(float (&acc)[NCH][NW / 2], unsigned char* tile, int row_bytes,
                                                      unsigned char* tile_t, int row_bytes_t, const SpmmXtParams& p,
@@ -374,8 +379,8 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
 #pragma unroll
     for (int i = 0; i < NW / 2; ++i) acc[c][i] = 0.f;
   XtMeta meta(wr, warp & 3, lane, p.groups / 8);
-  // The activation table after the column bytes (LaunchTile's smem), its copies in the first stage's group.
-  const int table_off = L::kColsOff + (p.cols != nullptr ? (kc_total + 15) / 16 * 16 : 0);
+  // The activation table after the column bytes, its copies in the first stage's group.
+  const int table_off = L::TableOff(p);
   const uint32_t* table = StartActTable<T>(p, smem_base + table_off, smem + table_off, tid, kThreads);
   // Stage s (operands and metadata words) into ring slot s % STAGES.
   auto load = [&](int s) {
@@ -694,8 +699,7 @@ ffi::Error LaunchTile(cudaStream_t stream, const SpmmXtParams& p) {
   if (!Sm90aImageLoaded<kernel>())
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: needs an sm_90a build on a Hopper GPU");
   using L = XtLayout<BR, BT, STAGES>;
-  const int smem = L::kColsOff + (p.cols != nullptr ? (4 * p.groups + 15) / 16 * 16 : 0) +
-                   (p.act_table ? kActTableBytes : 0) + 1024;
+  const int smem = L::TableOff(p) + (p.act_table ? kActTableBytes : 0) + 1024;
   if (smem > 227 * 1024)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: K too large for the column table in shared memory (4G = " +
                                        std::to_string(4 * p.groups) + " bytes)");
