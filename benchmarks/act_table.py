@@ -39,12 +39,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
-    import jaxsparse.ffi as jffi
     from jaxsparse import format as F
     from jaxsparse.ffi import calls
 
-    if jax.default_backend() != "gpu" or not jffi.available():
-        print("act_table.py needs a GPU and the built jaxsparse CUDA extension")
+    if common.missing_gpu_extension("act_table.py"):
         return 1
     t = a.tokens
     rows = []

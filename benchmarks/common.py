@@ -149,6 +149,19 @@ def spmm_floor_ms(tokens: int, k: int, n: int, m: int | None, v: int = 1, itemsi
     }
 
 
+def missing_gpu_extension(script: str) -> bool:
+    """True, after printing why, when this process has no GPU backend or no built jaxsparse CUDA extension (what the
+    kernel-only benchmarks need); ``script`` names the caller in the message."""
+    import jax
+
+    import jaxsparse.ffi as jffi
+
+    if jax.default_backend() == "gpu" and jffi.available():
+        return False
+    print(f"{script} needs a GPU and the built jaxsparse CUDA extension")
+    return True
+
+
 def gpu_name() -> str:
     import jax
 

@@ -52,13 +52,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     common.import_jaxsparse_from_install_or_checkout()
-    import jaxsparse.ffi as jffi
     from jaxsparse import format as F
     from jaxsparse import reference
     from jaxsparse.ffi import calls
 
-    if jax.default_backend() != "gpu" or not jffi.available():
-        print("ffn_epilogue.py needs a GPU and the built jaxsparse CUDA extension")
+    if common.missing_gpu_extension("ffn_epilogue.py"):
         return 1
 
     t, k, n, act = a.tokens, a.k, a.n, a.activation

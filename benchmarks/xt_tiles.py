@@ -34,12 +34,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
-    import jaxsparse.ffi as jffi
     from jaxsparse import format as F
     from jaxsparse.ffi import calls
 
-    if jax.default_backend() != "gpu" or not jffi.available():
-        print("xt_tiles.py needs a GPU and the built jaxsparse CUDA extension")
+    if common.missing_gpu_extension("xt_tiles.py"):
         return 1
     dt, t = jnp.bfloat16, a.tokens  # common.layer_operands' dtype
     rows = []
