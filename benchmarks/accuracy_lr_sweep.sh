@@ -10,21 +10,25 @@
 #   (one process trains those seeds one after the other, sharing its compilations)
 # GPUS=3                        spread the processes round-robin over that many GPUs (CUDA_VISIBLE_DEVICES; default 1);
 #   the processes of one GPU share one teacher (--teacher-dir /tmp/teachers/gpuN), as those of one call did before
+# GPU0=3                        the first GPU to use (default 0): two sweeps side by side on disjoint GPUs (with their
+#   own OUT and ACC folders)
+# ACC=/tmp/acc                  where the processes write (default /tmp/acc)
 set -u
 : "${OUT:?set OUT to the folder for the result files}"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 JAXSPARSE_DATA_DIR=$PWD/.devdata PYTHONPATH=$PWD JAXSPARSE_COMMIT=${COMMIT:-unknown}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 t0=$(date +%s); el() { echo "$(( $(date +%s) - t0 ))s"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-mkdir -p /tmp/teachers /tmp/acc
+ACC=${ACC:-/tmp/acc}
+mkdir -p /tmp/teachers $ACC
 pids=()
 n=0  # processes started (the next one's GPU is n % GPUS)
 for spec in ${SPARSE:-}; do
   IFS=: read task lr seed opts <<< "$spec"
   tag=$(echo "${opts:-}" | sed 's/--//g; s/,/_/g; s/=/-/g')
   sp=${SPARSITY:-64:2:8}
-  d=/tmp/acc/sparse_${task}_${sp//:/_}_lr${lr}${tag:+_$tag}_s${seed//+/-}; mkdir -p $d
-  g=$(( n % ${GPUS:-1} )); n=$(( n + 1 ))
+  d=$ACC/sparse_${task}_${sp//:/_}_lr${lr}${tag:+_$tag}_s${seed//+/-}; mkdir -p $d
+  g=$(( ${GPU0:-0} + n % ${GPUS:-1} )); n=$(( n + 1 ))
   CUDA_VISIBLE_DEVICES=$g timeout ${LIMIT:-570} python3 benchmarks/accuracy.py --tasks $task --sparsities $sp --seed-list ${seed//+/,} --epochs 6 \
     --prune-end 0.33 --fade 0.15 --distill 0.9 --refit-batches 32 --temperature 2 --score activation \
     --init teacher --prune oneshot --refit --distill-hidden 5 --distill-attention 1 --distill-augment 0.3 \
@@ -34,14 +38,14 @@ for spec in ${SPARSE:-}; do
 done
 for spec in ${DENSE:-}; do
   IFS=: read task lr seeds <<< "$spec"
-  d=/tmp/acc/dense_${task}_lr${lr}_s${seeds//,/}; mkdir -p $d
-  g=$(( n % ${GPUS:-1} )); n=$(( n + 1 ))
+  d=$ACC/dense_${task}_lr${lr}_s${seeds//,/}; mkdir -p $d
+  g=$(( ${GPU0:-0} + n % ${GPUS:-1} )); n=$(( n + 1 ))
   CUDA_VISIBLE_DEVICES=$g timeout ${LIMIT:-570} python3 benchmarks/accuracy.py --tasks $task --sparsities dense --seed-list $seeds --epochs 6 \
     --lr $lr --out-dir $d --no-progress > $d/log.txt 2>&1 &
   pids+=($!)
 done
 for p in "${pids[@]}"; do wait $p; st=$?; echo "pid $p rc $st at $(el)"; done
-for d in /tmp/acc/*; do
+for d in $ACC/*; do
   n=$(basename $d); echo "== $n"; tail -2 $d/log.txt
   [ -f $d/accuracy.json ] && cp $d/accuracy.json $OUT/$n.json
   cp $d/log.txt $OUT/$n.log

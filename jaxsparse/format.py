@@ -21,6 +21,9 @@ __all__ = [
     "VNM",
     "SparseWeight",
     "select_mask",
+    "select_diagonal_mask",
+    "diagonal_blocks",
+    "diagonal_sets",
     "mask_is_valid",
     "check_mask",
     "compress",
@@ -292,6 +295,96 @@ def columns_are_exclusive(mask: jax.Array, spec: Union[str, VNM]) -> jax.Array:
     k, r = mask.shape
     used = mask.T.reshape(r // spec.v, spec.v, k // spec.m, spec.m).any(axis=1)  # [B, G, M]
     return (used.sum(axis=0) <= column_cap(r, spec)).all()
+
+
+def diagonal_blocks(spec: Union[str, VNM]) -> int:
+    """The number G of diagonal 2:4 blocks whose density ``1 / (2 G)`` equals ``spec``'s: ``M / 4`` for a V:2:M
+    pattern with ``M >= 8`` (``select_diagonal_mask``). Raises ``ValueError`` for other patterns."""
+    spec = VNM.parse(spec)
+    if not (spec.structured and spec.n == 2 and spec.m >= 8):
+        raise ValueError(f"diagonal 2:4 blocks stand for a V:2:M pattern with M >= 8 (G = M / 4 blocks), got {spec}")
+    return spec.m // 4
+
+
+def check_diagonal_shape(shape: tuple[int, int], blocks: int, transposable: bool = False) -> None:
+    """Raises ``ValueError`` unless a ``[K, R]`` kernel splits into ``blocks`` diagonal 2:4 blocks: ``blocks`` a
+    power of two, ``K % (4 blocks) == 0``, ``R % blocks == 0`` (and ``(R / blocks) % 4 == 0`` when
+    ``transposable``)."""
+    k, r = shape
+    if blocks < 2 or blocks & (blocks - 1):
+        raise ValueError(f"the number of diagonal blocks must be a power of two >= 2, got {blocks}")
+    if k % (4 * blocks) or r % blocks or (transposable and (r // blocks) % 4):
+        raise ValueError(f"a [{k}, {r}] kernel does not split into {blocks} diagonal 2:4 blocks: need K % "
+                         f"(4 * {blocks}) == 0 and R % {blocks} == 0" + (f" and (R / {blocks}) % 4 == 0 (transposable)"
+                                                                         if transposable else ""))
+
+
+def select_diagonal_mask(scores: jax.Array, blocks: int, *, transposable: bool = False) -> jax.Array:
+    """A ``[K, R]`` mask that is ``blocks`` diagonal 2:4 blocks once the input features are relabelled.
+
+    The R output features are cut into ``blocks`` contiguous ranges; the K input features are partitioned into as
+    many sets of ``K / blocks`` (each set read by one range only), by recursive bisection on each feature's
+    ``sum scores^2`` over the ranges; inside each (set, range) block, taken with its set in ascending order, each
+    output row keeps 2 of every 4 consecutive input features (``select_mask(..., "2:4")``, ``transposable`` as
+    there). Density ``1 / (2 blocks)``: a V:2:M pattern's at ``blocks = M / 4`` (:func:`diagonal_blocks`).
+
+    Relabelling the input features set by set turns the layer into ``blocks`` 2:4 layers of ``1 / blocks`` the size
+    on contiguous slices: where the input features are produced in any order one likes (the FFN's hidden features),
+    that costs nothing at run time (docs/kernel-notes.md, session 31). Such a mask is in general not a V:2:M mask of
+    the original feature order. Jit-able; :func:`diagonal_sets` recovers the sets.
+    """
+    check_diagonal_shape(scores.shape, blocks, transposable)
+    return _select_diagonal_mask(scores, blocks, bool(transposable))
+
+
+def _diagonal_sets(scores: jax.Array, blocks: int) -> jax.Array:
+    """``[blocks, K / blocks]`` input features per block (ascending), by recursive bisection of the features on their
+    squared scores over the blocks' output ranges."""
+    k, r = scores.shape
+    a = jnp.square(scores.astype(jnp.float32)).reshape(k, blocks, r // blocks).sum(axis=-1)  # [K, blocks]
+    order = jnp.arange(k)[None]  # [segments, K / segments]
+    segments = 1
+    while segments < blocks:
+        width = blocks // segments  # output ranges per segment; the first half of them against the second
+        aff = a[order].reshape(segments, k // segments, segments, width)
+        aff = jnp.take_along_axis(aff, jnp.arange(segments)[:, None, None, None], axis=2)[:, :, 0]  # own ranges
+        d = aff[..., :width // 2].sum(-1) - aff[..., width // 2:].sum(-1)
+        order = jnp.take_along_axis(order, jnp.argsort(-d, axis=1, stable=True), axis=1)
+        segments *= 2
+        order = order.reshape(segments, k // segments)
+    return jnp.sort(order, axis=1)
+
+
+def diagonal_sets(mask: jax.Array, blocks: int) -> jax.Array:
+    """The input-feature sets of a :func:`select_diagonal_mask` mask, ``[blocks, K / blocks]`` ascending: each
+    feature goes to the block whose outputs keep it, and the features no block keeps fill the sets left short, in
+    ascending order. Raises ``ValueError`` (concrete masks) where a feature is kept by two blocks' outputs."""
+    k, r = mask.shape
+    check_diagonal_shape(mask.shape, blocks)
+    used = np.asarray(mask).reshape(k, blocks, r // blocks).any(axis=-1)  # [K, blocks]
+    if (used.sum(axis=1) > 1).any():
+        raise ValueError("diagonal_sets: an input feature is kept by the outputs of more than one block")
+    owner = np.where(used.any(axis=1), used.argmax(axis=1), -1)
+    size = k // blocks
+    free = iter(np.flatnonzero(owner < 0))
+    for b in range(blocks):
+        for _ in range(size - int((owner == b).sum())):
+            owner[next(free)] = b
+    return jnp.asarray(np.stack([np.flatnonzero(owner == b) for b in range(blocks)]))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _select_diagonal_mask(scores: jax.Array, blocks: int, transposable: bool) -> jax.Array:
+    k, r = scores.shape
+    kb, rb = k // blocks, r // blocks
+    sets = _diagonal_sets(scores, blocks)  # [blocks, kb]
+    sub = jnp.abs(scores.astype(jnp.float32))[sets].reshape(blocks, kb, blocks, rb)
+    sub = jnp.take_along_axis(sub, jnp.arange(blocks)[:, None, None, None], axis=2)[:, :, 0]  # [blocks, kb, rb]
+    spec = VNM.parse("2:4")
+    keep = jax.vmap(lambda s: _select_mask(s, spec, "auto", transposable))(sub)  # [blocks, kb, rb]
+    rows = sets[:, :, None]
+    cols = (jnp.arange(blocks)[:, None, None] * rb + jnp.arange(rb)[None, None])
+    return jnp.zeros((k, r), jnp.bool_).at[rows, cols].set(keep)
 
 
 def _capped_columns(blocks: jax.Array, n: int, cap: int) -> jax.Array:

@@ -327,7 +327,7 @@ def _masked_gram(x: jax.Array, keep: jax.Array) -> jax.Array:
 def oneshot_refit(model: nn.Module, params, batches: Sequence[tuple], spec, score: str = "magnitude", *,
                   damp: float = 0.01, refit: bool = True, sequential: bool = True,
                   filter_fn: pruning.FilterFn = pruning.encoder_kernels, transposable: bool = False,
-                  exclusive_columns: bool = False) -> tuple[Any, Any]:
+                  exclusive_columns: bool = False, diagonal_fn: pruning.FilterFn | None = None) -> tuple[Any, Any]:
     """One-shot masks of pattern ``spec`` for a BERT's sparse kernels, with least-squares refit.
 
     The kernels of :func:`kernel_stages` are processed in forward order. With ``sequential`` (the default)
@@ -351,6 +351,8 @@ def oneshot_refit(model: nn.Module, params, batches: Sequence[tuple], spec, scor
       transposable: transposable masks (``jaxsparse.format.select_mask``'s option), for the input gradient's
         ``"transposed"`` route.
       exclusive_columns: column-capped masks (``select_mask``'s option; ``M > 4`` only).
+      diagonal_fn: the kernels that take ``select_diagonal_mask``'s ``M / 4`` diagonal 2:4 blocks instead
+        (``jaxsparse.pruning.gmp_prune``'s option; V:2:M with ``M >= 8`` only).
 
     Returns:
       ``(params, masks)``: the (refit) params and a params-shaped mask tree (None off the pruned kernels).
@@ -375,8 +377,11 @@ def oneshot_refit(model: nn.Module, params, batches: Sequence[tuple], spec, scor
         for path in stage:
             kp = path + ("kernel",)
             w, h = flat[kp], hs[path]
-            m = F.select_mask(mask_score(score, w, h, damp), spec, transposable=transposable,
-                              exclusive_columns=exclusive_columns)
+            s = mask_score(score, w, h, damp)
+            if diagonal_fn is not None and diagonal_fn(tuple(map(str, kp)), w):
+                m = F.select_diagonal_mask(s, F.diagonal_blocks(spec), transposable=transposable)
+            else:
+                m = F.select_mask(s, spec, transposable=transposable, exclusive_columns=exclusive_columns)
             masks_flat[kp] = m
             if refit:
                 flat[kp] = refit_kernel(w, m, h, damp=damp)

@@ -66,6 +66,7 @@ __all__ = [
     "sparsity_collection",
     "model_variables",
     "oneshot_masks",
+    "ffn_out_kernels",
     "sparsity_of",
     "straight_through",
     "to_compressed",
@@ -212,17 +213,36 @@ def _map_selected(fn, selected, *trees):
 
 
 def _select_all(params, selected, spec: fmt.VNM, input_sq=None, transposable: bool = False,
-                exclusive_columns: bool = False):
+                exclusive_columns: bool = False, diagonal_fn: FilterFn | None = None):
     """Masks of ``spec`` by ``|W|``, or by ``|W_jr| * ||X_j||`` where ``input_sq`` (params-shaped, ``[K]``
     sums of squared inputs per kernel) is given; ``transposable`` masks (``select_mask``'s option) for the
     patterns that keep 2 per group, ``exclusive_columns`` ones for the V:2:M patterns with M > 4, plain ones for the
-    ladder's other stages."""
+    ladder's other stages. The kernels ``diagonal_fn`` selects take, at V:2:M patterns with M >= 8,
+    ``select_diagonal_mask``'s ``M / 4`` diagonal 2:4 blocks instead (the same density)."""
     opts = dict(transposable=transposable and spec.structured and spec.n == 2,
                 exclusive_columns=exclusive_columns and fmt.takes_exclusive_columns(spec))
-    if input_sq is None:
-        return _map_selected(lambda p: fmt.select_mask(p, spec, **opts), selected, params)
-    return _map_selected(lambda p, q: fmt.select_mask(jnp.abs(p) * jnp.sqrt(q)[:, None], spec, **opts),
-                         selected, params, input_sq)
+    diagonal = diagonal_fn is not None and spec.structured and spec.n == 2 and spec.m >= 8
+    marked = _selected(params, diagonal_fn) if diagonal else jax.tree_util.tree_map(lambda _: None, selected,
+                                                                                      is_leaf=lambda x: x is None)
+    sq = input_sq if input_sq is not None else jax.tree_util.tree_map(lambda _: None, selected,
+                                                                      is_leaf=lambda x: x is None)
+
+    def one(p, q, d):
+        score = p if q is None else jnp.abs(p) * jnp.sqrt(q)[:, None]
+        if d:
+            return fmt.select_diagonal_mask(score, fmt.diagonal_blocks(spec), transposable=opts["transposable"])
+        return fmt.select_mask(score, spec, **opts)
+
+    return jax.tree_util.tree_map(lambda s, p, q, d: None if s is None else one(p, q, d), selected, params, sq,
+                                  marked, is_leaf=lambda x: x is None)
+
+
+def ffn_out_kernels(path: tuple[str, ...], x) -> bool:
+    """A filter for ``diagonal_fn``: the FFN's second kernel of each BERT encoder layer
+    (``encoder_layer_<i>/output/kernel``, not the attention's ``output``), whose input features (the FFN's hidden
+    units) can be relabelled at no cost."""
+    return (len(path) >= 3 and path[-1] == "kernel" and path[-2] == "output" and path[-3].startswith("encoder_layer_")
+            and getattr(x, "ndim", 0) == 2)
 
 
 def input_norms_tree(stats, params) -> Any:
@@ -247,6 +267,7 @@ def gmp_prune(
     regrow_decay: float = 0.0,
     transposable: bool = False,
     exclusive_columns: bool = False,
+    diagonal_fn: FilterFn | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Gradual magnitude pruning through ``ladder`` on the cubic schedule (see the module doc).
 
@@ -281,6 +302,9 @@ def gmp_prune(
       exclusive_columns: choose the V:2:M stages' masks (M > 4) with ``select_mask(..., exclusive_columns=True)``:
         each input column of a group kept by at most ``jaxsparse.format.column_cap`` blocks (an accuracy study
         for a cheaper input gradient at high M; ``jaxsparse-train --exclusive-columns``).
+      diagonal_fn: the kernels (a filter like ``filter_fn``, e.g. :func:`ffn_out_kernels`) whose V:2:M stages with
+        M >= 8 take ``jaxsparse.format.select_diagonal_mask``'s ``M / 4`` diagonal 2:4 blocks instead, at the same
+        density (an accuracy study for a faster FFN; ``jaxsparse-train --diagonal-ffn-out``). None: none.
 
     Returns:
       A transform whose ``update(updates, state, params)`` requires ``params``; chain it last. Its
@@ -319,6 +343,9 @@ def gmp_prune(
             for spec in schedule.ladder:
                 try:
                     fmt.validate_shape(x.shape, spec)
+                    if (diagonal_fn is not None and diagonal_fn(_path_names(path), x) and spec.structured
+                            and spec.n == 2 and spec.m >= 8):
+                        fmt.check_diagonal_shape(x.shape, fmt.diagonal_blocks(spec), transposable)
                 except ValueError as e:
                     raise ValueError(f"gmp_prune: layer {'/'.join(_path_names(path))}: {e}") from None
         if n_sel == 0:
@@ -341,7 +368,8 @@ def gmp_prune(
         new_params = _map_selected(lambda p, u: p + u, selected, params, updates)
 
         def recompute(_):
-            branches = [lambda np_, spec=spec: _select_all(np_, selected, spec, sq, transposable, exclusive_columns)
+            branches = [lambda np_, spec=spec: _select_all(np_, selected, spec, sq, transposable, exclusive_columns,
+                                                           diagonal_fn)
                         for spec in schedule.ladder]
             return jax.lax.switch(stage - 1, branches, new_params)
 
@@ -359,7 +387,8 @@ def gmp_prune(
             fading = (stage < n_stages) & (state.count >= start) & (state.count < entry)
 
             def choose(_):
-                branches = [lambda np_, spec=spec: _select_all(np_, selected, spec, sq, transposable, exclusive_columns)
+                branches = [lambda np_, spec=spec: _select_all(np_, selected, spec, sq, transposable, exclusive_columns,
+                                                           diagonal_fn)
                             for spec in schedule.ladder]
                 return jax.lax.switch(nxt, branches, new_params)
 
@@ -457,12 +486,14 @@ def model_variables(params, opt_state=None, masks=None, **collections) -> dict:
 
 
 def oneshot_masks(params, spec: str | fmt.VNM, filter_fn: FilterFn = encoder_kernels, input_sq=None,
-                  transposable: bool = False, exclusive_columns: bool = False) -> Any:
+                  transposable: bool = False, exclusive_columns: bool = False,
+                  diagonal_fn: FilterFn | None = None) -> Any:
     """Masks of pattern ``spec`` for the kernels ``filter_fn`` selects (None elsewhere): by magnitude, or by
-    ``|W_jr| * ||X_j||`` with ``input_sq`` (see :func:`gmp_prune`'s ``score="activation"``); ``transposable``
-    and ``exclusive_columns`` as in :func:`gmp_prune`."""
+    ``|W_jr| * ||X_j||`` with ``input_sq`` (see :func:`gmp_prune`'s ``score="activation"``); ``transposable``,
+    ``exclusive_columns`` and ``diagonal_fn`` as in :func:`gmp_prune`."""
     spec = fmt.VNM.parse(spec)
-    return _select_all(params, _selected(params, filter_fn), spec, input_sq, transposable, exclusive_columns)
+    return _select_all(params, _selected(params, filter_fn), spec, input_sq, transposable, exclusive_columns,
+                       diagonal_fn)
 
 
 def mask_change(before, after) -> float:

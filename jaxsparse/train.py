@@ -48,7 +48,7 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     ``--fade``, ``--score``, ``--distill``, ``--temperature``, ``--distill-hidden``, ``--distill-attention``,
     ``--distill-augment``, ``--augment-neighbors``, ``--student-epochs``, ``--student-lr``, ``--init``, ``--refit``,
     ``--refit-batches``, ``--regrow-every``, ``--regrow-until``, ``--regrow-decay``, ``--transposable-masks``,
-    ``--exclusive-columns``."""
+    ``--exclusive-columns``, ``--diagonal-ffn-out``."""
     p.add_argument("--fade", type=float, default=0.0,
                    help="GMP: before each stage, fade the weights it will prune to zero over this fraction of all "
                         "steps (0 = masks change at once; see jaxsparse.pruning.gmp_prune fade_steps)")
@@ -108,6 +108,11 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
                         "of the run (and from the final masks) to its end; 0 = off. The metrics' test and dev "
                         "accuracies are then the averaged model's, last_test_accuracy and last_dev_accuracy the last "
                         "step's (a paired comparison on the same run)")
+    p.add_argument("--diagonal-ffn-out", action="store_true",
+                   help="give each encoder layer's FFN out kernel, in place of its V:2:M mask (M >= 8), M/4 diagonal "
+                        "2:4 blocks of the same density once its input (hidden) features are relabelled "
+                        "(jaxsparse.format.select_diagonal_mask): the accuracy side of a faster FFN "
+                        "(docs/kernel-notes.md, session 31); masked-dense only (--compress off)")
     p.add_argument("--exclusive-columns", action="store_true",
                    help="choose V:2:M masks (M > 4) whose every input column is kept by at most ceil(4 (R/V) / M) "
                         "of a kernel's R/V blocks in each group (jaxsparse.format.select_mask exclusive_columns=True): "
@@ -166,6 +171,18 @@ def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
         p.error("need 0 <= --average-from < 1 (0: no averaging)")
     if args.transposable_masks and (getattr(args, "sparsity", None) == "dense" or args.prune not in ("gmp", "oneshot")):
         p.error("--transposable-masks chooses a sparse run's masks: give a --sparsity pattern and --prune gmp or oneshot")
+    if getattr(args, "diagonal_ffn_out", False):
+        sparsity = getattr(args, "sparsity", None)
+        if sparsity == "dense" or args.prune not in ("gmp", "oneshot"):
+            p.error("--diagonal-ffn-out chooses a sparse run's masks: give a --sparsity pattern and --prune gmp or "
+                    "oneshot")
+        if args.compress != "off":
+            p.error("--diagonal-ffn-out needs --compress off: no kernel takes diagonal blocks yet (masked-dense)")
+        if sparsity is not None:
+            try:
+                fmt.diagonal_blocks(sparsity)
+            except ValueError as e:
+                p.error(f"--diagonal-ffn-out: {e}")
     if args.exclusive_columns:
         sparsity = getattr(args, "sparsity", None)
         if sparsity == "dense" or args.prune not in ("gmp", "oneshot"):
@@ -755,6 +772,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         params = bert.merge_params(params, pretrained)
     transposable = bool(getattr(args, "transposable_masks", False))
     exclusive = bool(getattr(args, "exclusive_columns", False))
+    diagonal_fn = pruning.ffn_out_kernels if getattr(args, "diagonal_ffn_out", False) else None
     refit = bool(getattr(args, "refit", False))
     if refit:
         if args.prune != "oneshot":
@@ -765,7 +783,8 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         calib = [_arrays(train, slice(i * args.batch_size, (i + 1) * args.batch_size))[:3] for i in range(n_cal)]
         t_refit = time.time()
         params, _ = obs.oneshot_refit(master, params, calib, spec, getattr(args, "score", "magnitude"),
-                                      damp=REFIT_DAMP, transposable=transposable, exclusive_columns=exclusive)
+                                      damp=REFIT_DAMP, transposable=transposable, exclusive_columns=exclusive,
+                                      diagonal_fn=diagonal_fn)
         # The one-shot prune below selects its masks at step 0 from these params (the warm-up's learning rate
         # is 0 there, so the update is 0): the refit kernels are zero exactly off their masks, so it picks them again.
         log(f"refit: {n_cal} calibration batches, {time.time() - t_refit:.0f} s")
@@ -789,14 +808,15 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         begin, end = int(args.prune_begin * total), int(args.prune_end * total)
         prune = pruning.gmp_prune(ladder, begin, end, frequency=max(1, (end - begin) // 20),
                                   fade_steps=fade_steps, score=score, transposable=transposable,
-                                  exclusive_columns=exclusive, **regrow)
+                                  exclusive_columns=exclusive, diagonal_fn=diagonal_fn, **regrow)
     elif args.prune == "oneshot":
         prune = pruning.gmp_prune([spec], 0, 0, score=score, transposable=transposable, exclusive_columns=exclusive,
-                                  **regrow)
+                                  diagonal_fn=diagonal_fn, **regrow)
     if prune is not None and str(prune.schedule.ladder[-1]) != str(spec):
         raise ValueError(f"the ladder must end at --sparsity {spec}, got {prune.schedule.ladder[-1]}")
     tx = optax.chain(base, prune) if prune is not None else base
-    tx_key = base_key + ((prune.schedule, fade_steps, score, tuple(regrow.items()), transposable, exclusive)
+    tx_key = base_key + ((prune.schedule, fade_steps, score, tuple(regrow.items()), transposable, exclusive,
+                          diagonal_fn is not None)
                          if prune is not None else ())
     opt_state = tx.init(params)
     compress = _use_compressed(args.compress, spec, cfg)
@@ -919,6 +939,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
            if regrow else {}),
         **({"transposable_masks": True, "dx_route": ops.dx_route()} if transposable else {}),
         **({"exclusive_columns": True} if exclusive else {}),
+        **({"diagonal_ffn_out": True} if diagonal_fn is not None else {}),
         "train_examples": len(train), "dev_examples": len(dev), "test_examples": len(test), "steps": global_step,
         "history": history, "dev_accuracy": history[-1]["dev_accuracy"], "test_accuracy": test_metrics["accuracy"],
         "test_loss": test_metrics["loss"], **averaged, "weight_sparsity": achieved,

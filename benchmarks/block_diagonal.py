@@ -1,0 +1,78 @@
+"""A layer whose weight is G diagonal 2:4 blocks, against the dense layer and the V:2:M layer of the same density.
+
+A V:2:M mask whose blocks are tied in runs that partition the input features (each input feature kept by one run
+of blocks) is, once the input features are relabelled so that each run's come together, a block-diagonal matrix of
+G = M / 4 diagonal blocks, 2:4 sparse inside: density 1 / (2 G), the density of V:2:M. Where the layer's input
+features can be relabelled at no cost (the FFN's hidden features, which the first FFN layer produces in any order
+its rows are stored in), the layer's three products are then G 2:4 products of 1/G the size, on contiguous slices
+(docs/kernel-notes.md, session 31). This script measures what that layout could gain before any kernel takes it:
+the G blocks' 2:4 layers (transposable masks, the transposed input gradient) as G separate sparse_linear calls on
+their own contiguous operands, under one jit, fwd+bwd (jax.vjp), against XLA's dense layer and the V:2:M layer the
+step runs (transposable masks, transposed input gradient), 16384 tokens, median of timed repetitions.
+
+  python3 benchmarks/block_diagonal.py     # writes benchmarks/results/<gpu>/block_diagonal.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+
+import common  # noqa: E402
+from jaxsparse import format as F  # noqa: E402
+from jaxsparse import ops  # noqa: E402
+
+TOKENS = 16384
+# (K, N, V:2:M spec, G of the same density): BERT-large's FFN out and attention out.
+CASES = [(4096, 1024, "128:2:16", 4), (4096, 1024, "64:2:8", 2), (1024, 1024, "128:2:16", 4),
+         (1024, 1024, "64:2:8", 2)]
+
+
+def _sparse(w, spec: str):
+    return F.compress(w, F.select_mask(w, spec, transposable=True), spec)
+
+
+def _groups_vjp(xs, dys, sws, bs):
+    """The G blocks' layers, each fwd+bwd, under the caller's jit."""
+    return [common.sparse_vjp(x, dy, sw.values, b, sw) for x, dy, sw, b in zip(xs, dys, sws, bs)]
+
+
+def main() -> None:
+    if common.missing_gpu_extension("block_diagonal.py"):
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="json path (default benchmarks/results/<gpu>/block_diagonal.json)")
+    args = ap.parse_args()
+    rows = []
+    with ops.dx_route_scope("transposed"):
+        for k, n, spec, g in CASES:
+            xs, dys, w, b = common.layer_operands(TOKENS, k, n)
+            dense_ms = common.time_jax(jax.jit(common.dense_vjp), [(x, dy, w, b) for x, dy in zip(xs, dys)])
+            sw = _sparse(w, spec)
+            vnm_ms = common.time_jax(jax.jit(lambda x, dy, sw, b: common.sparse_vjp(x, dy, sw.values, b, sw)),
+                                     [(x, dy, sw, b) for x, dy in zip(xs, dys)])
+            kg, ng = k // g, n // g
+            blocks = [_sparse(w[i * kg:(i + 1) * kg, i * ng:(i + 1) * ng], "2:4") for i in range(g)]
+            split = lambda a, width: [a[:, i * width:(i + 1) * width] for i in range(g)]
+            sets = [(split(x, kg), split(dy, ng), blocks, [b[i * ng:(i + 1) * ng] for i in range(g)])
+                    for x, dy in zip(xs, dys)]
+            sets = [jax.block_until_ready(jax.tree.map(lambda a: a.copy(), s)) for s in sets]  # contiguous slices
+            bd_ms = common.time_jax(jax.jit(_groups_vjp), sets)
+            row = dict(K=k, N=n, spec=spec, G=g, dense_ms=dense_ms, vnm_ms=vnm_ms, blocks_separate_ms=bd_ms,
+                       vnm_speedup=dense_ms / vnm_ms, blocks_speedup=dense_ms / bd_ms, blocks_over_vnm=vnm_ms / bd_ms)
+            rows.append(row)
+            print(f"{k:>5} {n:>5} {spec:>9} dense {dense_ms:.4f}  V:2:M {vnm_ms:.4f} ({dense_ms / vnm_ms:.2f}x)  "
+                  f"{g} blocks 2:4 {bd_ms:.4f} ({dense_ms / bd_ms:.2f}x) ms fwd+bwd", flush=True)
+    common.write_json(common.results_path("block_diagonal.json", args.out),
+                      dict(gpu=common.gpu_name(), tokens=TOKENS, versions=common.versions(), dx_route="transposed",
+                           case="G separate sparse_linear calls on contiguous operands (no grouped kernel yet)",
+                           results=rows))
+
+
+if __name__ == "__main__":
+    main()
