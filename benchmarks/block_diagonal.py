@@ -5,10 +5,11 @@ of blocks) is, once the input features are relabelled so that each run's come to
 G = M / 4 diagonal blocks, 2:4 sparse inside: density 1 / (2 G), the density of V:2:M. Where the layer's input
 features can be relabelled at no cost (the FFN's hidden features, which the first FFN layer produces in any order
 its rows are stored in), the layer's three products are then G 2:4 products of 1/G the size, on contiguous slices
-(docs/kernel-notes.md, session 31). This script measures what that layout could gain before any kernel takes it:
-the G blocks' 2:4 layers (transposable masks, the transposed input gradient) as G separate sparse_linear calls on
-their own contiguous operands, under one jit, fwd+bwd (jax.vjp), against XLA's dense layer and the V:2:M layer the
-step runs (transposable masks, transposed input gradient), 16384 tokens, median of timed repetitions.
+(docs/kernel-notes.md, session 31). This script times, fwd+bwd (jax.vjp) under one jit at 16384 tokens, median of
+timed repetitions, in one process: XLA's dense layer; the V:2:M layer the step runs (transposable masks, transposed
+input gradient); the G blocks as G separate 2:4 sparse_linear calls on their own contiguous operands (what the layout
+could gain before any kernel took it); and ``jaxsparse.ops.diagonal_linear`` (one call a product: the TMA row kernel
+and the SDDMM's tma engine reading each block's columns of x, the input gradient on the stacked W^T blocks).
 
   python3 benchmarks/block_diagonal.py     # writes benchmarks/results/<gpu>/block_diagonal.json
 """
@@ -27,6 +28,9 @@ import common  # noqa: E402
 from jaxsparse import format as F  # noqa: E402
 from jaxsparse import ops  # noqa: E402
 
+CASE_NOTES = {"blocks_separate_ms": "G separate sparse_linear calls on contiguous operands",
+              "diagonal_linear_ms": "jaxsparse.ops.diagonal_linear (one kernel a product)"}
+
 TOKENS = 16384
 # (K, N, V:2:M spec, G of the same density): BERT-large's FFN out and attention out.
 CASES = [(4096, 1024, "128:2:16", 4), (4096, 1024, "64:2:8", 2), (1024, 1024, "128:2:16", 4),
@@ -35,6 +39,16 @@ CASES = [(4096, 1024, "128:2:16", 4), (4096, 1024, "64:2:8", 2), (1024, 1024, "1
 
 def _sparse(w, spec: str):
     return F.compress(w, F.select_mask(w, spec, transposable=True), spec)
+
+
+def _diagonal_floor_ms(tokens: int, k: int, n: int, g: int) -> float:
+    """The roofline floor of the diagonal layer's fwd+bwd: per product (forward, input gradient, SDDMM) the larger of
+    its activation bytes (one [T, K] and one [T, N] bf16 array) at HBM speed and its 2:4 products (each block's dense
+    MACs halved) at the sparse tensor rate."""
+    bytes_ = 2 * tokens * (k + n)
+    flops = 2 * tokens * k * n / g
+    one = max(bytes_ / (common.HBM_TBPS * 1e12), flops / (common.SPARSE_TFLOPS * 1e12)) * 1e3
+    return 3 * one
 
 
 def _groups_vjp(xs, dys, sws, bs):
@@ -63,14 +77,22 @@ def main() -> None:
                     for x, dy in zip(xs, dys)]
             sets = [jax.block_until_ready(jax.tree.map(lambda a: a.copy(), s)) for s in sets]  # contiguous slices
             bd_ms = common.time_jax(jax.jit(_groups_vjp), sets)
+            stacked = _sparse(jax.numpy.concatenate([w[i * kg:(i + 1) * kg, i * ng:(i + 1) * ng] for i in range(g)],
+                                                    axis=1), "2:4")
+            diag = lambda x, dy, sw, b: jax.vjp(lambda x, v, b: ops.diagonal_linear(x, sw.replace(values=v), g, b),
+                                                x, sw.values, b)[1](dy)
+            diag_ms = common.time_jax(jax.jit(diag), [(x, dy, stacked, b) for x, dy in zip(xs, dys)])
             row = dict(K=k, N=n, spec=spec, G=g, dense_ms=dense_ms, vnm_ms=vnm_ms, blocks_separate_ms=bd_ms,
-                       vnm_speedup=dense_ms / vnm_ms, blocks_speedup=dense_ms / bd_ms, blocks_over_vnm=vnm_ms / bd_ms)
+                       diagonal_linear_ms=diag_ms, diagonal_floor_ms=_diagonal_floor_ms(TOKENS, k, n, g),
+                       diagonal_over_floor=diag_ms / _diagonal_floor_ms(TOKENS, k, n, g), vnm_speedup=dense_ms / vnm_ms, blocks_speedup=dense_ms / bd_ms,
+                       diagonal_speedup=dense_ms / diag_ms, diagonal_over_vnm=vnm_ms / diag_ms)
             rows.append(row)
             print(f"{k:>5} {n:>5} {spec:>9} dense {dense_ms:.4f}  V:2:M {vnm_ms:.4f} ({dense_ms / vnm_ms:.2f}x)  "
-                  f"{g} blocks 2:4 {bd_ms:.4f} ({dense_ms / bd_ms:.2f}x) ms fwd+bwd", flush=True)
+                  f"{g} separate {bd_ms:.4f} ({dense_ms / bd_ms:.2f}x)  diagonal_linear {diag_ms:.4f} "
+                  f"({dense_ms / diag_ms:.2f}x) ms fwd+bwd", flush=True)
     common.write_json(common.results_path("block_diagonal.json", args.out),
                       dict(gpu=common.gpu_name(), tokens=TOKENS, versions=common.versions(), dx_route="transposed",
-                           case="G separate sparse_linear calls on contiguous operands (no grouped kernel yet)",
+                           cases=CASE_NOTES,
                            results=rows))
 
 

@@ -91,6 +91,7 @@ struct RowProblem {
     p.v = 1;
     p.m = 4;
     p.meta_pairs = 1;  // as the extension asks (SpmmXtImpl)
+    p.x_blocks = 1;    // one block: x [T, K]
     return p;
   }
   // One launch into y poisoned with 0xff; y's bytes into `out`.

@@ -51,6 +51,8 @@ struct SddmmParams {
   int tokens, k, rows, groups, v;
   int out_f32;
   int kt_per_split;       // token tiles per grid.z range
+  int x_blocks;           // x [T, x_blocks K] (the tma engine): the weight is x_blocks diagonal blocks, row r reading
+                          // x's columns (r / (rows / x_blocks)) K + [0, K); 1 = one block (x [T, K])
 };
 
 constexpr int kSdBR = 64;       // rows (output features) per CTA; divides V = 64 and 128
@@ -622,9 +624,12 @@ __global__ void __launch_bounds__(kXtThreads, 1)
       MbarArriveExpectTx(full, 2 * L::kDyHalf + (x_by_tma ? L::kXcTile : 0));
       TmaLoad2d(base, &tma_dy, row0, t0, full);
       TmaLoad2d(base + L::kDyHalf, &tma_dy, row0 + 64, t0, full);
-      if (XROW) {  // x [T, K]: columns 4 g0 .. 4 g0 + NC - 1 of tokens t0 .. t0 + 63, NC / 64 boxes
+      if (XROW) {  // x [T, K]: columns 4 g0 .. 4 g0 + NC - 1 of tokens t0 .. t0 + 63, NC / 64 boxes (of the
+                   // row's diagonal block; columns past it belong to no kept value: never stored)
+        const int xk0 = (row0 / (p.rows / p.x_blocks)) * p.k;
 #pragma unroll
-        for (int c = 0; c < NC / 64; ++c) TmaLoad2d(base + L::kXcOff + c * kXtBox, &tma_xt, 4 * g0 + 64 * c, t0, full);
+        for (int c = 0; c < NC / 64; ++c)
+          TmaLoad2d(base + L::kXcOff + c * kXtBox, &tma_xt, xk0 + 4 * g0 + 64 * c, t0, full);
       } else if (x_by_tma) {
         TmaLoad2d(base + L::kXcOff, &tma_xt, t0, 4 * g0, full);
       }
@@ -780,7 +785,7 @@ ffi::Error LaunchXt(cudaStream_t stream, const SddmmParams& p, int split, const 
   if (ffi::Error e = RaiseSmemLimit<kernel>(kSmem, "cudaFuncSetAttribute(SddmmWgmmaXtKernel)"); e.failure()) return e;
   CUtensorMap tma_dy{}, tma_xt{};
   if (!MakeTensorMap2d(&tma_dy, p.dy, p.tokens, p.rows, kXtBT) ||
-      (XROW && !MakeTensorMap2d(&tma_xt, p.x, p.tokens, p.k, kXtBT)) ||
+      (XROW && !MakeTensorMap2d(&tma_xt, p.x, p.tokens, static_cast<uint64_t>(p.k) * p.x_blocks, kXtBT)) ||
       (!XROW && p.cols == nullptr && !MakeTensorMap2d(&tma_xt, p.x, p.k, p.tokens, L::kNC)))
     return ffi::Error::Internal("jaxsparse_sddmm: cuTensorMapEncodeTiled failed for the x^T engine");
   const int gy = (p.groups + L::kGC - 1) / L::kGC;
@@ -830,6 +835,12 @@ template <typename T>
 ffi::Error Dispatch(cudaStream_t stream, const SddmmParams& p, int m, int split, int engine, int x_layout,
                     const Partials& partials) {
   if (x_layout == 1) return LaunchXt<T, false>(stream, p, split, partials);
+  if (p.x_blocks > 1) {  // only the tma engine reads a diagonal block's columns of x
+    if (m != 4 || engine == kEngineMma || engine == kEngineWgmma || !Sm90aImageLoaded<SddmmWgmmaXtKernel<T, true>>())
+      return ffi::Error::InvalidArgument("jaxsparse_sddmm: x_blocks > 1 runs on the tma engine (engine auto or tma, "
+                                         "2:4, an sm_90a build on a Hopper GPU)");
+    return LaunchXt<T, true>(stream, p, split, partials);
+  }
   // 2:4 from x [T, K] on Hopper: the TMA engine reads x as it is (the x^T engine's TMA path took 0.28 ms against
   // 0.39 for the row-major wgmma engine at 16384x1024x4096; docs/kernel-notes.md, sessions 6 and 7).
   if (engine == kEngineTma) {
@@ -845,13 +856,20 @@ ffi::Error Dispatch(cudaStream_t stream, const SddmmParams& p, int m, int split,
 
 ffi::Error SddmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Buffer<ffi::U8> columns,
                      ffi::Buffer<ffi::U32> metadata, ffi::Result<ffi::AnyBuffer> out,
-                     ffi::Result<ffi::Buffer<ffi::F32>> partial, int32_t v, int32_t m, int32_t split, int32_t engine, int32_t x_layout) {
+                     ffi::Result<ffi::Buffer<ffi::F32>> partial, int32_t v, int32_t m, int32_t split, int32_t engine, int32_t x_layout,
+                     int32_t x_blocks) {
   if (x.dimensions().size() != 2 || dy.dimensions().size() != 2 || metadata.dimensions().size() != 2 ||
       out->dimensions().size() != 2)
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: x, dy, metadata and output must be 2-D");
   // x_layout 1: the operand is x^T [K, T] (jaxsparse_transpose's output), row-major.
-  const int64_t tokens = Dim(x, x_layout == 1 ? 1 : 0), k = Dim(x, x_layout == 1 ? 0 : 1), rows = Dim(dy, 1),
-                groups = out->dimensions()[1] / 2;
+  if (x_blocks < 1 || (x_blocks > 1 && x_layout != 0))
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: x_blocks must be >= 1, and above 1 needs x [T, K] (x_layout 0)");
+  const int64_t tokens = Dim(x, x_layout == 1 ? 1 : 0), width = Dim(x, x_layout == 1 ? 0 : 1), k = width / x_blocks,
+                rows = Dim(dy, 1), groups = out->dimensions()[1] / 2;
+  if (width % x_blocks || (x_blocks > 1 && rows % (int64_t(kXtBR) * x_blocks)))
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: x_blocks = " + std::to_string(x_blocks) + " diagonal blocks "
+                                       "need x's width a multiple of x_blocks and R % (128 x_blocks) == 0, got x " +
+                                       ShapeString(x) + ", R = " + std::to_string(rows));
   if (ffi::Error e = CheckSparseWeight("jaxsparse_sddmm", rows, groups, columns, metadata, v, m); e.failure()) return e;
   if (Dim(dy, 0) != tokens || k != groups * m || out->dimensions()[0] != rows ||
       out->dimensions()[1] != 2 * groups || rows % kSdBR)
@@ -887,6 +905,7 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
   p.groups = static_cast<int>(groups);
   p.v = v;
   p.out_f32 = out->element_type() == ffi::F32;
+  p.x_blocks = x_blocks;
   const Partials partials{partial->typed_data(), static_cast<int64_t>(partial->element_count())};
   if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, m, split, engine, x_layout, partials);
   if (dt == ffi::F16) return Dispatch<__half>(stream, p, m, split, engine, x_layout, partials);
@@ -909,5 +928,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSddmm, jaxsparse::SddmmImpl,
                                   .Attr<int32_t>("m")
                                   .Attr<int32_t>("split")    // 1 = none, 0 = auto, n > 1 = n ranges
                                   .Attr<int32_t>("engine")     // 0 = auto, 1 = mma.sync, 2 = wgmma, 3 = tma
-                                  .Attr<int32_t>("x_layout"),  // 0 = x [T, K], 1 = x^T [K, T]
+                                  .Attr<int32_t>("x_layout")   // 0 = x [T, K], 1 = x^T [K, T]
+                                  .Attr<int32_t>("x_blocks"),  // diagonal blocks of the weight (x_layout 0), 1 = none
                               JAXSPARSE_GRAPH_SAFE);

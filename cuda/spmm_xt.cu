@@ -60,6 +60,8 @@ struct SpmmXtParams {
   int y_t;               // act_mode 2: y is stored transposed, [R, T] (y2 stays [T, R])
   int meta_pairs;        // warp-specialized kernel: metadata by TMA pairs where they fit (LaunchWs clears it where not)
   int act_table;         // act_mode 1, 2 in bf16 with a GELU: act and act' from the table of cuda/act_table.cuh
+  int x_blocks;          // x [T, x_blocks K] (x_rows, warp-specialized kernel): the weight is x_blocks diagonal blocks,
+                         // row r reading x's columns (r / (rows / x_blocks)) K + [0, K); 1 = one block (x [T, K])
 };
 
 // The stores' extra work for act_mode 1 (none without y2; act_mode 2 stages act and act' itself); `table` is the
@@ -562,8 +564,10 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     SetMaxRegisters<WsRegs<XROW>::kProducer, false>();
     if (tma_only && tid != 0) return;  // nothing to copy: no thread of theirs spins on the ring's barriers
     int it = 0;
+    const int block_rows = p.rows / p.x_blocks;  // rows per diagonal block (a multiple of BR: SpmmXtImpl checks)
     for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
       const int row0 = (tile % nfb) * BR, tok0 = (tile / nfb) * BT;
+      const int xk0 = XROW ? (row0 / block_rows) * kc_total : 0;  // the tile's diagonal block's first column of x
       const uint8_t* tcols = p.cols != nullptr ? p.cols + static_cast<int64_t>(row0 / p.v) * kc_total : nullptr;
       for (int kt = 0; kt < num_kt; ++kt, ++it) {
         const int s = it % STAGES;
@@ -582,7 +586,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
           if (meta_box)  // words 2 kt .. 2 kt + 3 of the tile's rows: 4 kt in 16-bit columns
             TmaLoad2d(smem_base + L::kMetaOff + s * L::kMetaBytes, &tma_m, 4 * kt, row0, full);
           if (XROW)  // x [T, K]: BT rows of the stage's 64 k
-            TmaLoad2d(stage + L::kABytes, &tma_x, kt * kKc, tok0, full);
+            TmaLoad2d(stage + L::kABytes, &tma_x, xk0 + kt * kKc, tok0, full);
           else if (x_by_tma)
 #pragma unroll
             for (int c = 0; c < BT / 64; ++c) TmaLoad2d(stage + L::kABytes + c * kColBytes, &tma_x, tok0 + 64 * c, kt * kKc, full);
@@ -723,7 +727,7 @@ ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& params) {
   CUtensorMap tma_a{}, tma_x{}, tma_m{};
   if (!MakeTensorMap2d(&tma_a, p.values, p.rows, 2 * static_cast<uint64_t>(p.groups), BR, kKc / 2) ||
       (p.meta_pairs && !MakeTensorMap2d(&tma_m, p.meta, p.rows, p.groups / 4, BR, 8)) ||  // words as 16-bit pairs
-      (XROW && !MakeTensorMap2d(&tma_x, p.xt, p.tokens, p.k, BT)) ||
+      (XROW && !MakeTensorMap2d(&tma_x, p.xt, p.tokens, static_cast<uint64_t>(p.k) * p.x_blocks, BT)) ||
       (!XROW && p.cols == nullptr && !MakeTensorMap2d(&tma_x, p.xt, p.k, p.tokens, 64)))
     return ffi::Error::Internal("jaxsparse_spmm_xt: cuTensorMapEncodeTiled failed for the warp-specialized tile");
   const int tiles = (p.tokens + BT - 1) / BT * (p.rows / BR);
@@ -803,14 +807,23 @@ ffi::Error CheckActMode(int32_t act_mode, int32_t activation, int64_t tokens, in
 ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer values, ffi::Buffer<ffi::U8> columns,
                       ffi::Buffer<ffi::U32> metadata, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
                       ffi::Result<ffi::AnyBuffer> out2, int32_t v, int32_t m, int32_t activation, int32_t act_mode,
-                      int32_t tile, int32_t x_rows, int32_t act_table) {
+                      int32_t tile, int32_t x_rows, int32_t act_table, int32_t x_blocks) {
   if (xt.dimensions().size() != 2 || values.dimensions().size() != 2 || out->dimensions().size() != 2)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T, values and the output must be 2-D");
   if (x_rows != 0 && x_rows != 1)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x_rows must be 0 (x^T [K, T]) or 1 (x [T, K])");
   if (x_rows && m != 4)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x [T, K] (x_rows 1) needs M = 4 (nothing to gather)");
-  const int64_t k = Dim(xt, x_rows ? 1 : 0), tokens = Dim(xt, x_rows ? 0 : 1), rows = Dim(values, 0);
+  if (x_blocks < 1 || (x_blocks > 1 && !x_rows))
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x_blocks must be >= 1, and above 1 needs x [T, K] (x_rows 1)");
+  if (x_rows && Dim(xt, 1) % x_blocks)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x [T, x_blocks K] needs its width to be a multiple of "
+                                       "x_blocks = " + std::to_string(x_blocks) + ", got " + ShapeString(xt));
+  const int64_t k = Dim(xt, x_rows ? 1 : 0) / x_blocks, tokens = Dim(xt, x_rows ? 0 : 1), rows = Dim(values, 0);
+  if (x_blocks > 1 && (rows % (128 * static_cast<int64_t>(x_blocks)) || k % kKc))
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x_blocks = " + std::to_string(x_blocks) +
+                                       " diagonal blocks need R % (128 x_blocks) == 0 and K % 64 == 0 (per block), "
+                                       "got R = " + std::to_string(rows) + ", K = " + std::to_string(k));
   if (ffi::Error e = CheckSpec("jaxsparse_spmm_xt", v, m); e.failure()) return e;
   const int64_t groups = k / m;
   if (k % m || Dim(values, 1) != 2 * groups || rows % 64)
@@ -849,6 +862,9 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer val
   p.y_t = act_mode == 2;
   p.meta_pairs = 1;
   p.act_table = act_table != 0 && dt == ffi::BF16 && act_mode != 0 && (activation == 1 || activation == 2);
+  p.x_blocks = x_blocks;
+  if (x_blocks > 1 && tile != kTileAuto && tile != kTileWs128x256)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x_blocks > 1 takes tile auto or ws128x256");
   if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, tile, x_rows == 1);
   if (dt == ffi::F16) return Dispatch<__half>(stream, p, tile, x_rows == 1);
   return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T must be bfloat16 or float16");
@@ -873,5 +889,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSpmmXt, jaxsparse::SpmmXtImpl,
                                   .Attr<int32_t>("act_mode")
                                   .Attr<int32_t>("tile")
                                   .Attr<int32_t>("x_rows")  // 0 = x^T [K, T], 1 = x [T, K] (M = 4)
-                                  .Attr<int32_t>("act_table"),  // 1: act and act' from the bf16 table (act_table.cuh)
+                                  .Attr<int32_t>("act_table")   // 1: act and act' from the bf16 table (act_table.cuh)
+                                  .Attr<int32_t>("x_blocks"),   // diagonal blocks of the weight (x_rows 1), 1 = none
                               JAXSPARSE_GRAPH_SAFE);

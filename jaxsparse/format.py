@@ -24,6 +24,7 @@ __all__ = [
     "select_diagonal_mask",
     "diagonal_blocks",
     "diagonal_sets",
+    "stack_transposed_blocks",
     "mask_is_valid",
     "check_mask",
     "compress",
@@ -734,6 +735,33 @@ def transpose_2_4(sw: SparseWeight) -> SparseWeight:
     pos = pos.reshape(k, r // 4, 2)
     return SparseWeight(values=values_t.reshape(k, r // 2), columns=None,
                         metadata=_pack_metadata(pos[..., 0], pos[..., 1]), shape=(r, k), spec=VNM(1, 2, 4))
+
+
+def check_blocks_shape(shape: tuple[int, int], blocks: int) -> None:
+    """Raises ``ValueError`` unless a stacked weight of Flax shape ``(K, R)`` splits into ``blocks`` diagonal 2:4
+    blocks whose transposes stack too: ``blocks >= 1``, ``R % (32 blocks) == 0`` (whole metadata words per block)."""
+    k, r = shape
+    if blocks < 1 or r % (32 * blocks):
+        raise ValueError(f"a stacked weight {shape} of {blocks} diagonal blocks needs blocks >= 1 and R % (32 * "
+                         f"{blocks}) == 0")
+
+
+def stack_transposed_blocks(wt: SparseWeight, blocks: int) -> SparseWeight:
+    """The transposed blocks of a weight of ``blocks`` diagonal 2:4 blocks, stacked as that weight is.
+
+    A stacked weight ``sw`` (a 2:4 weight of Flax shape ``(K, R)``; output feature ``r`` belongs to block
+    ``r // (R / blocks)`` and reads that block's ``K`` input features: ``jaxsparse.ops.diagonal_linear``) stands for
+    the block-diagonal ``[blocks K, R]`` kernel. Its transpose is block-diagonal too, ``blocks`` blocks of
+    ``(R / blocks, K)``; stacked along their outputs, a 2:4 weight of Flax shape ``(R / blocks, blocks K)``. ``wt`` is
+    :func:`transpose_2_4` of ``sw`` (``(R, K)``: row ``k`` of its values holds column ``k`` of every block side by
+    side), so this is a reordering of its rows, no arithmetic. The input gradient of the layer is then the same
+    blocked forward product on ``dy``."""
+    r, k = wt.shape
+    check_blocks_shape((k, r), blocks)
+    rb = r // blocks
+    values = wt.values.reshape(k, blocks, rb // 2).transpose(1, 0, 2).reshape(blocks * k, rb // 2)
+    metadata = wt.metadata.reshape(k, blocks, rb // 32).transpose(1, 0, 2).reshape(blocks * k, rb // 32)
+    return SparseWeight(values=values, columns=None, metadata=metadata, shape=(rb, blocks * k), spec=wt.spec)
 
 
 def compress_like(dense: jax.Array, sw: SparseWeight) -> jax.Array:

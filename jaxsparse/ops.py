@@ -21,11 +21,11 @@ from jaxsparse.ffi import calls as cuda_calls
 from jaxsparse.ffi.calls import spmm_unsupported
 from jaxsparse.format import SparseWeight, check_transpose_2_4_shape, decompress as _reference_decompress
 from jaxsparse.format import transpose_2_4 as format_transpose_2_4
-from jaxsparse.format import block_dx_operands
+from jaxsparse.format import block_dx_operands, check_blocks_shape, stack_transposed_blocks
 
 __all__ = ["decompress", "transpose_2_4", "spmm", "sddmm", "spmm_t", "dx_route",
            "dx_route_scope", "linear_x_layout", "mlp_hidden_layout", "mlp_hidden_scope", "sparse_linear", "sparse_mlp",
-           "FUSED_ACTIVATIONS", "masked_linear", "spmm_unsupported"]
+           "FUSED_ACTIVATIONS", "masked_linear", "spmm_unsupported", "diagonal_linear", "transpose_blocks"]
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -334,6 +334,95 @@ def sparse_linear(x: jax.Array, sw: SparseWeight, bias: Optional[jax.Array] = No
     _check_activation(x, sw, "x", sw.shape[0])
     _check_bias(bias, sw)
     y = _linear(_flatten(x), sw, bias)
+    return y.reshape(*x.shape[:-1], sw.shape[1])
+
+
+# ----------------------------------------------------------------------------- diagonal 2:4 blocks
+
+
+def _check_blocks(sw: SparseWeight, blocks: int) -> None:
+    if sw.spec.m != 4:
+        raise ValueError(f"diagonal blocks are 2:4 weights, got {sw.spec}")
+    if not isinstance(blocks, int) or isinstance(blocks, bool):
+        raise ValueError(f"blocks must be an int, got {blocks!r}")
+    check_blocks_shape(sw.shape, blocks)
+
+
+def transpose_blocks(sw: SparseWeight, blocks: int) -> SparseWeight:
+    """The stacked transposed blocks of a weight of ``blocks`` diagonal 2:4 blocks (see :func:`diagonal_linear`;
+    :func:`jaxsparse.format.stack_transposed_blocks` of :func:`transpose_2_4`, which the CUDA handler builds on a
+    GPU). NaN values where a block's mask is not transposable, as :func:`transpose_2_4`."""
+    _check_weight(sw)
+    _check_blocks(sw, blocks)
+    return stack_transposed_blocks(transpose_2_4(sw), blocks)
+
+
+def _blocks_product(x2: jax.Array, sw: SparseWeight, bias: Optional[jax.Array], blocks: int) -> jax.Array:
+    ref = lambda x, s, b: reference.spmm_blocks(x, s, blocks, b)
+    cuda = lambda x, s, b: cuda_calls.spmm_blocks(x, s, blocks, b)
+    with jax.named_scope("jaxsparse_spmm"):
+        return dispatch.call("spmm", ref, cuda, x2, sw, bias, unsupported=cuda_calls.blocks_unsupported(sw, blocks))
+
+
+def _blocks_sddmm(x2: jax.Array, dy: jax.Array, sw: SparseWeight, blocks: int) -> jax.Array:
+    ref = lambda x, d, s: reference.sddmm_blocks(x, d, s, blocks)
+    cuda = lambda x, d, s: cuda_calls.sddmm_blocks(x, d, s, blocks)
+    with jax.named_scope("jaxsparse_sddmm"):
+        return dispatch.call("sddmm", ref, cuda, x2, dy, sw, unsupported=cuda_calls.blocks_unsupported(sw, blocks))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _diagonal(x2: jax.Array, sw: SparseWeight, bias: Optional[jax.Array], blocks: int) -> jax.Array:
+    return _blocks_product(x2, sw, bias, blocks)
+
+
+def _diagonal_fwd(x2, sw, bias, blocks):
+    return _blocks_product(x2, sw, bias, blocks), (x2, sw, bias)
+
+
+def _diagonal_bwd(blocks, residuals, dy):
+    x2, sw, bias = residuals
+    with jax.named_scope("jaxsparse_spmm_t"):
+        dx = _blocks_product(dy, transpose_blocks(sw, blocks), None, blocks)
+    return (dx, *_weight_cotangents(dy, sw, bias, _blocks_sddmm(x2, dy, sw, blocks)))
+
+
+_diagonal.defvjp(_diagonal_fwd, _diagonal_bwd)
+
+
+def diagonal_linear(x: jax.Array, sw: SparseWeight, blocks: int, bias: Optional[jax.Array] = None) -> jax.Array:
+    """``x @ W + bias`` for a block-diagonal ``W`` of ``blocks`` 2:4 blocks, differentiable in ``x``, ``sw.values``
+    and ``bias``.
+
+    ``sw`` is the blocks stacked along the outputs: a 2:4 weight of Flax shape ``(K, R)`` whose output feature ``r``
+    belongs to block ``b = r // (R / blocks)`` and reads x's features ``b K .. b K + K - 1``; ``W`` is the
+    ``[blocks K, R]`` kernel they form. A V:2:M mask with ``M = 4 blocks`` has the same density; a layer whose input
+    features can be relabelled at no cost (the FFN's hidden units) can take this layout instead
+    (:func:`jaxsparse.format.select_diagonal_mask` chooses such masks; docs/kernel-notes.md, session 31). Each product
+    is then a 2:4 product of ``1 / blocks`` the dense work on contiguous slices: on a Hopper GPU the forward and the
+    input gradient run on the TMA row kernel (the input gradient on :func:`transpose_blocks`, so the masks must be
+    transposable: ``select_mask(..., transposable=True)`` per block), the weight gradient on the SDDMM's tma engine,
+    with no transpose of any activation (:func:`jaxsparse.ffi.calls.blocks_unsupported` lists the shapes; elsewhere
+    the reference runs).
+
+    Args:
+      x: ``[..., blocks K]`` in the values' dtype.
+      sw: the stacked 2:4 weight, ``(K, R)``, ``R % (32 blocks) == 0``.
+      blocks: the number of diagonal blocks.
+      bias: ``[R]`` or None.
+
+    Returns:
+      ``[..., R]``.
+    """
+    _check_weight(sw)
+    _check_blocks(sw, blocks)
+    if x.ndim < 1 or x.shape[-1] != blocks * sw.shape[0]:
+        raise ValueError(f"x's last dimension must be {blocks} * {sw.shape[0]} for {blocks} diagonal blocks of a "
+                         f"weight {sw.shape}, got {x.shape}")
+    if jnp.dtype(x.dtype) != jnp.dtype(sw.values.dtype):
+        raise ValueError(f"x dtype {x.dtype} must equal the sparse values dtype {sw.values.dtype}")
+    _check_bias(bias, sw)
+    y = _diagonal(_flatten(x), sw, bias, blocks)
     return y.reshape(*x.shape[:-1], sw.shape[1])
 
 

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 
 from jaxsparse.format import SparseWeight, compress_like, decompress
 
-__all__ = ["ACTIVATIONS", "activation_with_derivative", "spmm", "sddmm", "spmm_t", "bias_grad"]
+__all__ = ["ACTIVATIONS", "activation_with_derivative", "spmm", "sddmm", "spmm_t", "bias_grad", "spmm_blocks",
+           "sddmm_blocks"]
 
 # Epilogue activations the kernels fuse; "gelu" is the tanh approximation, "gelu_erf" the exact GELU.
 ACTIVATIONS = {
@@ -48,6 +49,28 @@ def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None) -> jax.
 def spmm_t(dy: jax.Array, sw: SparseWeight) -> jax.Array:
     """Input gradient ``dy @ W^T``: ``[T, R] -> [T, K]``."""
     return jnp.dot(dy, decompress(sw).astype(dy.dtype).T, preferred_element_type=jnp.float32).astype(dy.dtype)
+
+
+def spmm_blocks(x: jax.Array, sw: SparseWeight, blocks: int, bias: Optional[jax.Array] = None,
+                activation: Optional[str] = None) -> jax.Array:
+    """Forward product of a weight of ``blocks`` diagonal blocks stacked as ``sw`` (Flax shape ``(K, R)``; output
+    feature ``r`` reads x's columns ``(r // (R / blocks)) K + [0, K)``): ``[T, blocks K] -> [T, R]``."""
+    k, r = sw.shape
+    w = decompress(sw).astype(x.dtype).reshape(k, blocks, r // blocks)
+    y = jnp.einsum("tbk,kbr->tbr", x.reshape(-1, blocks, k), w, preferred_element_type=jnp.float32).reshape(-1, r)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return ACTIVATIONS[activation](y).astype(x.dtype)
+
+
+def sddmm_blocks(x: jax.Array, dy: jax.Array, sw: SparseWeight, blocks: int, out_dtype=None) -> jax.Array:
+    """Weight gradient of :func:`spmm_blocks`: each block's ``x^T dy`` sampled at its kept positions, in the layout
+    of ``sw.values``."""
+    k, r = sw.shape
+    t = x.shape[0]
+    dense = jnp.einsum("tbk,tbr->kbr", x.reshape(t, blocks, k), dy.reshape(t, blocks, r // blocks),
+                       preferred_element_type=jnp.float32).reshape(k, r)
+    return compress_like(dense, sw).astype(out_dtype or sw.values.dtype)
 
 
 def bias_grad(dy: jax.Array, dtype) -> jax.Array:

@@ -352,8 +352,9 @@ def transpose_out_problem(tile: str | None = None) -> str | None:
 
 
 def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str | None = None,
-                  x_rows: bool = False, act_mode: int = 0):
-    """The ``jaxsparse_spmm_xt`` call, operands checked: ``xt`` is x^T [K, T], or x [T, K] with ``x_rows``.
+                  x_rows: bool = False, act_mode: int = 0, x_blocks: int = 1):
+    """The ``jaxsparse_spmm_xt`` call, operands checked: ``xt`` is x^T [K, T], or x [T, K] with ``x_rows``
+    (``[T, x_blocks K]`` for a weight of ``x_blocks`` diagonal blocks, :func:`spmm_blocks`).
     ``act_mode`` 1 returns ``(act(z), act'(z))``, 2 ``(act(z)^T, act'(z))`` (cuda/spmm_xt.cu)."""
     b = bias if bias is not None else jnp.zeros((0,), xt.dtype)
     tokens = xt.shape[0] if x_rows else xt.shape[1]
@@ -371,7 +372,7 @@ def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str |
         "jaxsparse_spmm_xt", [first, out if act_mode != 0 else ((0,), xt.dtype)], xt, sw.values,
         _columns_operand(sw), sw.metadata, b, v=np.int32(sw.spec.v),
         m=np.int32(sw.spec.m), activation=np.int32(ACTIVATION_CODES[activation]), act_mode=np.int32(act_mode),
-        tile=np.int32(tile_id), x_rows=np.int32(x_rows), act_table=np.int32(act_table()),
+        tile=np.int32(tile_id), x_rows=np.int32(x_rows), act_table=np.int32(act_table()), x_blocks=np.int32(x_blocks),
     )
     return tuple(results) if act_mode != 0 else results[0]
 
@@ -568,7 +569,8 @@ def sddmm_partial_elements(tokens: int, n_values: int, split: int) -> int:
     return ranges * n_values if ranges > 1 else 0
 
 
-def _sddmm_call(x: jax.Array, dy: jax.Array, sw: SparseWeight, out, split, engine: int, x_layout: int) -> jax.Array:
+def _sddmm_call(x: jax.Array, dy: jax.Array, sw: SparseWeight, out, split, engine: int, x_layout: int,
+                x_blocks: int = 1) -> jax.Array:
     """The ``jaxsparse_sddmm`` call, operands checked: ``x`` is ``[T, K]`` (x_layout 0) or ``x^T [K, T]`` (1).
 
     Its second result is the token split's float32 buffer (:func:`sddmm_partial_elements`), dropped here: an
@@ -579,7 +581,7 @@ def _sddmm_call(x: jax.Array, dy: jax.Array, sw: SparseWeight, out, split, engin
     dvalues, _ = _call_results(
         "jaxsparse_sddmm", [(sw.values.shape, out), ((partial,), jnp.float32)], x, dy, _columns_operand(sw),
         sw.metadata, v=np.int32(sw.spec.v), m=np.int32(sw.spec.m), split=np.int32(split),
-        engine=np.int32(engine), x_layout=np.int32(x_layout),
+        engine=np.int32(engine), x_layout=np.int32(x_layout), x_blocks=np.int32(x_blocks),
     )
     return dvalues
 
@@ -679,3 +681,63 @@ def spmm_t_resident(dy: jax.Array, sw: SparseWeight) -> jax.Array:
     _check_dy("spmm_t_resident", dy, sw, spmm_t_resident_unsupported(sw))
     return _call("jaxsparse_spmm_t_resident", (dy.shape[0], sw.shape[0]), dy.dtype, dy, resident_dx_fragments(sw),
                  sw.columns, v=np.int32(sw.spec.v), m=np.int32(sw.spec.m))
+
+
+# ----------------------------------------------------------------------------- diagonal 2:4 blocks
+
+
+def blocks_unsupported(sw: SparseWeight, blocks: int) -> str | None:
+    """Why the kernels cannot take ``sw`` as ``blocks`` diagonal 2:4 blocks (:func:`spmm_blocks`,
+    :func:`sddmm_blocks`, and the input gradient through ``jaxsparse.format.transpose_blocks``), None when they can:
+    the SpMM's list, a 2:4 weight, a Hopper GPU (the TMA row kernel and the SDDMM's tma engine), ``R % (128 blocks)
+    == 0`` and ``K % 128 == 0`` (``K`` per block: whole 64-column stages, and the input gradient's blocks of ``K``
+    rows in whole 128-row tiles)."""
+    problem = spmm_unsupported(sw)
+    if problem:
+        return problem
+    k, r = sw.shape
+    if sw.spec.m != 4:
+        return f"diagonal blocks are 2:4 weights, got {sw.spec}"
+    if r % (128 * blocks) or k % 128:
+        return (f"{blocks} diagonal blocks need R % (128 * {blocks}) == 0 and K % 128 == 0 (K per block), got "
+                f"K = {k}, R = {r}")
+    if not hopper_gpu():
+        return "diagonal blocks run on the Hopper kernels (the TMA row kernel and the SDDMM's tma engine)"
+    return None
+
+
+def _check_blocks(name: str, x: jax.Array, sw: SparseWeight, blocks: int, x_name: str = "x") -> None:
+    """``x`` 2-D ``[T, blocks K]`` in the values' dtype, and :func:`blocks_unsupported` None; ``ValueError`` else."""
+    if x.ndim != 2 or x.shape[1] != blocks * sw.shape[0]:
+        raise ValueError(f"{name}: {x_name} must be [T, {blocks} * {sw.shape[0]}] for {blocks} diagonal blocks of a "
+                         f"weight {sw.shape}, got {x.shape}")
+    if x.dtype != sw.values.dtype:
+        raise ValueError(f"{name}: {x_name} dtype {x.dtype} must equal the values dtype {sw.values.dtype}")
+    problem = blocks_unsupported(sw, blocks)
+    if problem:
+        raise ValueError(f"{name}: {problem}")
+
+
+def spmm_blocks(x: jax.Array, sw: SparseWeight, blocks: int, bias: jax.Array | None = None,
+                activation: str | None = None, with_derivative: bool = False):
+    """``act(x @ W + bias)`` for a weight of ``blocks`` diagonal 2:4 blocks, on the TMA row kernel: ``x [T, blocks
+    K]``, ``sw`` the blocks stacked along the outputs (a 2:4 weight of shape ``(K, R)``; output feature ``r`` reads
+    x's columns ``(r // (R / blocks)) K + [0, K)``) -> ``[T, R]`` (with ``with_derivative``, ``(act(z), act'(z))``).
+    Constraints: :func:`blocks_unsupported`, ``bias`` and ``activation`` as :func:`spmm`'s."""
+    _check_blocks("spmm_blocks", x, sw, blocks)
+    _spmm_checks("spmm_blocks", sw, x.dtype, bias, activation)
+    _check_act_mode("spmm_blocks", activation, with_derivative)
+    tile = None if blocks == 1 else "auto"  # the 64-row tile could straddle two blocks' rows: not for x_blocks > 1
+    return _spmm_xt_call(x, sw, bias, activation, tile=tile, x_rows=True, act_mode=int(with_derivative),
+                         x_blocks=blocks)
+
+
+def sddmm_blocks(x: jax.Array, dy: jax.Array, sw: SparseWeight, blocks: int, out_dtype=None,
+                 split: int | str | None = None) -> jax.Array:
+    """:func:`sddmm` for a weight of ``blocks`` diagonal 2:4 blocks (:func:`spmm_blocks`' layout): ``x [T, blocks
+    K]``, ``dy [T, R]`` -> ``[R, K/2]`` like ``sw.values``, on the SDDMM's tma engine."""
+    _check_blocks("sddmm_blocks", x, sw, blocks)
+    if dy.ndim != 2 or dy.shape != (x.shape[0], sw.shape[1]):
+        raise ValueError(f"sddmm_blocks: dy must be [{x.shape[0]}, {sw.shape[1]}], got {dy.shape}")
+    out = _sddmm_out_dtype("sddmm_blocks", "x", x, dy, sw, out_dtype)
+    return _sddmm_call(x, dy, sw, out, split, SDDMM_ENGINES["tma"], x_layout=0, x_blocks=blocks)

@@ -1,0 +1,127 @@
+"""Diagonal 2:4 blocks on the GPU kernels (``calls.spmm_blocks``, ``calls.sddmm_blocks``, ``ops.diagonal_linear``)
+against float32 references.
+
+A weight of G diagonal 2:4 blocks is stored stacked along its outputs: a 2:4 weight ``(K, R)`` whose output feature
+``r`` reads x's columns ``(r // (R / G)) K + [0, K)`` (``jaxsparse.ops.diagonal_linear``). Every check draws fresh
+random inputs (each block's columns of x differ, so a kernel reading the wrong block's columns fails), poisons the
+output memory with NaN first, requires every output to be finite and compares ``||out - ref|| / ||ref||`` (and the
+worst row) with a float32 reference built from the dense block-diagonal matrix. Token counts hit the token tile's
+edges (1 and 1000: the row kernel's tile is 256 tokens, the SDDMM's stage 64).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gpu_common import DTYPES, TOL, cuda_ready, gpu_marks, key, poison
+from gpu_common import compare as _compare
+from jaxsparse import format as F
+from jaxsparse import ops
+
+pytestmark = gpu_marks("jaxsparse_spmm_xt", "jaxsparse_sddmm")
+
+if cuda_ready("jaxsparse_spmm_xt", "jaxsparse_sddmm"):
+    from jaxsparse.ffi import calls
+
+HIGHEST = jax.lax.Precision.HIGHEST
+# (blocks, K per block, R): 128-row tiles of one block each, blocks of one or several tiles and 64-column stages.
+SHAPES = [(2, 128, 256), (4, 256, 512), (2, 512, 1024), (8, 128, 1024)]
+
+
+def _hopper() -> bool:
+    return any(str(getattr(d, "compute_capability", "")).startswith("9") for d in jax.devices("gpu"))
+
+
+needs_hopper = pytest.mark.skipif(not (cuda_ready("jaxsparse_spmm_xt") and _hopper()),
+                                  reason="diagonal blocks run on the Hopper kernels")
+
+
+def _make(rng, t: int, blocks: int, k: int, r: int, dtype):
+    """x [t, blocks k], dy [t, r], the stacked weight (transposable 2:4 masks) and its dense block-diagonal form."""
+    kx, kd, kw, kb = jax.random.split(rng, 4)
+    x = jax.random.normal(kx, (t, blocks * k), jnp.float32).astype(dtype)
+    dy = jax.random.normal(kd, (t, r), jnp.float32).astype(dtype)
+    w = (jax.random.normal(kw, (k, r), jnp.float32) / np.sqrt(k / 2)).astype(dtype)
+    sw = F.compress(w, F.select_mask(w, "2:4", transposable=True), "2:4")
+    stacked = np.asarray(F.decompress(sw).astype(jnp.float32))  # [k, r]
+    rb = r // blocks
+    dense = np.zeros((blocks * k, r), np.float32)
+    for b in range(blocks):
+        dense[b * k:(b + 1) * k, b * rb:(b + 1) * rb] = stacked[:, b * rb:(b + 1) * rb]
+    bias = jax.random.normal(kb, (r,), jnp.float32).astype(dtype)
+    return x, dy, sw, jnp.asarray(dense), bias
+
+
+def _f32(a):
+    return jnp.asarray(a).astype(jnp.float32)
+
+
+def _stacked_grad(dense_grad: jax.Array, blocks: int, k: int, r: int) -> jax.Array:
+    """The stacked ``[k, r]`` view of a block-diagonal ``[blocks k, r]`` matrix's diagonal blocks."""
+    rb = r // blocks
+    return jnp.concatenate([dense_grad[b * k:(b + 1) * k, b * rb:(b + 1) * rb] for b in range(blocks)], axis=1)
+
+
+@needs_hopper
+@pytest.mark.parametrize("blocks, k, r", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("t", [1, 1000])
+def test_spmm_blocks(blocks, k, r, dtype, t):
+    x, _, sw, dense, bias = _make(key("spmm_blocks", blocks, k, r, str(dtype), t), t, blocks, k, r, dtype)
+    poison((t, r), dtype)
+    out = calls.spmm_blocks(x, sw, blocks, bias)
+    ref = jnp.dot(_f32(x), dense, precision=HIGHEST) + _f32(bias)
+    _compare(out, ref, TOL[dtype], f"spmm_blocks G={blocks} K={k} R={r} t={t}")
+
+
+@needs_hopper
+@pytest.mark.parametrize("blocks, k, r", SHAPES)
+@pytest.mark.parametrize("dtype, out_dtype", [(jnp.bfloat16, None), (jnp.float16, None), (jnp.bfloat16, jnp.float32)],
+                         ids=["bf16", "fp16", "bf16-f32"])
+@pytest.mark.parametrize("t", [1, 1000])
+def test_sddmm_blocks(blocks, k, r, dtype, t, out_dtype):
+    x, dy, sw, _, _ = _make(key("sddmm_blocks", blocks, k, r, str(dtype), t), t, blocks, k, r, dtype)
+    poison(sw.values.shape, out_dtype or dtype)
+    out = calls.sddmm_blocks(x, dy, sw, blocks, out_dtype)
+    assert out.dtype == jnp.dtype(out_dtype or dtype)
+    dense = jnp.dot(_f32(x).T, _f32(dy), precision=HIGHEST)  # [blocks k, r]
+    ref = F.compress_like(_stacked_grad(dense, blocks, k, r), sw)
+    _compare(out, ref, TOL[dtype], f"sddmm_blocks G={blocks} K={k} R={r} t={t}")
+
+
+@needs_hopper
+@pytest.mark.parametrize("blocks, k, r", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("t", [1000])
+def test_diagonal_linear_grad_on_kernels(blocks, k, r, dtype, t):
+    """``jax.grad`` of ``diagonal_linear`` under ``jit`` (forward, input gradient on the stacked ``W^T`` blocks and
+    the SDDMM, all on the kernels) against the dense block-diagonal layer in float32."""
+    x, dy, sw, dense, bias = _make(key("diag_grad", blocks, k, r, str(dtype), t), t, blocks, k, r, dtype)
+    f = jax.jit(lambda x, v, b: jax.vjp(lambda x, v, b: ops.diagonal_linear(x, sw.replace(values=v), blocks, b),
+                                        x, v, b)[1](dy))
+    poison((t, blocks * k), dtype)
+    dx, dv, db = f(x, sw.values, bias)
+    ref_dx = jnp.dot(_f32(dy), dense.T, precision=HIGHEST)
+    ref_dw = jnp.dot(_f32(x).T, _f32(dy), precision=HIGHEST)
+    what = f"diagonal_linear G={blocks} K={k} R={r} t={t}"
+    _compare(dx, ref_dx, TOL[dtype], what + " dx")
+    _compare(dv, F.compress_like(_stacked_grad(ref_dw, blocks, k, r), sw), TOL[dtype], what + " dvalues")
+    _compare(db[None], _f32(dy).sum(0)[None], TOL[dtype], what + " dbias")
+    text = f.lower(x, sw.values, bias).compile().as_text()
+    assert 'custom_call_target="jaxsparse_spmm_xt"' in text and 'custom_call_target="jaxsparse_sddmm"' in text
+
+
+@needs_hopper
+def test_blocks_reject():
+    x, dy, sw, _, _ = _make(key("blocks_reject"), 64, 2, 128, 256, jnp.bfloat16)
+    with pytest.raises(ValueError, match="128"):  # R = 256 over 4 blocks: 64-row blocks
+        calls.spmm_blocks(jnp.ones((64, 4 * 128), jnp.bfloat16), sw, 4)
+    with pytest.raises(ValueError, match="x must be"):
+        calls.spmm_blocks(x[:, :128], sw, 2)
+    with pytest.raises(ValueError, match="dy must be"):
+        calls.sddmm_blocks(x, dy[:, :128], sw, 2)
+    with pytest.raises(ValueError, match="dtype"):
+        calls.spmm_blocks(x.astype(jnp.float16), sw, 2)
