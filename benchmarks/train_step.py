@@ -38,6 +38,7 @@ import common  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 _SOURCE_FALLBACK = common.import_jaxsparse_from_install_or_checkout()
+from jaxsparse import format as fmt  # noqa: E402
 from jaxsparse.trainstep import HEADLINE_BATCH as BATCH  # noqa: E402  (model, seq_len) -> batch size on an 80 GB H100
 
 SPARSITIES = ("dense", "2:4", "64:2:8", "128:2:16", "128:2:32")
@@ -78,7 +79,8 @@ def run_config(cfg: dict, turn: dict | None = None) -> dict:
     step_cfg = StepConfig(cfg["model"], cfg["sparsity"], cfg["batch_size"], cfg["seq_len"], cfg["dtype"],
                           attention=cfg.get("attention", "softmax"), transposable=bool(cfg.get("transposable")) and sparse,
                           fuse_feed_forward=cfg.get("fuse_feed_forward", True),
-                          exclusive_columns=bool(cfg.get("exclusive_columns")) and sparse)
+                          exclusive_columns=bool(cfg.get("exclusive_columns")) and sparse,
+                          diagonal_ffn_out=bool(cfg.get("diagonal_ffn_out")) and sparse)
     # An in-process run's other configurations keep their own dX route; a JAXSPARSE_DX set by the user wins.
     # How sparse_mlp hands h over (ops.mlp_hidden_layout); None: as the environment says.
     with ops.mlp_hidden_scope(cfg.get("mlp_hidden")), ops.dx_route_scope(step_cfg.dx_route(), keep_set=True):
@@ -232,9 +234,10 @@ def _ffn(r: dict) -> str:
     """How a row's FFNs ran: ``fused`` (one sparse_mlp), ``unfused``, or ``-`` where no layer is compressed."""
     if r.get("mode") != "compressed":
         return "-"
+    diagonal = ", out diagonal" if r.get("diagonal_ffn_out") else ""
     if not r.get("fuse_feed_forward", True):
-        return "unfused"
-    return "fused, h row" if r.get("mlp_hidden") == "row" else "fused"
+        return "unfused" + diagonal
+    return ("fused, h row" if r.get("mlp_hidden") == "row" else "fused") + diagonal
 
 
 def print_table(rows: list[dict]) -> None:
@@ -330,6 +333,10 @@ def main(argv=None) -> int:
     ap.add_argument("--exclusive-columns", action="store_true",
                     help="sparse configurations (M > 4) choose column-exclusive masks and run dX by V blocks "
                          "(JAXSPARSE_DX=blocks; this wins over --transposable's route when both are given)")
+    ap.add_argument("--diagonal-ffn-out", default="off", choices=("off", "on", "both"),
+                    help="sparse configurations with M >= 8 store each FFN out kernel as M/4 diagonal 2:4 blocks "
+                         "(BertConfig.diagonal_ffn_out; jaxsparse.ops.diagonal_linear), or each such configuration "
+                         "both ways in one run")
     ap.add_argument("--ffn", default="fused", choices=("fused", "unfused", "both"),
                     help="compressed FFNs as one jaxsparse.ops.sparse_mlp with the activation in the kernels (fused), "
                          "as two layers and XLA's activation (unfused, BertConfig.fuse_feed_forward=False), or each "
@@ -374,12 +381,16 @@ def main(argv=None) -> int:
                 variants = [(fuse, hidden) for fuse in ffns
                             for hidden in ({"auto": [None], "row": ["row"], "both": [None, "row"]}[a.mlp_hidden]
                                            if fuse and s != "dense" else [None])]
-                for fuse, hidden in variants:
+                diagonal_ok = s != "dense" and fmt.VNM.parse(s).structured and fmt.VNM.parse(s).m >= 8
+                diagonals = {"off": [False], "on": [True], "both": [False, True]}[a.diagonal_ffn_out] \
+                    if diagonal_ok else [False]
+                for (fuse, hidden), diagonal in [(v, d) for v in variants for d in diagonals]:
                     configs.append({"model": model, "seq_len": seq, "batch_size": batch, "sparsity": s,
                                     "dtype": a.dtype, "attention": a.attention, "steps": steps, "warmup": warmup,
                                     "fuse_feed_forward": fuse, **({"mlp_hidden": hidden} if hidden else {}),
                                     **({"transposable": True} if a.transposable and s != "dense" else {}),
-                                    **({"exclusive_columns": True} if a.exclusive_columns and s != "dense" else {})})
+                                    **({"exclusive_columns": True} if a.exclusive_columns and s != "dense" else {}),
+                                    **({"diagonal_ffn_out": True} if diagonal else {})})
     t0 = time.time()
     if a.concurrent and not a.in_process:
         rows = _concurrent(configs, a.worker_timeout)

@@ -25,6 +25,7 @@ __all__ = [
     "diagonal_blocks",
     "diagonal_sets",
     "stack_transposed_blocks",
+    "stack_diagonal_blocks",
     "mask_is_valid",
     "check_mask",
     "compress",
@@ -307,42 +308,47 @@ def diagonal_blocks(spec: Union[str, VNM]) -> int:
     return spec.m // 4
 
 
-def check_diagonal_shape(shape: tuple[int, int], blocks: int, transposable: bool = False) -> None:
-    """Raises ``ValueError`` unless a ``[K, R]`` kernel splits into ``blocks`` diagonal 2:4 blocks: ``blocks`` a
-    power of two, ``K % (4 blocks) == 0``, ``R % blocks == 0`` (and ``(R / blocks) % 4 == 0`` when
-    ``transposable``)."""
+def check_diagonal_shape(shape: tuple[int, int], blocks: int, transposable: bool = False, chunk: int = 1) -> None:
+    """Raises ``ValueError`` unless a ``[K, R]`` kernel splits into ``blocks`` diagonal 2:4 blocks of whole
+    ``chunk``-feature chunks: ``blocks`` a power of two, ``K % (blocks chunk) == 0`` and ``(K / blocks) % 4 == 0``
+    (``chunk`` 1, 2 or a multiple of 4), ``R % blocks == 0`` (and ``(R / blocks) % 4 == 0`` when ``transposable``)."""
     k, r = shape
     if blocks < 2 or blocks & (blocks - 1):
         raise ValueError(f"the number of diagonal blocks must be a power of two >= 2, got {blocks}")
-    if k % (4 * blocks) or r % blocks or (transposable and (r // blocks) % 4):
-        raise ValueError(f"a [{k}, {r}] kernel does not split into {blocks} diagonal 2:4 blocks: need K % "
-                         f"(4 * {blocks}) == 0 and R % {blocks} == 0" + (f" and (R / {blocks}) % 4 == 0 (transposable)"
-                                                                         if transposable else ""))
+    if chunk < 1 or (chunk > 2 and chunk % 4):
+        raise ValueError(f"chunk must be 1, 2 or a multiple of 4, got {chunk}")
+    if k % (blocks * chunk) or (k // blocks) % 4 or r % blocks or (transposable and (r // blocks) % 4):
+        raise ValueError(f"a [{k}, {r}] kernel does not split into {blocks} diagonal 2:4 blocks of {chunk}-feature "
+                         f"chunks: need K % ({blocks} * {chunk}) == 0, (K / {blocks}) % 4 == 0 and R % {blocks} == 0"
+                         + (f" and (R / {blocks}) % 4 == 0 (transposable)" if transposable else ""))
 
 
-def select_diagonal_mask(scores: jax.Array, blocks: int, *, transposable: bool = False) -> jax.Array:
+def select_diagonal_mask(scores: jax.Array, blocks: int, *, transposable: bool = False, chunk: int = 1) -> jax.Array:
     """A ``[K, R]`` mask that is ``blocks`` diagonal 2:4 blocks once the input features are relabelled.
 
     The R output features are cut into ``blocks`` contiguous ranges; the K input features are partitioned into as
-    many sets of ``K / blocks`` (each set read by one range only), by recursive bisection on each feature's
-    ``sum scores^2`` over the ranges; inside each (set, range) block, taken with its set in ascending order, each
+    many sets of ``K / blocks`` (each set read by one range only), in whole chunks of ``chunk`` consecutive features,
+    by recursive bisection on each chunk's ``sum scores^2`` over the ranges; inside each (set, range) block, taken with its set in ascending order, each
     output row keeps 2 of every 4 consecutive input features (``select_mask(..., "2:4")``, ``transposable`` as
     there). Density ``1 / (2 blocks)``: a V:2:M pattern's at ``blocks = M / 4`` (:func:`diagonal_blocks`).
 
     Relabelling the input features set by set turns the layer into ``blocks`` 2:4 layers of ``1 / blocks`` the size
     on contiguous slices: where the input features are produced in any order one likes (the FFN's hidden features),
-    that costs nothing at run time (docs/kernel-notes.md, session 31). Such a mask is in general not a V:2:M mask of
-    the original feature order. Jit-able; :func:`diagonal_sets` recovers the sets.
+    that costs nothing at run time (docs/kernel-notes.md, session 31). The producing layer's output features are
+    relabelled with them: with ``chunk`` equal to its V (a V:2:M layer), whole V blocks move and its mask stays valid.
+    Such a mask is in general not a V:2:M mask of the original feature order. Jit-able; :func:`diagonal_sets`
+    recovers the sets.
     """
-    check_diagonal_shape(scores.shape, blocks, transposable)
-    return _select_diagonal_mask(scores, blocks, bool(transposable))
+    check_diagonal_shape(scores.shape, blocks, transposable, chunk)
+    return _select_diagonal_mask(scores, blocks, bool(transposable), int(chunk))
 
 
-def _diagonal_sets(scores: jax.Array, blocks: int) -> jax.Array:
-    """``[blocks, K / blocks]`` input features per block (ascending), by recursive bisection of the features on their
-    squared scores over the blocks' output ranges."""
-    k, r = scores.shape
-    a = jnp.square(scores.astype(jnp.float32)).reshape(k, blocks, r // blocks).sum(axis=-1)  # [K, blocks]
+def _diagonal_sets(scores: jax.Array, blocks: int, chunk: int = 1) -> jax.Array:
+    """``[blocks, K / blocks]`` input features per block (ascending), by recursive bisection of the ``chunk``-feature
+    chunks on their squared scores over the blocks' output ranges."""
+    k0, r = scores.shape
+    k = k0 // chunk  # the bisection runs on chunks
+    a = jnp.square(scores.astype(jnp.float32)).reshape(k, chunk, blocks, r // blocks).sum(axis=(1, 3))  # [K/c, blocks]
     order = jnp.arange(k)[None]  # [segments, K / segments]
     segments = 1
     while segments < blocks:
@@ -353,32 +359,36 @@ def _diagonal_sets(scores: jax.Array, blocks: int) -> jax.Array:
         order = jnp.take_along_axis(order, jnp.argsort(-d, axis=1, stable=True), axis=1)
         segments *= 2
         order = order.reshape(segments, k // segments)
-    return jnp.sort(order, axis=1)
+    order = jnp.sort(order, axis=1)
+    return (order[..., None] * chunk + jnp.arange(chunk)).reshape(blocks, k0 // blocks)
 
 
-def diagonal_sets(mask: jax.Array, blocks: int) -> jax.Array:
-    """The input-feature sets of a :func:`select_diagonal_mask` mask, ``[blocks, K / blocks]`` ascending: each
-    feature goes to the block whose outputs keep it, and the features no block keeps fill the sets left short, in
-    ascending order. Raises ``ValueError`` (concrete masks) where a feature is kept by two blocks' outputs."""
-    k, r = mask.shape
-    check_diagonal_shape(mask.shape, blocks)
-    used = np.asarray(mask).reshape(k, blocks, r // blocks).any(axis=-1)  # [K, blocks]
+def diagonal_sets(mask: jax.Array, blocks: int, chunk: int = 1) -> jax.Array:
+    """The input-feature sets of a :func:`select_diagonal_mask` mask, ``[blocks, K / blocks]`` ascending, in whole
+    ``chunk``-feature chunks: each chunk goes to the block whose outputs keep its features, and the chunks no block
+    keeps fill the sets left short, in ascending order. Raises ``ValueError`` (concrete masks) where a chunk is kept
+    by two blocks' outputs."""
+    k0, r = mask.shape
+    check_diagonal_shape(mask.shape, blocks, chunk=chunk)
+    k = k0 // chunk
+    used = np.asarray(mask).reshape(k, chunk, blocks, r // blocks).any(axis=(1, 3))  # [K/c, blocks]
     if (used.sum(axis=1) > 1).any():
-        raise ValueError("diagonal_sets: an input feature is kept by the outputs of more than one block")
+        raise ValueError("diagonal_sets: an input feature chunk is kept by the outputs of more than one block")
     owner = np.where(used.any(axis=1), used.argmax(axis=1), -1)
     size = k // blocks
     free = iter(np.flatnonzero(owner < 0))
     for b in range(blocks):
         for _ in range(size - int((owner == b).sum())):
             owner[next(free)] = b
-    return jnp.asarray(np.stack([np.flatnonzero(owner == b) for b in range(blocks)]))
+    sets = np.stack([np.flatnonzero(owner == b) for b in range(blocks)])  # chunks
+    return jnp.asarray((sets[..., None] * chunk + np.arange(chunk)).reshape(blocks, k0 // blocks))
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _select_diagonal_mask(scores: jax.Array, blocks: int, transposable: bool) -> jax.Array:
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _select_diagonal_mask(scores: jax.Array, blocks: int, transposable: bool, chunk: int = 1) -> jax.Array:
     k, r = scores.shape
     kb, rb = k // blocks, r // blocks
-    sets = _diagonal_sets(scores, blocks)  # [blocks, kb]
+    sets = _diagonal_sets(scores, blocks, chunk)  # [blocks, kb]
     sub = jnp.abs(scores.astype(jnp.float32))[sets].reshape(blocks, kb, blocks, rb)
     sub = jnp.take_along_axis(sub, jnp.arange(blocks)[:, None, None, None], axis=2)[:, :, 0]  # [blocks, kb, rb]
     spec = VNM.parse("2:4")
@@ -744,6 +754,17 @@ def check_blocks_shape(shape: tuple[int, int], blocks: int) -> None:
     if blocks < 1 or r % (32 * blocks):
         raise ValueError(f"a stacked weight {shape} of {blocks} diagonal blocks needs blocks >= 1 and R % (32 * "
                          f"{blocks}) == 0")
+
+
+def stack_diagonal_blocks(w: jax.Array, blocks: int) -> jax.Array:
+    """The diagonal blocks of a block-diagonal ``[blocks K, R]`` matrix side by side, ``[K, R]``: block ``b`` is
+    ``w[b K:(b + 1) K, b R/blocks:(b + 1) R/blocks]`` (the stacked layout of ``jaxsparse.ops.diagonal_linear``, whose
+    2:4 compression is the layer's weight). The entries off the diagonal blocks are dropped."""
+    k, r = w.shape
+    if blocks < 1 or k % blocks or r % blocks:
+        raise ValueError(f"a [{k}, {r}] matrix does not split into {blocks} diagonal blocks")
+    kb, rb = k // blocks, r // blocks
+    return jnp.concatenate([w[b * kb:(b + 1) * kb, b * rb:(b + 1) * rb] for b in range(blocks)], axis=1)
 
 
 def stack_transposed_blocks(wt: SparseWeight, blocks: int) -> SparseWeight:

@@ -61,6 +61,10 @@ class NMDense(nn.Module):
         computation dtype instead of the product, for a caller that fuses it with its neighbour
         (:func:`jaxsparse.ops.sparse_mlp`); ``x`` then only gives ``K`` and the dtype (an array or a
         ``jax.ShapeDtypeStruct``). The parameters are those of the plain layer.
+      diagonal_blocks: in compressed mode, above 1 the kernel is that many diagonal 2:4 blocks
+        (``jaxsparse.ops.diagonal_linear``; the density of a V:2:M ``sparsity`` with ``M = 4 diagonal_blocks``):
+        ``values`` and ``metadata`` are the stacked blocks' (``[R, K / (2 diagonal_blocks)]``), the input features
+        in the relabelled order ``jaxsparse.pruning.to_compressed`` gives. Master mode ignores it (the mask says).
     """
 
     features: int
@@ -73,6 +77,7 @@ class NMDense(nn.Module):
     sparsity: str | None = None
     compressed: bool = False
     return_operands: bool = False
+    diagonal_blocks: int = 1
 
     @property
     def spec(self) -> fmt.VNM | None:
@@ -84,7 +89,9 @@ class NMDense(nn.Module):
         """Apply the layer to ``x [..., K]``; returns ``[..., features]``."""
         k, r = x.shape[-1], self.features
         spec = self.spec
-        if spec is not None:
+        if spec is not None and self.compressed and self.diagonal_blocks > 1:
+            fmt.check_diagonal_shape((k, r), self.diagonal_blocks, transposable=True)
+        elif spec is not None:
             fmt.validate_shape((k, r), spec, compressed=self.compressed)
         bias = self.param("bias", self.bias_init, (r,), self.param_dtype) if self.use_bias else None
         if self.return_operands and not self.compressed:
@@ -96,6 +103,8 @@ class NMDense(nn.Module):
             sw, bias = self._compressed_operands(x, bias, spec)
             if self.return_operands:
                 return sw, bias
+            if self.diagonal_blocks > 1:
+                return ops.diagonal_linear(x.astype(sw.values.dtype), sw, self.diagonal_blocks, bias)
             return ops.sparse_linear(x.astype(sw.values.dtype), sw, bias)
 
         kernel = self.param("kernel", self.kernel_init, (k, r), self.param_dtype)
@@ -115,9 +124,11 @@ class NMDense(nn.Module):
 
     def _compressed_operands(self, x: Array, bias: Array | None, spec: fmt.VNM) -> tuple[fmt.SparseWeight, Array | None]:
         k, r = x.shape[-1], self.features
+        if self.diagonal_blocks > 1:  # the stacked blocks: a 2:4 weight (K / blocks, R), transposable masks
+            k, spec = k // self.diagonal_blocks, fmt.VNM.parse("2:4")
         if self.is_initializing() and not self.has_variable("params", "values"):
             w = self.kernel_init(self.make_rng("params"), (k, r), self.param_dtype)
-            init = fmt.compress(w, fmt.select_mask(w, spec), spec)
+            init = fmt.compress(w, fmt.select_mask(w, spec, transposable=self.diagonal_blocks > 1), spec)
             values = self.param("values", lambda _: init.values)
             metadata = self.variable(SPARSITY, "metadata", lambda: init.metadata).value
             columns = self.variable(SPARSITY, "columns", lambda: init.columns).value if spec.m > 4 else None

@@ -477,7 +477,10 @@ def mlp_hidden_layout(tokens: int, sw1: SparseWeight, sw2: SparseWeight, layout:
     return "col" if layout == "col" or (layout == "auto" and problem is None) else "row"
 
 
-def _mlp_fwd(x2, sw1, b1, sw2, b2, activation):
+def _mlp_fwd(x2, sw1, b1, sw2, b2, activation, blocks=1):
+    if blocks > 1:  # the second layer of diagonal 2:4 blocks reads h by rows
+        (h, dact), x_kept = _forward_keeping_x(x2, sw1, b1, activation, with_derivative=True)
+        return _blocks_product(h, sw2, b2, blocks), (x_kept, dact, h, sw1, b1, sw2, b2)
     if mlp_hidden_layout(x2.shape[0], sw1, sw2) == "col":  # h^T from the first epilogue: no transpose of h
         (ht, dact), x_kept = _forward_keeping_x(x2, sw1, b1, activation, with_derivative=True, transpose_out=True)
         return _forward_from_xt(ht, sw2, b2), (x_kept, dact, ht, sw1, b1, sw2, b2)
@@ -486,16 +489,24 @@ def _mlp_fwd(x2, sw1, b1, sw2, b2, activation):
     return y, (x_kept, dact, h_kept, sw1, b1, sw2, b2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _mlp(x2, sw1, b1, sw2, b2, activation):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _mlp(x2, sw1, b1, sw2, b2, activation, blocks=1):
     h, _ = _forward_keeping_x(x2, sw1, b1, activation)
+    if blocks > 1:
+        return _blocks_product(h, sw2, b2, blocks)
     return _forward_keeping_x(h, sw2, b2)[0]
 
 
-def _mlp_bwd(activation, residuals, dy):
+def _mlp_bwd(activation, blocks, residuals, dy):
     x_kept, dact, h_kept, sw1, b1, sw2, b2 = residuals
-    dsw2, db2 = _weight_cotangents(dy, sw2, b2, _sddmm_kept(h_kept, dy, sw2))
-    dz = _times(spmm_t(dy, sw2), dact)  # XLA fuses the multiply with dz's bias-gradient reduction
+    if blocks > 1:
+        dsw2, db2 = _weight_cotangents(dy, sw2, b2, _blocks_sddmm(h_kept, dy, sw2, blocks))
+        with jax.named_scope("jaxsparse_spmm_t"):
+            dh = _blocks_product(dy, transpose_blocks(sw2, blocks), None, blocks)
+    else:
+        dsw2, db2 = _weight_cotangents(dy, sw2, b2, _sddmm_kept(h_kept, dy, sw2))
+        dh = spmm_t(dy, sw2)
+    dz = _times(dh, dact)  # XLA fuses the multiply with dz's bias-gradient reduction
     dx, dsw1, db1 = _cotangents(dz, sw1, b1, _sddmm_kept(x_kept, dz, sw1))
     return dx, dsw1, db1, dsw2, db2
 
@@ -504,7 +515,7 @@ _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
 def sparse_mlp(x: jax.Array, sw1: SparseWeight, b1: Optional[jax.Array], sw2: SparseWeight, b2: Optional[jax.Array],
-               activation: str = "gelu_erf") -> jax.Array:
+               activation: str = "gelu_erf", blocks: int = 1) -> jax.Array:
     """A feed-forward block ``act(x @ W1 + b1) @ W2 + b2`` of two compressed weights, differentiable in ``x``, both
     weights' values and both biases: :func:`sparse_linear` twice with the activation fused into the kernels.
 
@@ -518,8 +529,10 @@ def sparse_mlp(x: jax.Array, sw1: SparseWeight, b1: Optional[jax.Array], sw2: Sp
     Args:
       x: ``[..., K]`` in the values' dtype.
       sw1: ``[K, F]``; ``b1``: ``[F]`` or None.
-      sw2: ``[F, R]``; ``b2``: ``[R]`` or None.
+      sw2: ``[F, R]``; ``b2``: ``[R]`` or None. With ``blocks > 1``, the stacked 2:4 weight ``(F / blocks, R)`` of
+        ``blocks`` diagonal blocks (:func:`diagonal_linear`; ``h`` then goes to it by rows).
       activation: one of :data:`FUSED_ACTIVATIONS`.
+      blocks: the second layer's diagonal blocks (1: a plain compressed weight).
 
     Returns:
       ``[..., R]``.
@@ -529,14 +542,17 @@ def sparse_mlp(x: jax.Array, sw1: SparseWeight, b1: Optional[jax.Array], sw2: Sp
     _check_activation(x, sw1, "x", sw1.shape[0])
     _check_bias(b1, sw1)
     _check_bias(b2, sw2)
-    if sw2.shape[0] != sw1.shape[1]:
-        raise ValueError(f"the second weight's K ({sw2.shape[0]}) must equal the first's output features "
-                         f"({sw1.shape[1]}), got shapes {sw1.shape} and {sw2.shape}")
+    if blocks > 1:
+        _check_blocks(sw2, blocks)
+    if blocks * sw2.shape[0] != sw1.shape[1]:
+        raise ValueError(f"the second weight's K ({blocks} x {sw2.shape[0]}) must equal the first's output features "
+                         f"({sw1.shape[1]}), got shapes {sw1.shape} and {sw2.shape}" + (f" with {blocks} diagonal "
+                                                                                         "blocks" if blocks > 1 else ""))
     if sw2.values.dtype != sw1.values.dtype:
         raise ValueError(f"both weights must share one dtype, got {sw1.values.dtype} and {sw2.values.dtype}")
     if activation not in FUSED_ACTIVATIONS:
         raise ValueError(f"activation must be one of {FUSED_ACTIVATIONS}, got {activation!r}")
-    y = _mlp(_flatten(x), sw1, b1, sw2, b2, activation)
+    y = _mlp(_flatten(x), sw1, b1, sw2, b2, activation, blocks)
     return y.reshape(*x.shape[:-1], sw2.shape[1])
 
 

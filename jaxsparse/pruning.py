@@ -218,7 +218,8 @@ def _select_all(params, selected, spec: fmt.VNM, input_sq=None, transposable: bo
     sums of squared inputs per kernel) is given; ``transposable`` masks (``select_mask``'s option) for the
     patterns that keep 2 per group, ``exclusive_columns`` ones for the V:2:M patterns with M > 4, plain ones for the
     ladder's other stages. The kernels ``diagonal_fn`` selects take, at V:2:M patterns with M >= 8,
-    ``select_diagonal_mask``'s ``M / 4`` diagonal 2:4 blocks instead (the same density)."""
+    ``select_diagonal_mask``'s ``M / 4`` diagonal 2:4 blocks instead (the same density; transposable, their input
+    features in chunks of V, so that relabelling them moves whole V blocks of the layer that produces them)."""
     opts = dict(transposable=transposable and spec.structured and spec.n == 2,
                 exclusive_columns=exclusive_columns and fmt.takes_exclusive_columns(spec))
     diagonal = diagonal_fn is not None and spec.structured and spec.n == 2 and spec.m >= 8
@@ -229,8 +230,8 @@ def _select_all(params, selected, spec: fmt.VNM, input_sq=None, transposable: bo
 
     def one(p, q, d):
         score = p if q is None else jnp.abs(p) * jnp.sqrt(q)[:, None]
-        if d:
-            return fmt.select_diagonal_mask(score, fmt.diagonal_blocks(spec), transposable=opts["transposable"])
+        if d:  # transposable always: the layout's input gradient runs on the blocks' W^T
+            return fmt.select_diagonal_mask(score, fmt.diagonal_blocks(spec), transposable=True, chunk=spec.v)
         return fmt.select_mask(score, spec, **opts)
 
     return jax.tree_util.tree_map(lambda s, p, q, d: None if s is None else one(p, q, d), selected, params, sq,
@@ -345,7 +346,7 @@ def gmp_prune(
                     fmt.validate_shape(x.shape, spec)
                     if (diagonal_fn is not None and diagonal_fn(_path_names(path), x) and spec.structured
                             and spec.n == 2 and spec.m >= 8):
-                        fmt.check_diagonal_shape(x.shape, fmt.diagonal_blocks(spec), transposable)
+                        fmt.check_diagonal_shape(x.shape, fmt.diagonal_blocks(spec), True, spec.v)
                 except ValueError as e:
                     raise ValueError(f"gmp_prune: layer {'/'.join(_path_names(path))}: {e}") from None
         if n_sel == 0:
@@ -521,7 +522,39 @@ def sparsity_of(params, masks) -> float:
     return zeros / total
 
 
-def to_compressed(params, masks, spec: str | fmt.VNM, opt_state=None):
+def _diagonal_relabelling(masks_flat: dict, spec: fmt.VNM, diagonal_fn: FilterFn | None) -> dict:
+    """``{kernel path: permutation}`` of the diagonal-block kernels among ``masks_flat`` (a flat params-shaped mask
+    tree): the order of their input features, set by set (``jaxsparse.format.diagonal_sets`` in chunks of V)."""
+    if diagonal_fn is None or not (spec.structured and spec.n == 2 and spec.m >= 8):
+        return {}
+    out = {}
+    for path, m in masks_flat.items():
+        if m is None or path[-1] != "kernel" or not diagonal_fn(_path_names(path), m):
+            continue
+        producer = path[:-2] + ("intermediate", "kernel")
+        if masks_flat.get(producer) is None:
+            raise ValueError(f"to_compressed: the diagonal blocks of {'/'.join(map(str, path))} relabel the outputs "
+                             f"of {'/'.join(map(str, producer))}, which must be pruned with them")
+        out[path] = np.asarray(fmt.diagonal_sets(m, fmt.diagonal_blocks(spec), chunk=spec.v)).reshape(-1)
+    return out
+
+
+def _relabel(tree, perms: dict):
+    """A params-shaped ``tree`` with each diagonal kernel's input features (its rows) and its producer's outputs (the
+    ``intermediate`` kernel's columns and bias) in the order ``perms`` gives: the same function."""
+    flat = dict(traverse_util.flatten_dict(dict(tree)))
+    for path, perm in perms.items():
+        producer = path[:-2] + ("intermediate",)
+        if flat.get(path) is not None:
+            flat[path] = flat[path][perm]
+        if flat.get(producer + ("kernel",)) is not None:
+            flat[producer + ("kernel",)] = flat[producer + ("kernel",)][:, perm]
+        if flat.get(producer + ("bias",)) is not None:
+            flat[producer + ("bias",)] = flat[producer + ("bias",)][perm]
+    return traverse_util.unflatten_dict(flat)
+
+
+def to_compressed(params, masks, spec: str | fmt.VNM, opt_state=None, diagonal_fn: FilterFn | None = None):
     """Switch training to compressed mode once the final N = 2 masks are in place.
 
     Args:
@@ -531,22 +564,62 @@ def to_compressed(params, masks, spec: str | fmt.VNM, opt_state=None):
       opt_state: optional state of the optimizer *without* ``gmp_prune`` (e.g. ``opt_state[0]`` of
         ``optax.chain(adamw, gmp_prune(...))``); every params-shaped subtree in it (Adam's ``mu``,
         ``nu``, ...) is gathered into the values layout, so the same optimizer continues seamlessly.
+      diagonal_fn: the kernels whose masks are diagonal 2:4 blocks (``gmp_prune``'s option; a params-shaped mask
+        tree then). Each one's input features, and the outputs of the ``intermediate`` kernel beside it that
+        produces them (its columns, bias and their optimizer state), are relabelled set by set, which changes no
+        output; the kernel is then stored as its stacked blocks (``jaxsparse.format.stack_diagonal_blocks``,
+        compressed 2:4), for the model built with ``BertConfig.diagonal_ffn_out``.
 
     Returns:
       ``(params, sparsity)`` -- or ``(params, sparsity, opt_state)`` when ``opt_state`` is given -- for
       the model built with ``compressed=True``.
     """
+    spec = fmt.VNM.parse(spec)
     flat = traverse_util.flatten_dict(dict(masks))
+    perms = {}
     if any(p[-1] == "kernel" for p in flat):  # a params-shaped mask tree
-        masks = sparsity_collection(masks)
+        perms = _diagonal_relabelling(dict(flat), spec, diagonal_fn)
+        if perms:
+            masks = _relabel(masks, perms)
+            params = _relabel(params, perms)
+            opt_state = None if opt_state is None else _map_params_like(lambda n: _relabel(n, perms), opt_state, params)
+        mask_tree = masks
+        masks = sparsity_collection(traverse_util.unflatten_dict(
+            {k: v for k, v in traverse_util.flatten_dict(dict(mask_tree)).items() if k not in perms}))
+    elif diagonal_fn is not None:
+        raise ValueError("to_compressed: diagonal_fn needs a params-shaped mask tree (masks_of), not a sparsity "
+                         "collection")
+    blocks = fmt.diagonal_blocks(spec) if perms else 1
+    diagonal_masks = {p: fmt.stack_diagonal_blocks(traverse_util.flatten_dict(dict(mask_tree))[p], blocks)
+                      for p in perms} if perms else {}
+
+    def stacked(tree, with_pattern: bool = False):
+        """The diagonal kernels of a (relabelled, otherwise compressed) params-shaped tree as stacked 2:4 values."""
+        if not perms:
+            return tree
+        flat_t = dict(traverse_util.flatten_dict(dict(tree)))
+        pattern = {}
+        for path in perms:
+            sw = fmt.compress(fmt.stack_diagonal_blocks(flat_t.pop(path), blocks), diagonal_masks[path], "2:4")
+            flat_t[path[:-1] + ("values",)] = sw.values
+            pattern[path[:-1] + ("metadata",)] = sw.metadata
+        return (traverse_util.unflatten_dict(flat_t), pattern) if with_pattern else traverse_util.unflatten_dict(flat_t)
+
     c_params, pattern = compress_variables(params, masks, spec)
+    if perms:
+        c_params, diag_pattern = stacked(c_params, with_pattern=True)
+        pattern = traverse_util.unflatten_dict({**traverse_util.flatten_dict(dict(pattern)), **diag_pattern})
     if opt_state is None:
         return c_params, pattern
+    c_state = _map_params_like(lambda n: stacked(compress_tree(n, masks, spec)), opt_state, params)
+    return c_params, pattern, c_state
+
+
+def _map_params_like(fn, tree, params):
+    """``fn`` over every subtree of ``tree`` shaped like ``params`` (Adam's ``mu``, ``nu``, ...)."""
     structure = jax.tree_util.tree_structure(params)
 
     def params_like(node) -> bool:
         return jax.tree_util.tree_structure(node) == structure
 
-    c_state = jax.tree_util.tree_map(lambda n: compress_tree(n, masks, spec) if params_like(n) else n,
-                                     opt_state, is_leaf=params_like)
-    return c_params, pattern, c_state
+    return jax.tree_util.tree_map(lambda n: fn(n) if params_like(n) else n, tree, is_leaf=params_like)

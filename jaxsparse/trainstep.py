@@ -70,6 +70,9 @@ class StepConfig:
         ``"blocks"`` input gradient (``benchmarks/train_step.py --exclusive-columns`` traces with it).
       fuse_feed_forward: :attr:`jaxsparse.models.bert.BertConfig.fuse_feed_forward` (compressed FFNs as one
         :func:`jaxsparse.ops.sparse_mlp`, the activation in the kernels' epilogues).
+      diagonal_ffn_out: the FFN out kernels as ``M / 4`` diagonal 2:4 blocks (``V:2:M`` with ``M >= 8``; masks by
+        ``jaxsparse.format.select_diagonal_mask``, the hidden units relabelled by ``jaxsparse.pruning.to_compressed``;
+        ``BertConfig.diagonal_ffn_out``).
     """
 
     model: str = "tiny"
@@ -83,6 +86,7 @@ class StepConfig:
     transposable: bool = False
     fuse_feed_forward: bool = True
     exclusive_columns: bool = False
+    diagonal_ffn_out: bool = False
 
     def __post_init__(self) -> None:
         if self.model not in bert.PRESETS:
@@ -100,6 +104,10 @@ class StepConfig:
             if self.sparsity == "dense":
                 raise ValueError("exclusive columns need a V:N:M pattern with N <= 2 and M > 4, not 'dense'")
             fmt.check_exclusive_spec(self.sparsity)
+        if self.diagonal_ffn_out:
+            if self.sparsity == "dense":
+                raise ValueError("diagonal FFN out blocks need a V:2:M pattern with M >= 8, not 'dense'")
+            fmt.diagonal_blocks(self.sparsity)  # ValueError naming the constraint
 
     def dx_route(self) -> str | None:
         """The input-gradient route the masks are chosen for: ``"blocks"`` for column-exclusive masks,
@@ -110,7 +118,8 @@ class StepConfig:
     def bert_config(self) -> bert.BertConfig:
         """The preset's :class:`~jaxsparse.models.bert.BertConfig` with this attention."""
         fused = dict(attention_probs_dropout_prob=0.0, attention_impl="fused") if self.attention == "fused" else {}
-        return bert.BertConfig.preset(self.model, fuse_feed_forward=self.fuse_feed_forward, **fused)
+        return bert.BertConfig.preset(self.model, fuse_feed_forward=self.fuse_feed_forward,
+                                      diagonal_ffn_out=self.diagonal_ffn_out, **fused)
 
 
 @dataclasses.dataclass
@@ -187,14 +196,16 @@ def build_step(config: StepConfig) -> TrainStep:
     master = make(False)
     params = jax.jit(master.init)(k_init, ids[:1, :8])["params"]
     base = adamw()
+    diagonal_fn = pruning.ffn_out_kernels if config.diagonal_ffn_out else None
     if mode == "compressed":
         masks = pruning.oneshot_masks(params, config.sparsity, transposable=config.transposable,
-                                      exclusive_columns=config.exclusive_columns)
-        params, pattern, opt_state = pruning.to_compressed(params, masks, config.sparsity, base.init(params))
+                                      exclusive_columns=config.exclusive_columns, diagonal_fn=diagonal_fn)
+        params, pattern, opt_state = pruning.to_compressed(params, masks, config.sparsity, base.init(params),
+                                                           diagonal_fn=diagonal_fn)
         model, tx, extra, with_masks = make(True), base, {"sparsity": pattern}, False
     elif mode == "masked":
         tx = optax.chain(base, pruning.gmp_prune([config.sparsity], 0, 0, transposable=config.transposable,
-                                                 exclusive_columns=config.exclusive_columns))
+                                                 exclusive_columns=config.exclusive_columns, diagonal_fn=diagonal_fn))
         opt_state = tx.init(params)
         model, extra, with_masks = master, {}, True
     else:

@@ -125,3 +125,37 @@ def test_blocks_reject():
         calls.sddmm_blocks(x, dy[:, :128], sw, 2)
     with pytest.raises(ValueError, match="dtype"):
         calls.spmm_blocks(x.astype(jnp.float16), sw, 2)
+
+
+@needs_hopper
+@pytest.mark.parametrize("spec, blocks", [("64:2:8", 2), ("128:2:16", 4)])
+def test_sparse_mlp_with_diagonal_out_on_kernels(monkeypatch, spec, blocks):
+    """``sparse_mlp`` with a second layer of diagonal blocks (the fused first product's epilogue writes ``h`` and
+    ``act'``; the second runs on the blocks) under ``jit``: outputs and every gradient against the same function on
+    the reference path."""
+    t, k, f, r = 1000, 256, 1024, 512
+    kx, kd, k1, k2, kb = jax.random.split(key("mlp_diag", spec), 5)
+    x = jax.random.normal(kx, (t, k), jnp.float32).astype(jnp.bfloat16)
+    dy = jax.random.normal(kd, (t, r), jnp.float32).astype(jnp.bfloat16)
+    w1 = (jax.random.normal(k1, (k, f), jnp.float32) / np.sqrt(k / 4)).astype(jnp.bfloat16)
+    sw1 = F.compress(w1, F.select_mask(w1, spec, transposable=True), spec)
+    w2 = (jax.random.normal(k2, (f // blocks, r), jnp.float32) / np.sqrt(f / blocks / 2)).astype(jnp.bfloat16)
+    sw2 = F.compress(w2, F.select_mask(w2, "2:4", transposable=True), "2:4")
+    b1 = jax.random.normal(kb, (f,), jnp.float32).astype(jnp.bfloat16)
+    b2 = jnp.zeros((r,), jnp.bfloat16)
+
+    def run():
+        g = lambda x, v1, b1, v2, b2: ops.sparse_mlp(x, sw1.replace(values=v1), b1, sw2.replace(values=v2), b2,
+                                                    "gelu_erf", blocks=blocks)
+        y, vjp = jax.vjp(g, x, sw1.values, b1, sw2.values, b2)
+        return (y, *vjp(dy))
+
+    with ops.dx_route_scope("transposed"):
+        got = jax.jit(run)()
+    monkeypatch.setenv("JAXSPARSE_BACKEND", "reference")
+    with ops.dx_route_scope("transposed"):
+        want = jax.jit(run)()
+    for name, a, b in zip(("y", "dx", "dvalues1", "dbias1", "dvalues2", "dbias2"), got, want):
+        a, b = _f32(a), _f32(b)
+        _compare(a if a.ndim == 2 else a[None], b if b.ndim == 2 else b[None], 2 * TOL[jnp.bfloat16],
+                 f"sparse_mlp {spec} blocks={blocks} {name}")

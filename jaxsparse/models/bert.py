@@ -64,6 +64,10 @@ class BertConfig:
     # as one jaxsparse.ops.sparse_mlp, whose first product's epilogue writes the activation and its derivative
     # (hidden_act in FUSED_FFN_ACTIVATIONS). False keeps two sparse_linear calls and XLA's activation.
     fuse_feed_forward: bool = True
+    # Nor this: with compressed V:2:M layers (M >= 8), store each FFN out kernel as M/4 diagonal 2:4 blocks
+    # (jaxsparse.ops.diagonal_linear; masks from jaxsparse.format.select_diagonal_mask, converted by
+    # jaxsparse.pruning.to_compressed with diagonal_fn=ffn_out_kernels, which relabels the hidden units).
+    diagonal_ffn_out: bool = False
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -103,11 +107,14 @@ class BertConfig:
 
     def compressed_problem(self, spec) -> str | None:
         """Why some encoder kernel cannot be stored compressed as ``spec`` (None when all can)."""
-        from jaxsparse.format import validate_shape
+        from jaxsparse.format import check_diagonal_shape, diagonal_blocks, validate_shape
 
         for shape in self.sparse_kernel_shapes():
             try:
-                validate_shape(shape, spec, compressed=True)
+                if self.diagonal_ffn_out and shape == (self.intermediate_size, self.hidden_size):
+                    check_diagonal_shape(shape, diagonal_blocks(spec), transposable=True)
+                else:
+                    validate_shape(shape, spec, compressed=True)
             except ValueError as error:
                 return str(error)
         return None
@@ -143,10 +150,18 @@ class _Sparse(nn.Module):
     compressed: bool = False
     dtype: Any = jnp.float32
 
-    def dense(self, features: int, name: str, return_operands: bool = False) -> NMDense:
+    def dense(self, features: int, name: str, return_operands: bool = False, diagonal_blocks: int = 1) -> NMDense:
         return NMDense(features, dtype=self.dtype, sparsity=self.sparsity, compressed=self.compressed,
                        kernel_init=nn.initializers.normal(self.config.initializer_range), name=name,
-                       return_operands=return_operands)
+                       return_operands=return_operands, diagonal_blocks=diagonal_blocks)
+
+    def ffn_out_blocks(self) -> int:
+        """The FFN out layer's diagonal 2:4 blocks (``BertConfig.diagonal_ffn_out`` on compressed layers), else 1."""
+        if not (self.config.diagonal_ffn_out and self.compressed and self.sparsity is not None):
+            return 1
+        from jaxsparse.format import diagonal_blocks
+
+        return diagonal_blocks(self.sparsity)
 
     def feed_forward(self, h: jax.Array) -> jax.Array:
         """``output(act(intermediate(h)))``: one :func:`jaxsparse.ops.sparse_mlp` when the layers are compressed
@@ -155,12 +170,14 @@ class _Sparse(nn.Module):
         cfg = self.config
         if not (self.compressed and self.sparsity is not None and cfg.fuse_feed_forward
                 and cfg.hidden_act in FUSED_FFN_ACTIVATIONS):
-            return self.dense(cfg.hidden_size, "output")(ACTIVATIONS[cfg.hidden_act](
-                self.dense(cfg.intermediate_size, "intermediate")(h)))
+            return self.dense(cfg.hidden_size, "output", diagonal_blocks=self.ffn_out_blocks())(
+                ACTIVATIONS[cfg.hidden_act](self.dense(cfg.intermediate_size, "intermediate")(h)))
         sw1, b1 = self.dense(cfg.intermediate_size, "intermediate", return_operands=True)(h)
         hidden = jax.ShapeDtypeStruct((*h.shape[:-1], cfg.intermediate_size), sw1.values.dtype)
-        sw2, b2 = self.dense(cfg.hidden_size, "output", return_operands=True)(hidden)
-        return ops.sparse_mlp(h.astype(sw1.values.dtype), sw1, b1, sw2, b2, FUSED_FFN_ACTIVATIONS[cfg.hidden_act])
+        blocks = self.ffn_out_blocks()
+        sw2, b2 = self.dense(cfg.hidden_size, "output", return_operands=True, diagonal_blocks=blocks)(hidden)
+        return ops.sparse_mlp(h.astype(sw1.values.dtype), sw1, b1, sw2, b2, FUSED_FFN_ACTIVATIONS[cfg.hidden_act],
+                              blocks=blocks)
 
     def norm(self, name: str) -> nn.LayerNorm:
         return nn.LayerNorm(epsilon=self.config.layer_norm_eps, dtype=self.dtype, name=name)
