@@ -111,8 +111,9 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--diagonal-ffn-out", action="store_true",
                    help="give each encoder layer's FFN out kernel, in place of its V:2:M mask (M >= 8), M/4 diagonal "
                         "2:4 blocks of the same density once its input (hidden) features are relabelled "
-                        "(jaxsparse.format.select_diagonal_mask): the accuracy side of a faster FFN "
-                        "(docs/kernel-notes.md, session 31); masked-dense only (--compress off)")
+                        "(jaxsparse.format.select_diagonal_mask, in chunks of V); with --compress the hidden units "
+                        "are relabelled when the masks are final and the blocks train as "
+                        "jaxsparse.ops.diagonal_linear (docs/kernel-notes.md, session 31)")
     p.add_argument("--exclusive-columns", action="store_true",
                    help="choose V:2:M masks (M > 4) whose every input column is kept by at most ceil(4 (R/V) / M) "
                         "of a kernel's R/V blocks in each group (jaxsparse.format.select_mask exclusive_columns=True): "
@@ -176,8 +177,6 @@ def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
         if sparsity == "dense" or args.prune not in ("gmp", "oneshot"):
             p.error("--diagonal-ffn-out chooses a sparse run's masks: give a --sparsity pattern and --prune gmp or "
                     "oneshot")
-        if args.compress != "off":
-            p.error("--diagonal-ffn-out needs --compress off: no kernel takes diagonal blocks yet (masked-dense)")
         if sparsity is not None:
             try:
                 fmt.diagonal_blocks(sparsity)
@@ -751,9 +750,11 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
     dtype = jnp.dtype(args.dtype)
     sparse = args.sparsity != "dense"
     spec = fmt.VNM.parse(args.sparsity) if sparse else None
+    diagonal = bool(getattr(args, "diagonal_ffn_out", False)) and sparse
+    compressed_cfg = dataclasses.replace(cfg, diagonal_ffn_out=True) if diagonal else cfg
     make_model = lambda compressed: bert.BertForSequenceClassification(  # noqa: E731
-        cfg, sparsity=args.sparsity if sparse else None, compressed=compressed, dtype=dtype,
-        num_labels=task.num_labels)
+        compressed_cfg if compressed else cfg, sparsity=args.sparsity if sparse else None, compressed=compressed,
+        dtype=dtype, num_labels=task.num_labels)
     # Master mode: NMDense applies whatever mask it is passed, so one dense-spec model initialises and
     # evaluates every sparsity (fewer compilations); the spec only matters in compressed mode.
     master_key = (cfg, task.num_labels, dtype.name)
@@ -819,7 +820,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
                           diagonal_fn is not None)
                          if prune is not None else ())
     opt_state = tx.init(params)
-    compress = _use_compressed(args.compress, spec, cfg)
+    compress = _use_compressed(args.compress, spec, compressed_cfg)
     switch_step = prune.final_step + 1 if prune is not None else None
     # --average-from: the params after steps average_start + 1 .. total are averaged (masks final by then).
     average_from = float(getattr(args, "average_from", 0.0))
@@ -875,7 +876,8 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
                    file=sys.stderr) if bars else batches
         for idx in bar:
             if compress and not compressed and global_step == switch_step:
-                params, pattern, base_state = pruning.to_compressed(params, pruning.masks_of(opt_state), spec, opt_state[0])
+                params, pattern, base_state = pruning.to_compressed(params, pruning.masks_of(opt_state), spec,
+                                                                    opt_state[0], diagonal_fn=diagonal_fn)
                 opt_state, extra, compressed = base_state, {"sparsity": pattern}, True
                 model = make_model(True)
                 step = cache.get("step", (model, base_key, False, mesh, kd, hidden, attention, augment),
@@ -961,6 +963,12 @@ def predict_logits(cfg: bert.BertConfig, variables: dict, batch: data_lib.Batch,
     if compressed and sparsity is None:
         raise ValueError("predict_logits: these params are compressed (`values` in place of the sparse kernels): "
                          "give their pattern as sparsity=")
+    if compressed and fmt.VNM.parse(sparsity).m > 4 and not cfg.diagonal_ffn_out:
+        # FFN out layers stored as diagonal 2:4 blocks (--diagonal-ffn-out) carry no column sets.
+        pattern = dict(_flat(variables.get("sparsity", {})))
+        ffn_out = [p for p in pattern if p[-1] == "metadata" and p[-2] == "output" and p[-3].startswith("encoder_layer_")]
+        if ffn_out and not any(p[:-1] + ("columns",) in pattern for p in ffn_out):
+            cfg = dataclasses.replace(cfg, diagonal_ffn_out=True)
     model = bert.BertForSequenceClassification(cfg, sparsity=sparsity if compressed else None, compressed=compressed,
                                                dtype=jnp.dtype(dtype), num_labels=num_labels)
     apply = jax.jit(lambda v, *a: model.apply(v, *a).astype(jnp.float32))

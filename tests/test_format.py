@@ -510,3 +510,60 @@ def test_block_dx_operands_flags_columns_over_the_cap_and_rejects():
     w4 = jax.random.normal(jax.random.PRNGKey(6), (64, 64))
     with pytest.raises(ValueError, match="M > 4"):
         F.block_dx_operands(F.compress(w4, F.select_mask(w4, "2:4"), "2:4"))
+
+
+# ----------------------------------------------------------------------------- diagonal 2:4 blocks
+
+
+@pytest.mark.parametrize("blocks, chunk, transposable", [(2, 1, False), (4, 1, True), (2, 64, True), (8, 4, True)])
+def test_select_diagonal_mask_is_block_diagonal_after_relabelling(blocks, chunk, transposable):
+    """Every output range reads one set of inputs (whole chunks, the sets a partition), 2:4 on each set's quads in
+    ascending order (and along the outputs when transposable); ``diagonal_sets`` recovers the sets; jit-able."""
+    k, r = 1024, 128
+    w = jax.random.normal(jax.random.PRNGKey(blocks + chunk), (k, r))
+    m = np.asarray(F.select_diagonal_mask(w, blocks, transposable=transposable, chunk=chunk))
+    np.testing.assert_array_equal(m, np.asarray(jax.jit(lambda s: F.select_diagonal_mask(
+        s, blocks, transposable=transposable, chunk=chunk))(w)))
+    sets = np.asarray(F.diagonal_sets(m, blocks, chunk=chunk))
+    assert sorted(sets.ravel().tolist()) == list(range(k))
+    assert (sets.reshape(blocks, -1, chunk) % chunk == np.arange(chunk)).all()  # whole chunks
+    kb, rb = k // blocks, r // blocks
+    for b in range(blocks):
+        block = m[sets[b], b * rb:(b + 1) * rb]
+        assert (block.reshape(kb // 4, 4, rb).sum(axis=1) == 2).all()
+        if transposable:
+            assert (block.reshape(kb, rb // 4, 4).sum(axis=2) <= 2).all()
+        assert not np.delete(m[:, b * rb:(b + 1) * rb], sets[b], axis=0).any()
+    assert m.mean() == pytest.approx(1 / (2 * blocks))
+
+
+def test_diagonal_blocks_and_rejects():
+    assert F.diagonal_blocks("64:2:8") == 2 and F.diagonal_blocks("128:2:16") == 4 and F.diagonal_blocks("64:2:32") == 8
+    for spec in ("2:4", "64:4:8", "unstructured:2:8" if False else "1:2:4"):
+        with pytest.raises(ValueError, match="V:2:M"):
+            F.diagonal_blocks(spec)
+    w = jnp.ones((256, 64))
+    for blocks, chunk, match in ((3, 1, "power of two"), (2, 3, "chunk"), (2, 256, "does not split")):
+        with pytest.raises(ValueError, match=match):
+            F.select_diagonal_mask(w, blocks, chunk=chunk)
+    with pytest.raises(ValueError, match="transposable"):
+        F.select_diagonal_mask(jnp.ones((256, 24)), 4, transposable=True)  # 6 outputs a block
+
+
+def test_stacked_blocks_and_their_transposes():
+    """``stack_diagonal_blocks`` takes the diagonal blocks side by side; ``stack_transposed_blocks`` of
+    ``transpose_2_4`` of the stacked 2:4 weight is the stacked blocks of the transposed block-diagonal matrix."""
+    blocks, k, r = 4, 64, 128
+    w = jax.random.normal(jax.random.PRNGKey(0), (k, r))
+    sw = F.compress(w, F.select_mask(w, "2:4", transposable=True), "2:4")
+    stacked = np.asarray(F.decompress(sw))
+    rb = r // blocks
+    dense = np.zeros((blocks * k, r), np.float32)
+    for b in range(blocks):
+        dense[b * k:(b + 1) * k, b * rb:(b + 1) * rb] = stacked[:, b * rb:(b + 1) * rb]
+    np.testing.assert_array_equal(np.asarray(F.stack_diagonal_blocks(jnp.asarray(dense), blocks)), stacked)
+    wt = F.stack_transposed_blocks(F.transpose_2_4(sw), blocks)
+    assert wt.shape == (rb, blocks * k) and wt.spec == F.VNM.parse("2:4")
+    np.testing.assert_array_equal(np.asarray(F.decompress(wt)), F.stack_diagonal_blocks(jnp.asarray(dense.T), blocks))
+    with pytest.raises(ValueError, match="32"):
+        F.stack_transposed_blocks(F.transpose_2_4(sw), 8)  # 16 outputs a block: half a metadata word

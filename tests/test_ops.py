@@ -642,3 +642,68 @@ def test_sparse_mlp_rejects_what_it_cannot_take():
         ops.sparse_mlp(x, sw1, b2, sw2, b2)
     with pytest.raises(ValueError, match="both weights must share one dtype"):
         ops.sparse_mlp(x, sw1, b1, sw2.replace(values=sw2.values.astype(jnp.bfloat16)), b2)
+
+
+# ----------------------------------------------------------------------------- diagonal 2:4 blocks
+
+
+def _diagonal_operands(blocks=4, k=64, r=128, tokens=(3, 5)):
+    kw, kx, kb = jax.random.split(jax.random.PRNGKey(blocks), 3)
+    w = jax.random.normal(kw, (k, r), jnp.float32)
+    sw = F.compress(w, F.select_mask(w, "2:4", transposable=True), "2:4")
+    rb = r // blocks
+    stacked = np.asarray(F.decompress(sw))
+    dense = np.zeros((blocks * k, r), np.float32)
+    for b in range(blocks):
+        dense[b * k:(b + 1) * k, b * rb:(b + 1) * rb] = stacked[:, b * rb:(b + 1) * rb]
+    x = jax.random.normal(kx, (*tokens, blocks * k), jnp.float32)
+    return x, sw, jax.random.normal(kb, (r,), jnp.float32), jnp.asarray(dense)
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 4])
+def test_diagonal_linear_is_the_block_diagonal_layer(blocks):
+    """Forward and every gradient (the input gradient through the stacked W^T blocks) against the dense
+    block-diagonal layer; the weight gradient is the dense one at the kept positions of each block."""
+    x, sw, bias, dense = _diagonal_operands(blocks)
+    y = ops.diagonal_linear(x, sw, blocks, bias)
+    assert rel_err(y, x @ dense + bias) < 1e-5
+    f = lambda x, v, b: (ops.diagonal_linear(x, sw.replace(values=v), blocks, b) ** 2).sum()
+    g = lambda x, w, b: ((x @ w + b) ** 2).sum()
+    dx, dv, db = jax.jit(jax.grad(f, argnums=(0, 1, 2)))(x, sw.values, bias)
+    rx, rw, rb = jax.grad(g, argnums=(0, 1, 2))(x, dense, bias)
+    assert rel_err(dx, rx) < 1e-5 and rel_err(db, rb) < 1e-5
+    assert rel_err(dv, F.compress_like(F.stack_diagonal_blocks(rw, blocks), sw)) < 1e-5
+
+
+def test_diagonal_linear_rejects():
+    x, sw, bias, _ = _diagonal_operands(4)
+    with pytest.raises(ValueError, match="last dimension"):
+        ops.diagonal_linear(x[..., :128], sw, 4, bias)
+    with pytest.raises(ValueError, match="dtype"):
+        ops.diagonal_linear(x.astype(jnp.bfloat16), sw, 4, bias)
+    with pytest.raises(ValueError, match="bias"):
+        ops.diagonal_linear(x, sw, 4, bias[:8])
+    with pytest.raises(ValueError, match="32"):
+        ops.diagonal_linear(jnp.ones((2, 8 * 64)), sw, 8)  # 16 outputs a block
+    x8, sw8, _, _ = make(0, "64:2:8")
+    with pytest.raises(ValueError, match="2:4"):
+        ops.diagonal_linear(x8, sw8, 1)
+
+
+def test_sparse_mlp_with_a_diagonal_second_layer():
+    """``sparse_mlp(..., blocks=G)``: the second layer as G diagonal 2:4 blocks, against the dense FFN."""
+    blocks, k, f, r = 2, 64, 256, 64
+    x1, sw1, b1, dense1 = make(3, "64:2:8", k=k, r=f, tokens=(5,))
+    h_dim_x, sw2, b2, dense2 = _diagonal_operands(blocks, k=f // blocks, r=r, tokens=(5,))
+    y = ops.sparse_mlp(x1, sw1, b1, sw2, b2, "gelu_erf", blocks=blocks)
+    ref = jax.nn.gelu(x1 @ dense1 + b1, approximate=False) @ dense2 + b2
+    assert rel_err(y, ref) < 1e-5
+    f_ = lambda x, v1, v2: (ops.sparse_mlp(x, sw1.replace(values=v1), b1, sw2.replace(values=v2), b2, "gelu_erf",
+                                           blocks=blocks) ** 2).sum()
+    g_ = lambda x, w1, w2: ((jax.nn.gelu(x @ w1 + b1, approximate=False) @ w2 + b2) ** 2).sum()
+    dx, dv1, dv2 = jax.grad(f_, argnums=(0, 1, 2))(x1, sw1.values, sw2.values)
+    rx, rw1, rw2 = jax.grad(g_, argnums=(0, 1, 2))(x1, dense1, dense2)
+    assert rel_err(dx, rx) < 1e-4 and rel_err(dv1, F.compress_like(rw1, sw1)) < 1e-4
+    assert rel_err(dv2, F.compress_like(F.stack_diagonal_blocks(rw2, blocks), sw2)) < 1e-4
+    with pytest.raises(ValueError, match="diagonal"):
+        ops.sparse_mlp(x1, sw1, b1, sw2, b2, "gelu_erf", blocks=4)

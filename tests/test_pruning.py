@@ -381,3 +381,47 @@ def test_exclusive_columns_through_the_transforms():
     m = state.masks["encoder_layer_0"]["query"]["kernel"]
     assert bool(fmt.check_mask(m, "64:2:8")) and bool(fmt.columns_are_exclusive(m, "64:2:8"))
     assert bool(fmt.transposable_mask_is_valid(m))
+
+
+def test_diagonal_ffn_out_through_the_transforms_and_to_compressed():
+    """``diagonal_fn`` gives the FFN out kernels diagonal 2:4 blocks (one-shot and the GMP transform's learned masks),
+    the other kernels their V:2:M masks; ``to_compressed`` relabels the hidden units and stores the stacked blocks,
+    and the compressed model computes what the masked master model computed."""
+    from jaxsparse.models import bert
+
+    spec = "64:2:8"
+    cfg = bert.BertConfig.preset("tiny", diagonal_ffn_out=True, hidden_dropout_prob=0.0,
+                                 attention_probs_dropout_prob=0.0)
+    master = bert.BertForSequenceClassification(cfg, sparsity=spec, num_labels=3)
+    ids = jax.random.randint(jax.random.PRNGKey(1), (2, 16), 0, 1000)
+    args = (ids, jnp.zeros_like(ids), jnp.ones_like(ids))
+    params = master.init(jax.random.PRNGKey(0), *args)["params"]
+    masks = pruning.oneshot_masks(params, spec, transposable=True, diagonal_fn=pruning.ffn_out_kernels)
+    layer = masks["bert"]["encoder_layer_0"]
+    out, inter = np.asarray(layer["output"]["kernel"]), np.asarray(layer["intermediate"]["kernel"])
+    sets = np.asarray(fmt.diagonal_sets(out, 2, chunk=64))  # raises unless block-diagonal in chunks of V = 64
+    assert out.mean() == 0.25 and bool(fmt.check_mask(inter, spec)) and not bool(fmt.check_mask(out, spec))
+    tx = pruning.gmp_prune([spec], 0, 0, transposable=True, diagonal_fn=pruning.ffn_out_kernels, regrow_every=1,
+                           regrow_until=2)
+    state = tx.init(params)
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+    for _ in range(3):
+        _, state = jax.jit(tx.update)(zeros, state, params)
+    np.testing.assert_array_equal(state.masks["bert"]["encoder_layer_0"]["output"]["kernel"], out)
+
+    y_master = master.apply(pruning.model_variables(params, masks=masks), *args)
+    opt = optax.adam(1e-3).init(params)
+    c_params, pattern, c_state = pruning.to_compressed(params, masks, spec, opt, diagonal_fn=pruning.ffn_out_kernels)
+    c_out = c_params["bert"]["encoder_layer_0"]["output"]
+    assert "kernel" not in c_out and c_out["values"].shape == (128, 512 // 2 // 2)
+    assert "columns" not in pattern["bert"]["encoder_layer_0"]["output"]
+    perm = sets.reshape(-1)
+    np.testing.assert_array_equal(c_params["bert"]["encoder_layer_0"]["intermediate"]["bias"],
+                                  params["bert"]["encoder_layer_0"]["intermediate"]["bias"][perm])
+    compressed = bert.BertForSequenceClassification(cfg, sparsity=spec, compressed=True, num_labels=3)
+    y = compressed.apply({"params": c_params, "sparsity": pattern}, *args)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_master), atol=1e-5)
+    shapes = lambda t: [a.shape for a in jax.tree_util.tree_leaves(t)]  # noqa: E731
+    assert shapes(c_state[0].mu) == shapes(c_params) and shapes(c_state[0].nu) == shapes(c_params)
+    with pytest.raises(ValueError, match="params-shaped"):
+        pruning.to_compressed(params, pruning.sparsity_collection(masks), spec, diagonal_fn=pruning.ffn_out_kernels)

@@ -626,6 +626,27 @@ def test_exclusive_columns_run(tmp_path):
             train.parse_args(argv)
 
 
+def test_diagonal_ffn_out_run(tmp_path):
+    """--diagonal-ffn-out with --compress on: the one-shot masks give the FFN out kernels diagonal 2:4 blocks, the run
+    switches to compressed training on the stacked blocks (hidden units relabelled), learns, and its checkpoint
+    predicts as the run evaluated it; refused where it cannot apply."""
+    out = tmp_path / "run"
+    metrics = train.run(train.parse_args(TINY + ["--sparsity", "64:2:8", "--epochs", "2", "--prune", "oneshot",
+                                                  "--transposable-masks", "--diagonal-ffn-out", "--compress", "on",
+                                                  "--out", str(out)]))
+    assert metrics["diagonal_ffn_out"] and metrics["compressed_training"]
+    hist = metrics["history"]
+    assert np.isfinite(hist[-1]["train_loss"]) and hist[-1]["train_loss"] < hist[0]["first_loss"], hist
+    variables = train.load_checkpoint(out / "checkpoint")
+    layer = variables["params"]["bert"]["encoder_layer_0"]
+    assert layer["output"]["values"].shape == (128, 512 // 4) and "columns" not in variables["sparsity"]["bert"][
+        "encoder_layer_0"]["output"]
+    for argv in (["--sparsity", "dense", "--diagonal-ffn-out"], ["--prune", "none", "--diagonal-ffn-out"],
+                 ["--sparsity", "2:4", "--diagonal-ffn-out"], ["--sparsity", "64:4:8", "--diagonal-ffn-out"]):
+        with pytest.raises(SystemExit):
+            train.parse_args(argv)
+
+
 def test_transposable_masks_run_takes_the_transposed_dx_route(tmp_path, monkeypatch):
     """--transposable-masks: the compressed run's input gradients go through W^T's 2:4 product (a mask that were not
     transposable would make them NaN), the run learns, and JAXSPARSE_DX is left as it was."""
