@@ -5,8 +5,8 @@ Modules: ``format`` (the V:N:M spec, mask selection, compression), ``reference``
 ``ffi`` (the CUDA extension), ``nn`` (``NMDense``), ``pruning`` (``gmp_prune``).
 """
 
-from jaxsparse.format import VNM, SparseWeight, check_mask, compress, decompress, select_mask
-from jaxsparse.ops import masked_linear, sparse_linear, sparse_mlp
+from jaxsparse.format import VNM, SparseWeight, check_mask, compress, decompress, select_diagonal_mask, select_mask
+from jaxsparse.ops import diagonal_linear, masked_linear, sparse_linear, sparse_mlp
 
 __version__ = "0.1.0"
 
@@ -17,6 +17,8 @@ __all__ = [
     "compress",
     "decompress",
     "select_mask",
+    "select_diagonal_mask",
+    "diagonal_linear",
     "masked_linear",
     "sparse_linear",
     "sparse_mlp",
