@@ -173,25 +173,22 @@ def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
     if args.transposable_masks and (getattr(args, "sparsity", None) == "dense" or args.prune not in ("gmp", "oneshot")):
         p.error("--transposable-masks chooses a sparse run's masks: give a --sparsity pattern and --prune gmp or oneshot")
     if getattr(args, "diagonal_ffn_out", False):
-        sparsity = getattr(args, "sparsity", None)
-        if sparsity == "dense" or args.prune not in ("gmp", "oneshot"):
-            p.error("--diagonal-ffn-out chooses a sparse run's masks: give a --sparsity pattern and --prune gmp or "
-                    "oneshot")
-        if sparsity is not None:
-            try:
-                fmt.diagonal_blocks(sparsity)
-            except ValueError as e:
-                p.error(f"--diagonal-ffn-out: {e}")
+        _check_mask_option(p, args, "--diagonal-ffn-out", fmt.diagonal_blocks)
     if args.exclusive_columns:
-        sparsity = getattr(args, "sparsity", None)
-        if sparsity == "dense" or args.prune not in ("gmp", "oneshot"):
-            p.error("--exclusive-columns chooses a sparse run's masks: give a --sparsity pattern and --prune gmp or "
-                    "oneshot")
-        if sparsity is not None:
-            try:
-                fmt.check_exclusive_spec(sparsity)
-            except ValueError as e:
-                p.error(f"--exclusive-columns: {e}")
+        _check_mask_option(p, args, "--exclusive-columns", fmt.check_exclusive_spec)
+
+
+def _check_mask_option(p: argparse.ArgumentParser, args: argparse.Namespace, flag: str, check_spec) -> None:
+    """A mask-rule option (``flag``) needs a sparse run that chooses masks (``--prune gmp`` or ``oneshot``) and a
+    pattern ``check_spec`` accepts (it raises ``ValueError`` naming the constraint); ``p.error`` otherwise."""
+    sparsity = getattr(args, "sparsity", None)
+    if sparsity == "dense" or args.prune not in ("gmp", "oneshot"):
+        p.error(f"{flag} chooses a sparse run's masks: give a --sparsity pattern and --prune gmp or oneshot")
+    if sparsity is not None:
+        try:
+            check_spec(sparsity)
+        except ValueError as e:
+            p.error(f"{flag}: {e}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
