@@ -545,9 +545,9 @@ def sparse_mlp(x: jax.Array, sw1: SparseWeight, b1: Optional[jax.Array], sw2: Sp
     if blocks > 1:
         _check_blocks(sw2, blocks)
     if blocks * sw2.shape[0] != sw1.shape[1]:
-        raise ValueError(f"the second weight's K ({blocks} x {sw2.shape[0]}) must equal the first's output features "
-                         f"({sw1.shape[1]}), got shapes {sw1.shape} and {sw2.shape}" + (f" with {blocks} diagonal "
-                                                                                         "blocks" if blocks > 1 else ""))
+        k2 = f"{blocks} x {sw2.shape[0]}" if blocks > 1 else f"{sw2.shape[0]}"
+        raise ValueError(f"the second weight's K ({k2}) must equal the first's output features ({sw1.shape[1]}), got "
+                         f"shapes {sw1.shape} and {sw2.shape}" + (f" with {blocks} diagonal blocks" if blocks > 1 else ""))
     if sw2.values.dtype != sw1.values.dtype:
         raise ValueError(f"both weights must share one dtype, got {sw1.values.dtype} and {sw2.values.dtype}")
     if activation not in FUSED_ACTIVATIONS:
