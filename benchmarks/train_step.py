@@ -381,9 +381,8 @@ def main(argv=None) -> int:
                 variants = [(fuse, hidden) for fuse in ffns
                             for hidden in ({"auto": [None], "row": ["row"], "both": [None, "row"]}[a.mlp_hidden]
                                            if fuse and s != "dense" else [None])]
-                diagonal_ok = s != "dense" and fmt.VNM.parse(s).structured and fmt.VNM.parse(s).m >= 8
-                diagonals = {"off": [False], "on": [True], "both": [False, True]}[a.diagonal_ffn_out] \
-                    if diagonal_ok else [False]
+                diagonals = ({"off": [False], "on": [True], "both": [False, True]}[a.diagonal_ffn_out]
+                             if s != "dense" and fmt.takes_diagonal_blocks(s) else [False])
                 for (fuse, hidden), diagonal in [(v, d) for v in variants for d in diagonals]:
                     configs.append({"model": model, "seq_len": seq, "batch_size": batch, "sparsity": s,
                                     "dtype": a.dtype, "attention": a.attention, "steps": steps, "warmup": warmup,

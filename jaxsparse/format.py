@@ -23,6 +23,7 @@ __all__ = [
     "select_mask",
     "select_diagonal_mask",
     "diagonal_blocks",
+    "takes_diagonal_blocks",
     "diagonal_sets",
     "stack_transposed_blocks",
     "stack_diagonal_blocks",
@@ -299,11 +300,17 @@ def columns_are_exclusive(mask: jax.Array, spec: Union[str, VNM]) -> jax.Array:
     return (used.sum(axis=0) <= column_cap(r, spec)).all()
 
 
+def takes_diagonal_blocks(spec: Union[str, VNM]) -> bool:
+    """Whether ``spec`` has a diagonal 2:4 block layout of its density (:func:`diagonal_blocks`): V:2:M, ``M >= 8``."""
+    spec = VNM.parse(spec)
+    return spec.structured and spec.n == 2 and spec.m >= 8
+
+
 def diagonal_blocks(spec: Union[str, VNM]) -> int:
     """The number G of diagonal 2:4 blocks whose density ``1 / (2 G)`` equals ``spec``'s: ``M / 4`` for a V:2:M
     pattern with ``M >= 8`` (``select_diagonal_mask``). Raises ``ValueError`` for other patterns."""
     spec = VNM.parse(spec)
-    if not (spec.structured and spec.n == 2 and spec.m >= 8):
+    if not takes_diagonal_blocks(spec):
         raise ValueError(f"diagonal 2:4 blocks stand for a V:2:M pattern with M >= 8 (G = M / 4 blocks), got {spec}")
     return spec.m // 4
 
@@ -328,9 +335,10 @@ def select_diagonal_mask(scores: jax.Array, blocks: int, *, transposable: bool =
 
     The R output features are cut into ``blocks`` contiguous ranges; the K input features are partitioned into as
     many sets of ``K / blocks`` (each set read by one range only), in whole chunks of ``chunk`` consecutive features,
-    by recursive bisection on each chunk's ``sum scores^2`` over the ranges; inside each (set, range) block, taken with its set in ascending order, each
-    output row keeps 2 of every 4 consecutive input features (``select_mask(..., "2:4")``, ``transposable`` as
-    there). Density ``1 / (2 blocks)``: a V:2:M pattern's at ``blocks = M / 4`` (:func:`diagonal_blocks`).
+    by recursive bisection on each chunk's ``sum scores^2`` over the ranges; inside each (set, range) block, taken
+    with its set in ascending order, each output row keeps 2 of every 4 consecutive input features
+    (``select_mask(..., "2:4")``, ``transposable`` as there). Density ``1 / (2 blocks)``: a V:2:M pattern's at
+    ``blocks = M / 4`` (:func:`diagonal_blocks`).
 
     Relabelling the input features set by set turns the layer into ``blocks`` 2:4 layers of ``1 / blocks`` the size
     on contiguous slices: where the input features are produced in any order one likes (the FFN's hidden features),

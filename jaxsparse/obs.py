@@ -379,8 +379,7 @@ def oneshot_refit(model: nn.Module, params, batches: Sequence[tuple], spec, scor
             w, h = flat[kp], hs[path]
             s = mask_score(score, w, h, damp)
             if diagonal_fn is not None and diagonal_fn(tuple(map(str, kp)), w):
-                spec_ = F.VNM.parse(spec)
-                m = F.select_diagonal_mask(s, F.diagonal_blocks(spec_), transposable=True, chunk=spec_.v)
+                m = pruning.diagonal_mask(s, spec)
             else:
                 m = F.select_mask(s, spec, transposable=transposable, exclusive_columns=exclusive_columns)
             masks_flat[kp] = m

@@ -67,6 +67,7 @@ __all__ = [
     "model_variables",
     "oneshot_masks",
     "ffn_out_kernels",
+    "diagonal_mask",
     "sparsity_of",
     "straight_through",
     "to_compressed",
@@ -222,20 +223,25 @@ def _select_all(params, selected, spec: fmt.VNM, input_sq=None, transposable: bo
     features in chunks of V, so that relabelling them moves whole V blocks of the layer that produces them)."""
     opts = dict(transposable=transposable and spec.structured and spec.n == 2,
                 exclusive_columns=exclusive_columns and fmt.takes_exclusive_columns(spec))
-    diagonal = diagonal_fn is not None and spec.structured and spec.n == 2 and spec.m >= 8
-    marked = _selected(params, diagonal_fn) if diagonal else jax.tree_util.tree_map(lambda _: None, selected,
-                                                                                      is_leaf=lambda x: x is None)
-    sq = input_sq if input_sq is not None else jax.tree_util.tree_map(lambda _: None, selected,
-                                                                      is_leaf=lambda x: x is None)
+    none = jax.tree_util.tree_map(lambda _: None, selected, is_leaf=lambda x: x is None)
+    marked = _selected(params, diagonal_fn) if diagonal_fn is not None and fmt.takes_diagonal_blocks(spec) else none
+    sq = input_sq if input_sq is not None else none
 
     def one(p, q, d):
         score = p if q is None else jnp.abs(p) * jnp.sqrt(q)[:, None]
-        if d:  # transposable always: the layout's input gradient runs on the blocks' W^T
-            return fmt.select_diagonal_mask(score, fmt.diagonal_blocks(spec), transposable=True, chunk=spec.v)
-        return fmt.select_mask(score, spec, **opts)
+        return diagonal_mask(score, spec) if d else fmt.select_mask(score, spec, **opts)
 
     return jax.tree_util.tree_map(lambda s, p, q, d: None if s is None else one(p, q, d), selected, params, sq,
                                   marked, is_leaf=lambda x: x is None)
+
+
+def diagonal_mask(scores: jax.Array, spec: str | fmt.VNM) -> jax.Array:
+    """The diagonal 2:4 block mask that stands for ``spec`` (``jaxsparse.format.select_diagonal_mask`` with
+    ``diagonal_blocks(spec)`` blocks): transposable, since the layout's input gradient runs on the blocks' ``W^T``,
+    and its input sets in whole chunks of V, so that relabelling them moves whole V blocks of the V:2:M layer that
+    produces them (:func:`to_compressed`)."""
+    spec = fmt.VNM.parse(spec)
+    return fmt.select_diagonal_mask(scores, fmt.diagonal_blocks(spec), transposable=True, chunk=spec.v)
 
 
 def ffn_out_kernels(path: tuple[str, ...], x) -> bool:
@@ -344,8 +350,8 @@ def gmp_prune(
             for spec in schedule.ladder:
                 try:
                     fmt.validate_shape(x.shape, spec)
-                    if (diagonal_fn is not None and diagonal_fn(_path_names(path), x) and spec.structured
-                            and spec.n == 2 and spec.m >= 8):
+                    if (diagonal_fn is not None and diagonal_fn(_path_names(path), x)
+                            and fmt.takes_diagonal_blocks(spec)):
                         fmt.check_diagonal_shape(x.shape, fmt.diagonal_blocks(spec), True, spec.v)
                 except ValueError as e:
                     raise ValueError(f"gmp_prune: layer {'/'.join(_path_names(path))}: {e}") from None
@@ -525,7 +531,7 @@ def sparsity_of(params, masks) -> float:
 def _diagonal_relabelling(masks_flat: dict, spec: fmt.VNM, diagonal_fn: FilterFn | None) -> dict:
     """``{kernel path: permutation}`` of the diagonal-block kernels among ``masks_flat`` (a flat params-shaped mask
     tree): the order of their input features, set by set (``jaxsparse.format.diagonal_sets`` in chunks of V)."""
-    if diagonal_fn is None or not (spec.structured and spec.n == 2 and spec.m >= 8):
+    if diagonal_fn is None or not fmt.takes_diagonal_blocks(spec):
         return {}
     out = {}
     for path, m in masks_flat.items():
@@ -575,43 +581,36 @@ def to_compressed(params, masks, spec: str | fmt.VNM, opt_state=None, diagonal_f
       the model built with ``compressed=True``.
     """
     spec = fmt.VNM.parse(spec)
-    flat = traverse_util.flatten_dict(dict(masks))
-    perms = {}
+    flat = dict(traverse_util.flatten_dict(dict(masks)))
+    diagonal_masks = {}  # kernel path -> its stacked blocks' mask
     if any(p[-1] == "kernel" for p in flat):  # a params-shaped mask tree
-        perms = _diagonal_relabelling(dict(flat), spec, diagonal_fn)
+        perms = _diagonal_relabelling(flat, spec, diagonal_fn)
         if perms:
-            masks = _relabel(masks, perms)
             params = _relabel(params, perms)
             opt_state = None if opt_state is None else _map_params_like(lambda n: _relabel(n, perms), opt_state, params)
-        mask_tree = masks
-        masks = sparsity_collection(traverse_util.unflatten_dict(
-            {k: v for k, v in traverse_util.flatten_dict(dict(mask_tree)).items() if k not in perms}))
+            flat = dict(traverse_util.flatten_dict(dict(_relabel(masks, perms))))
+            diagonal_masks = {p: fmt.stack_diagonal_blocks(flat.pop(p), fmt.diagonal_blocks(spec)) for p in perms}
+        masks = sparsity_collection(traverse_util.unflatten_dict(flat))
     elif diagonal_fn is not None:
         raise ValueError("to_compressed: diagonal_fn needs a params-shaped mask tree (masks_of), not a sparsity "
                          "collection")
-    blocks = fmt.diagonal_blocks(spec) if perms else 1
-    diagonal_masks = {p: fmt.stack_diagonal_blocks(traverse_util.flatten_dict(dict(mask_tree))[p], blocks)
-                      for p in perms} if perms else {}
 
-    def stacked(tree, with_pattern: bool = False):
-        """The diagonal kernels of a (relabelled, otherwise compressed) params-shaped tree as stacked 2:4 values."""
-        if not perms:
-            return tree
-        flat_t = dict(traverse_util.flatten_dict(dict(tree)))
-        pattern = {}
-        for path in perms:
-            sw = fmt.compress(fmt.stack_diagonal_blocks(flat_t.pop(path), blocks), diagonal_masks[path], "2:4")
+    def stack(tree):
+        """A (relabelled, otherwise compressed) params-shaped tree with its diagonal kernels as stacked 2:4 values,
+        and the ``"sparsity"`` entries (metadata) of those."""
+        flat_t, pattern = dict(traverse_util.flatten_dict(dict(tree))), {}
+        for path, mask in diagonal_masks.items():
+            sw = fmt.compress(fmt.stack_diagonal_blocks(flat_t.pop(path), fmt.diagonal_blocks(spec)), mask, "2:4")
             flat_t[path[:-1] + ("values",)] = sw.values
             pattern[path[:-1] + ("metadata",)] = sw.metadata
-        return (traverse_util.unflatten_dict(flat_t), pattern) if with_pattern else traverse_util.unflatten_dict(flat_t)
+        return traverse_util.unflatten_dict(flat_t), pattern
 
     c_params, pattern = compress_variables(params, masks, spec)
-    if perms:
-        c_params, diag_pattern = stacked(c_params, with_pattern=True)
-        pattern = traverse_util.unflatten_dict({**traverse_util.flatten_dict(dict(pattern)), **diag_pattern})
+    c_params, diagonal_pattern = stack(c_params)
+    pattern = traverse_util.unflatten_dict({**traverse_util.flatten_dict(dict(pattern)), **diagonal_pattern})
     if opt_state is None:
         return c_params, pattern
-    c_state = _map_params_like(lambda n: stacked(compress_tree(n, masks, spec)), opt_state, params)
+    c_state = _map_params_like(lambda n: stack(compress_tree(n, masks, spec))[0], opt_state, params)
     return c_params, pattern, c_state
 
 

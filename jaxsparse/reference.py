@@ -35,9 +35,14 @@ def activation_with_derivative(activation: str, z: jax.Array) -> tuple[jax.Array
 def spmm(x: jax.Array, sw: SparseWeight, bias: Optional[jax.Array] = None, activation: Optional[str] = None) -> jax.Array:
     """Forward product ``act(x @ W + bias)``: ``[T, K] -> [T, R]``."""
     y = jnp.dot(x, decompress(sw).astype(x.dtype), preferred_element_type=jnp.float32)
+    return _epilogue(y, bias, activation, x.dtype)
+
+
+def _epilogue(y: jax.Array, bias: Optional[jax.Array], activation: Optional[str], dtype) -> jax.Array:
+    """``act(y + bias)`` of a float32 product ``y``, in ``dtype``."""
     if bias is not None:
         y = y + bias.astype(jnp.float32)
-    return ACTIVATIONS[activation](y).astype(x.dtype)
+    return ACTIVATIONS[activation](y).astype(dtype)
 
 
 def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None) -> jax.Array:
@@ -58,9 +63,7 @@ def spmm_blocks(x: jax.Array, sw: SparseWeight, blocks: int, bias: Optional[jax.
     k, r = sw.shape
     w = decompress(sw).astype(x.dtype).reshape(k, blocks, r // blocks)
     y = jnp.einsum("tbk,kbr->tbr", x.reshape(-1, blocks, k), w, preferred_element_type=jnp.float32).reshape(-1, r)
-    if bias is not None:
-        y = y + bias.astype(jnp.float32)
-    return ACTIVATIONS[activation](y).astype(x.dtype)
+    return _epilogue(y, bias, activation, x.dtype)
 
 
 def sddmm_blocks(x: jax.Array, dy: jax.Array, sw: SparseWeight, blocks: int, out_dtype=None) -> jax.Array:

@@ -963,7 +963,8 @@ def predict_logits(cfg: bert.BertConfig, variables: dict, batch: data_lib.Batch,
     if compressed and fmt.VNM.parse(sparsity).m > 4 and not cfg.diagonal_ffn_out:
         # FFN out layers stored as diagonal 2:4 blocks (--diagonal-ffn-out) carry no column sets.
         pattern = dict(_flat(variables.get("sparsity", {})))
-        ffn_out = [p for p in pattern if p[-1] == "metadata" and p[-2] == "output" and p[-3].startswith("encoder_layer_")]
+        ffn_out = [p for p, m in pattern.items()
+                   if p[-1] == "metadata" and pruning.ffn_out_kernels(p[:-1] + ("kernel",), m)]
         if ffn_out and not any(p[:-1] + ("columns",) in pattern for p in ffn_out):
             cfg = dataclasses.replace(cfg, diagonal_ffn_out=True)
     model = bert.BertForSequenceClassification(cfg, sparsity=sparsity if compressed else None, compressed=compressed,

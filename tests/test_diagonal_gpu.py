@@ -59,12 +59,6 @@ def _f32(a):
     return jnp.asarray(a).astype(jnp.float32)
 
 
-def _stacked_grad(dense_grad: jax.Array, blocks: int, k: int, r: int) -> jax.Array:
-    """The stacked ``[k, r]`` view of a block-diagonal ``[blocks k, r]`` matrix's diagonal blocks."""
-    rb = r // blocks
-    return jnp.concatenate([dense_grad[b * k:(b + 1) * k, b * rb:(b + 1) * rb] for b in range(blocks)], axis=1)
-
-
 @needs_hopper
 @pytest.mark.parametrize("blocks, k, r", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
@@ -88,7 +82,7 @@ def test_sddmm_blocks(blocks, k, r, dtype, t, out_dtype):
     out = calls.sddmm_blocks(x, dy, sw, blocks, out_dtype)
     assert out.dtype == jnp.dtype(out_dtype or dtype)
     dense = jnp.dot(_f32(x).T, _f32(dy), precision=HIGHEST)  # [blocks k, r]
-    ref = F.compress_like(_stacked_grad(dense, blocks, k, r), sw)
+    ref = F.compress_like(F.stack_diagonal_blocks(dense, blocks), sw)
     _compare(out, ref, TOL[dtype], f"sddmm_blocks G={blocks} K={k} R={r} t={t}")
 
 
@@ -108,7 +102,7 @@ def test_diagonal_linear_grad_on_kernels(blocks, k, r, dtype, t):
     ref_dw = jnp.dot(_f32(x).T, _f32(dy), precision=HIGHEST)
     what = f"diagonal_linear G={blocks} K={k} R={r} t={t}"
     _compare(dx, ref_dx, TOL[dtype], what + " dx")
-    _compare(dv, F.compress_like(_stacked_grad(ref_dw, blocks, k, r), sw), TOL[dtype], what + " dvalues")
+    _compare(dv, F.compress_like(F.stack_diagonal_blocks(ref_dw, blocks), sw), TOL[dtype], what + " dvalues")
     _compare(db[None], _f32(dy).sum(0)[None], TOL[dtype], what + " dbias")
     text = f.lower(x, sw.values, bias).compile().as_text()
     assert 'custom_call_target="jaxsparse_spmm_xt"' in text and 'custom_call_target="jaxsparse_sddmm"' in text
