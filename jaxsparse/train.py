@@ -48,7 +48,7 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     ``--fade``, ``--score``, ``--distill``, ``--temperature``, ``--distill-hidden``, ``--distill-attention``,
     ``--distill-augment``, ``--augment-neighbors``, ``--student-epochs``, ``--student-lr``, ``--init``, ``--refit``,
     ``--refit-batches``, ``--regrow-every``, ``--regrow-until``, ``--regrow-decay``, ``--transposable-masks``,
-    ``--exclusive-columns``, ``--diagonal-ffn-out``."""
+    ``--exclusive-columns``, ``--diagonal-ffn-out``, ``--diagonal-all``."""
     p.add_argument("--fade", type=float, default=0.0,
                    help="GMP: before each stage, fade the weights it will prune to zero over this fraction of all "
                         "steps (0 = masks change at once; see jaxsparse.pruning.gmp_prune fade_steps)")
@@ -114,6 +114,11 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
                         "(jaxsparse.format.select_diagonal_mask, in chunks of V); with --compress the hidden units "
                         "are relabelled when the masks are final and the blocks train as "
                         "jaxsparse.ops.diagonal_linear (docs/kernel-notes.md, session 31)")
+    p.add_argument("--diagonal-all", action="store_true",
+                   help="as --diagonal-ffn-out, for every pruned encoder kernel (Q, K, V, attention out, FFN in and "
+                        "out), each with its own input sets in chunks of V and no relabelling: an accuracy study, "
+                        "masked-dense only (--compress off or auto); kernels that read x by such chunks are not "
+                        "built (docs/results.md, session 32)")
     p.add_argument("--exclusive-columns", action="store_true",
                    help="choose V:2:M masks (M > 4) whose every input column is kept by at most ceil(4 (R/V) / M) "
                         "of a kernel's R/V blocks in each group (jaxsparse.format.select_mask exclusive_columns=True): "
@@ -174,6 +179,12 @@ def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
         p.error("--transposable-masks chooses a sparse run's masks: give a --sparsity pattern and --prune gmp or oneshot")
     if getattr(args, "diagonal_ffn_out", False):
         _check_mask_option(p, args, "--diagonal-ffn-out", fmt.diagonal_blocks)
+    if getattr(args, "diagonal_all", False):
+        _check_mask_option(p, args, "--diagonal-all", fmt.diagonal_blocks)
+        if getattr(args, "diagonal_ffn_out", False):
+            p.error("--diagonal-all already gives FFN out diagonal blocks: drop --diagonal-ffn-out")
+        if getattr(args, "compress", "off") == "on":
+            p.error("--diagonal-all trains masked-dense only (its kernels are not built): use --compress off or auto")
     if args.exclusive_columns:
         _check_mask_option(p, args, "--exclusive-columns", fmt.check_exclusive_spec)
 
@@ -770,7 +781,9 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         params = bert.merge_params(params, pretrained)
     transposable = bool(getattr(args, "transposable_masks", False))
     exclusive = bool(getattr(args, "exclusive_columns", False))
-    diagonal_fn = pruning.ffn_out_kernels if getattr(args, "diagonal_ffn_out", False) else None
+    diagonal_all = bool(getattr(args, "diagonal_all", False))
+    diagonal_fn = (pruning.encoder_kernels if diagonal_all
+                   else pruning.ffn_out_kernels if getattr(args, "diagonal_ffn_out", False) else None)
     refit = bool(getattr(args, "refit", False))
     if refit:
         if args.prune != "oneshot":
@@ -817,7 +830,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
                           diagonal_fn is not None)
                          if prune is not None else ())
     opt_state = tx.init(params)
-    compress = _use_compressed(args.compress, spec, compressed_cfg)
+    compress = _use_compressed(args.compress, spec, compressed_cfg) and not diagonal_all
     switch_step = prune.final_step + 1 if prune is not None else None
     # --average-from: the params after steps average_start + 1 .. total are averaged (masks final by then).
     average_from = float(getattr(args, "average_from", 0.0))
@@ -938,7 +951,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
            if regrow else {}),
         **({"transposable_masks": True, "dx_route": ops.dx_route()} if transposable else {}),
         **({"exclusive_columns": True} if exclusive else {}),
-        **({"diagonal_ffn_out": True} if diagonal_fn is not None else {}),
+        **({"diagonal_all": True} if diagonal_all else {"diagonal_ffn_out": True} if diagonal_fn is not None else {}),
         "train_examples": len(train), "dev_examples": len(dev), "test_examples": len(test), "steps": global_step,
         "history": history, "dev_accuracy": history[-1]["dev_accuracy"], "test_accuracy": test_metrics["accuracy"],
         "test_loss": test_metrics["loss"], **averaged, "weight_sparsity": achieved,

@@ -647,6 +647,31 @@ def test_diagonal_ffn_out_run(tmp_path):
             train.parse_args(argv)
 
 
+def test_diagonal_all_run(tmp_path):
+    """--diagonal-all: every pruned encoder kernel trains masked-dense on diagonal 2:4 blocks (the final masks are
+    checked set by set), the run learns and stays masked-dense; refused where it cannot apply."""
+    out = tmp_path / "run"
+    metrics = train.run(train.parse_args(TINY + ["--sparsity", "64:2:8", "--epochs", "2", "--prune", "oneshot",
+                                                  "--transposable-masks", "--diagonal-all", "--out", str(out)]))
+    assert metrics["diagonal_all"] and not metrics["compressed_training"]
+    hist = metrics["history"]
+    assert np.isfinite(hist[-1]["train_loss"]) and hist[-1]["train_loss"] < hist[0]["first_loss"], hist
+    masks = list(_leaves(train.load_checkpoint(out / "checkpoint")["sparsity"]))
+    assert len(masks) == 12
+    for m in masks:
+        m = np.asarray(m)
+        sets = np.asarray(fmt.diagonal_sets(m, 2, chunk=64))
+        stacked = np.asarray(fmt.stack_diagonal_blocks(m[sets.reshape(-1)], 2))
+        assert m.sum() == m.size // 4 and stacked.sum() == m.sum(), m.shape  # nothing off the diagonal blocks
+        assert (stacked.reshape(-1, 4, stacked.shape[1]).sum(axis=1) == 2).all(), m.shape  # 2:4 in each block
+        assert bool(fmt.transposable_mask_is_valid(stacked)), m.shape
+    for argv in (["--sparsity", "dense", "--diagonal-all"], ["--prune", "none", "--diagonal-all"],
+                 ["--sparsity", "2:4", "--diagonal-all"], ["--diagonal-all", "--diagonal-ffn-out"],
+                 ["--diagonal-all", "--compress", "on"]):
+        with pytest.raises(SystemExit):
+            train.parse_args(argv)
+
+
 def test_transposable_masks_run_takes_the_transposed_dx_route(tmp_path, monkeypatch):
     """--transposable-masks: the compressed run's input gradients go through W^T's 2:4 product (a mask that were not
     transposable would make them NaN), the run learns, and JAXSPARSE_DX is left as it was."""
