@@ -9,9 +9,12 @@ its rows are stored in), the layer's three products are then G 2:4 products of 1
 timed repetitions, in one process: XLA's dense layer; the V:2:M layer the step runs (transposable masks, transposed
 input gradient); the G blocks as G separate 2:4 sparse_linear calls on their own contiguous operands (what the layout
 could gain before any kernel took it); and ``jaxsparse.ops.diagonal_linear`` (one call a product: the TMA row kernel
-and the SDDMM's tma engine reading each block's columns of x, the input gradient on the stacked W^T blocks).
+and the SDDMM's tma engine reading each block's columns of x, the input gradient on the stacked W^T blocks); and
+the same with a chunk table (``diagonal_linear(..., chunks=)``, a random permutation of x's 64-column chunks: the
+layout for layers whose inputs cannot be relabelled, which reads x and writes the input gradient by the table).
 
   python3 benchmarks/block_diagonal.py     # writes benchmarks/results/<gpu>/block_diagonal.json
+  python3 benchmarks/block_diagonal.py --no-separate --out /tmp/b.json   # without the G separate layers
 """
 
 from __future__ import annotations
@@ -23,18 +26,21 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 import common  # noqa: E402
 from jaxsparse import format as F  # noqa: E402
 from jaxsparse import ops  # noqa: E402
 
 CASE_NOTES = {"blocks_separate_ms": "G separate sparse_linear calls on contiguous operands",
-              "diagonal_linear_ms": "jaxsparse.ops.diagonal_linear (one kernel a product)"}
+              "diagonal_linear_ms": "jaxsparse.ops.diagonal_linear (one kernel a product)",
+              "diagonal_chunked_ms": "diagonal_linear with a chunk table (a random permutation of x's 64-column "
+                                     "chunks)"}
 
 TOKENS = 16384
-# (K, N, V:2:M spec, G of the same density): BERT-large's FFN out and attention out.
+# (K, N, V:2:M spec, G of the same density): BERT-large's FFN out, attention's four layers and FFN in.
 CASES = [(4096, 1024, "128:2:16", 4), (4096, 1024, "64:2:8", 2), (1024, 1024, "128:2:16", 4),
-         (1024, 1024, "64:2:8", 2)]
+         (1024, 1024, "64:2:8", 2), (1024, 4096, "128:2:16", 4), (1024, 4096, "64:2:8", 2)]
 
 
 def _sparse(w, spec: str):
@@ -61,6 +67,7 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="json path (default benchmarks/results/<gpu>/block_diagonal.json)")
+    ap.add_argument("--no-separate", action="store_true", help="skip the G separate sparse_linear layers")
     args = ap.parse_args()
     rows = []
     with ops.dx_route_scope("transposed"):
@@ -71,25 +78,33 @@ def main() -> None:
             vnm_ms = common.time_jax(jax.jit(lambda x, dy, sw, b: common.sparse_vjp(x, dy, sw.values, b, sw)),
                                      [(x, dy, sw, b) for x, dy in zip(xs, dys)])
             kg, ng = k // g, n // g
-            blocks = [_sparse(w[i * kg:(i + 1) * kg, i * ng:(i + 1) * ng], "2:4") for i in range(g)]
-            split = lambda a, width: [a[:, i * width:(i + 1) * width] for i in range(g)]
-            sets = [(split(x, kg), split(dy, ng), blocks, [b[i * ng:(i + 1) * ng] for i in range(g)])
-                    for x, dy in zip(xs, dys)]
-            sets = [jax.block_until_ready(jax.tree.map(lambda a: a.copy(), s)) for s in sets]  # contiguous slices
-            bd_ms = common.time_jax(jax.jit(_groups_vjp), sets)
+            bd_ms = None
+            if not args.no_separate:
+                blocks = [_sparse(w[i * kg:(i + 1) * kg, i * ng:(i + 1) * ng], "2:4") for i in range(g)]
+                split = lambda a, width: [a[:, i * width:(i + 1) * width] for i in range(g)]
+                sets = [(split(x, kg), split(dy, ng), blocks, [b[i * ng:(i + 1) * ng] for i in range(g)])
+                        for x, dy in zip(xs, dys)]
+                sets = [jax.block_until_ready(jax.tree.map(lambda a: a.copy(), s)) for s in sets]  # contiguous
+                bd_ms = common.time_jax(jax.jit(_groups_vjp), sets)
             stacked = _sparse(F.stack_diagonal_blocks(w, g), "2:4")
-            diag = lambda x, dy, sw, b: jax.vjp(lambda x, v, b: ops.diagonal_linear(x, sw.replace(values=v), g, b),
-                                                x, sw.values, b)[1](dy)
-            diag_ms = common.time_jax(jax.jit(diag), [(x, dy, stacked, b) for x, dy in zip(xs, dys)])
+            diag = lambda x, dy, sw, b, t: jax.vjp(
+                lambda x, v, b: ops.diagonal_linear(x, sw.replace(values=v), g, b, chunks=t), x, sw.values, b)[1](dy)
+            diag_ms = common.time_jax(jax.jit(lambda x, dy, sw, b: diag(x, dy, sw, b, None)),
+                                      [(x, dy, stacked, b) for x, dy in zip(xs, dys)])
+            table = jax.random.permutation(jax.random.PRNGKey(k + n + g), k // 64).astype(jnp.int32).reshape(g, -1)
+            chunked_ms = common.time_jax(jax.jit(diag), [(x, dy, stacked, b, table) for x, dy in zip(xs, dys)])
             floor_ms = _diagonal_floor_ms(TOKENS, k, n, g)
             row = dict(K=k, N=n, spec=spec, G=g, dense_ms=dense_ms, vnm_ms=vnm_ms, blocks_separate_ms=bd_ms,
-                       diagonal_linear_ms=diag_ms, diagonal_floor_ms=floor_ms, diagonal_over_floor=diag_ms / floor_ms,
-                       vnm_speedup=dense_ms / vnm_ms, blocks_speedup=dense_ms / bd_ms,
-                       diagonal_speedup=dense_ms / diag_ms, diagonal_over_vnm=vnm_ms / diag_ms)
+                       diagonal_linear_ms=diag_ms, diagonal_chunked_ms=chunked_ms, diagonal_floor_ms=floor_ms,
+                       diagonal_over_floor=diag_ms / floor_ms, chunked_over_floor=chunked_ms / floor_ms,
+                       vnm_speedup=dense_ms / vnm_ms, blocks_speedup=dense_ms / bd_ms if bd_ms else None,
+                       diagonal_speedup=dense_ms / diag_ms, chunked_speedup=dense_ms / chunked_ms,
+                       diagonal_over_vnm=vnm_ms / diag_ms)
             rows.append(row)
+            separate = f"{g} separate {bd_ms:.4f} ({dense_ms / bd_ms:.2f}x)  " if bd_ms else ""
             print(f"{k:>5} {n:>5} {spec:>9} dense {dense_ms:.4f}  V:2:M {vnm_ms:.4f} ({dense_ms / vnm_ms:.2f}x)  "
-                  f"{g} separate {bd_ms:.4f} ({dense_ms / bd_ms:.2f}x)  diagonal_linear {diag_ms:.4f} "
-                  f"({dense_ms / diag_ms:.2f}x) ms fwd+bwd", flush=True)
+                  f"{separate}diagonal_linear {diag_ms:.4f} ({dense_ms / diag_ms:.2f}x)  chunked {chunked_ms:.4f} "
+                  f"({dense_ms / chunked_ms:.2f}x, {chunked_ms / floor_ms:.2f}x floor) ms fwd+bwd", flush=True)
     common.write_json(common.results_path("block_diagonal.json", args.out),
                       dict(gpu=common.gpu_name(), tokens=TOKENS, versions=common.versions(), dx_route="transposed",
                            cases=CASE_NOTES, results=rows))

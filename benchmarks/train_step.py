@@ -80,7 +80,8 @@ def run_config(cfg: dict, turn: dict | None = None) -> dict:
                           attention=cfg.get("attention", "softmax"), transposable=bool(cfg.get("transposable")) and sparse,
                           fuse_feed_forward=cfg.get("fuse_feed_forward", True),
                           exclusive_columns=bool(cfg.get("exclusive_columns")) and sparse,
-                          diagonal_ffn_out=bool(cfg.get("diagonal_ffn_out")) and sparse)
+                          diagonal_ffn_out=bool(cfg.get("diagonal_ffn_out")) and sparse,
+                          diagonal_all=bool(cfg.get("diagonal_all")) and sparse)
     # An in-process run's other configurations keep their own dX route; a JAXSPARSE_DX set by the user wins.
     # How sparse_mlp hands h over (ops.mlp_hidden_layout); None: as the environment says.
     with ops.mlp_hidden_scope(cfg.get("mlp_hidden")), ops.dx_route_scope(step_cfg.dx_route(), keep_set=True):
@@ -234,7 +235,7 @@ def _ffn(r: dict) -> str:
     """How a row's FFNs ran: ``fused`` (one sparse_mlp), ``unfused``, or ``-`` where no layer is compressed."""
     if r.get("mode") != "compressed":
         return "-"
-    diagonal = ", out diagonal" if r.get("diagonal_ffn_out") else ""
+    diagonal = ", all diagonal" if r.get("diagonal_all") else ", out diagonal" if r.get("diagonal_ffn_out") else ""
     if not r.get("fuse_feed_forward", True):
         return "unfused" + diagonal
     return ("fused, h row" if r.get("mlp_hidden") == "row" else "fused") + diagonal
@@ -337,6 +338,9 @@ def main(argv=None) -> int:
                     help="sparse configurations with M >= 8 store each FFN out kernel as M/4 diagonal 2:4 blocks "
                          "(BertConfig.diagonal_ffn_out; jaxsparse.ops.diagonal_linear), or each such configuration "
                          "both ways in one run")
+    ap.add_argument("--diagonal-all", action="store_true",
+                    help="also run each sparse configuration with M >= 8 and V % 64 == 0 with every encoder kernel as "
+                         "M/4 diagonal 2:4 blocks read through chunk tables (BertConfig.diagonal_all)")
     ap.add_argument("--ffn", default="fused", choices=("fused", "unfused", "both"),
                     help="compressed FFNs as one jaxsparse.ops.sparse_mlp with the activation in the kernels (fused), "
                          "as two layers and XLA's activation (unfused, BertConfig.fuse_feed_forward=False), or each "
@@ -383,13 +387,16 @@ def main(argv=None) -> int:
                                            if fuse and s != "dense" else [None])]
                 diagonals = ({"off": [False], "on": [True], "both": [False, True]}[a.diagonal_ffn_out]
                              if s != "dense" and fmt.takes_diagonal_blocks(s) else [False])
+                if a.diagonal_all and s != "dense" and fmt.takes_diagonal_blocks(s) and fmt.VNM.parse(s).v % 64 == 0:
+                    diagonals = diagonals + ["all"]
                 for (fuse, hidden), diagonal in [(v, d) for v in variants for d in diagonals]:
                     configs.append({"model": model, "seq_len": seq, "batch_size": batch, "sparsity": s,
                                     "dtype": a.dtype, "attention": a.attention, "steps": steps, "warmup": warmup,
                                     "fuse_feed_forward": fuse, **({"mlp_hidden": hidden} if hidden else {}),
                                     **({"transposable": True} if a.transposable and s != "dense" else {}),
                                     **({"exclusive_columns": True} if a.exclusive_columns and s != "dense" else {}),
-                                    **({"diagonal_ffn_out": True} if diagonal else {})})
+                                    **({"diagonal_all": True} if diagonal == "all"
+                                       else {"diagonal_ffn_out": True} if diagonal else {})})
     t0 = time.time()
     if a.concurrent and not a.in_process:
         rows = _concurrent(configs, a.worker_timeout)

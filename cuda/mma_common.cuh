@@ -245,6 +245,11 @@ struct StagedExtra {
   void* y2 = nullptr;
   int activation = 0;
   const uint32_t* table = nullptr;
+  // Without y2 only: the tile's features go to y's columns by 64-wide chunks, feature f to column
+  // y_chunks[f / 64] * 64 + f % 64 (a diagonal-block weight's input gradient, whose stacked rows are the layer's input
+  // features by chunk); null = column f.  Entries outside [0, rows / 64) are clamped (a bad table never writes
+  // outside y).
+  const int32_t* y_chunks = nullptr;
 };
 
 // act and act' of the 8 bf16 pre-activations in `v4`, from the table: act into v4, act' into d4.
@@ -285,6 +290,18 @@ __device__ __forceinline__ void StoreStagedTile(const unsigned char* tile, int r
   constexpr int kChunks = BR / 8;  // 16-byte chunks per token row of the tile
   constexpr int kTotal = BT * kChunks;
   auto at = [&](int i) { return static_cast<int64_t>(tok0 + i / kChunks) * rows + row0 + (i % kChunks) * 8; };
+  if (extra.y2 == nullptr && extra.y_chunks != nullptr) {
+    const int last = rows / 64 - 1;
+    for (int i = thread; i < kTotal; i += THREADS) {
+      if (tok0 + i / kChunks < tokens) {
+        const int f = row0 + (i % kChunks) * 8;
+        const int c = min(max(__ldg(extra.y_chunks + f / 64), 0), last);
+        *reinterpret_cast<uint4*>(y + static_cast<int64_t>(tok0 + i / kChunks) * rows + c * 64 + f % 64) =
+            *reinterpret_cast<const uint4*>(tile + (i / kChunks) * row_bytes + (i % kChunks) * 16);
+      }
+    }
+    return;
+  }
   auto staged = [&](int i) { return *reinterpret_cast<const uint4*>(tile + (i / kChunks) * row_bytes + (i % kChunks) * 16); };
   // One loop per kind of extra work, chosen once: a branch inside the loop body keeps the compiler from overlapping
   // one chunk's math with the next (session 30: act_mode 2's staging ran 2.2x slower with the table test inside it).

@@ -53,6 +53,8 @@ struct SddmmParams {
   int kt_per_split;       // token tiles per grid.z range
   int x_blocks;           // x [T, x_blocks K] (the tma engine): the weight is x_blocks diagonal blocks, row r reading
                           // x's columns (r / (rows / x_blocks)) K + [0, K); 1 = one block (x [T, K])
+  const int32_t* x_chunks;  // [x_blocks, K/64] or null (the tma engine): block b's columns j*64 + [0, 64) are x's
+                            // columns x_chunks[b, j] * 64 + [0, 64) (its input set in 64-column chunks)
 };
 
 constexpr int kSdBR = 64;       // rows (output features) per CTA; divides V = 64 and 128
@@ -626,10 +628,16 @@ __global__ void __launch_bounds__(kXtThreads, 1)
       TmaLoad2d(base + L::kDyHalf, &tma_dy, row0 + 64, t0, full);
       if (XROW) {  // x [T, K]: columns 4 g0 .. 4 g0 + NC - 1 of tokens t0 .. t0 + 63, NC / 64 boxes (of the
                    // row's diagonal block; columns past it belong to no kept value: never stored)
-        const int xk0 = (row0 / (p.rows / p.x_blocks)) * p.k;
+        const int blk = row0 / (p.rows / p.x_blocks), xk0 = blk * p.k, nch = p.k / 64;
 #pragma unroll
-        for (int c = 0; c < NC / 64; ++c)
-          TmaLoad2d(base + L::kXcOff + c * kXtBox, &tma_xt, xk0 + 4 * g0 + 64 * c, t0, full);
+        for (int c = 0; c < NC / 64; ++c) {
+          // x_chunks: the chunk's column in x (4 g0 is a multiple of NC); a chunk past the block reads past x's
+          // width (zeros; its columns are never stored)
+          const int j = 4 * g0 / 64 + c;
+          const int col = p.x_chunks == nullptr ? xk0 + 4 * g0 + 64 * c
+                          : j < nch ? __ldg(p.x_chunks + blk * nch + j) * 64 : p.k * p.x_blocks;
+          TmaLoad2d(base + L::kXcOff + c * kXtBox, &tma_xt, col, t0, full);
+        }
       } else if (x_by_tma) {
         TmaLoad2d(base + L::kXcOff, &tma_xt, t0, 4 * g0, full);
       }
@@ -835,9 +843,9 @@ template <typename T>
 ffi::Error Dispatch(cudaStream_t stream, const SddmmParams& p, int m, int split, int engine, int x_layout,
                     const Partials& partials) {
   if (x_layout == 1) return LaunchXt<T, false>(stream, p, split, partials);
-  if (p.x_blocks > 1) {  // only the tma engine reads a diagonal block's columns of x
+  if (p.x_blocks > 1 || p.x_chunks != nullptr) {  // only the tma engine reads a diagonal block's columns of x
     if (m != 4 || engine == kEngineMma || engine == kEngineWgmma || !Sm90aImageLoaded<SddmmWgmmaXtKernel<T, true>>())
-      return ffi::Error::InvalidArgument("jaxsparse_sddmm: x_blocks > 1 runs on the tma engine (engine auto or tma, "
+      return ffi::Error::InvalidArgument("jaxsparse_sddmm: x_blocks > 1 and x_chunks run on the tma engine (engine auto or tma, "
                                          "2:4, an sm_90a build on a Hopper GPU)");
     return LaunchXt<T, true>(stream, p, split, partials);
   }
@@ -855,7 +863,7 @@ ffi::Error Dispatch(cudaStream_t stream, const SddmmParams& p, int m, int split,
 }
 
 ffi::Error SddmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Buffer<ffi::U8> columns,
-                     ffi::Buffer<ffi::U32> metadata, ffi::Result<ffi::AnyBuffer> out,
+                     ffi::Buffer<ffi::U32> metadata, ffi::Buffer<ffi::S32> x_chunks, ffi::Result<ffi::AnyBuffer> out,
                      ffi::Result<ffi::Buffer<ffi::F32>> partial, int32_t v, int32_t m, int32_t split, int32_t engine, int32_t x_layout,
                      int32_t x_blocks) {
   if (x.dimensions().size() != 2 || dy.dimensions().size() != 2 || metadata.dimensions().size() != 2 ||
@@ -870,6 +878,11 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: x_blocks = " + std::to_string(x_blocks) + " diagonal blocks "
                                        "need x's width a multiple of x_blocks and R % (128 x_blocks) == 0, got x " +
                                        ShapeString(x) + ", R = " + std::to_string(rows));
+  if (x_chunks.element_count() != 0 &&
+      (x_layout != 0 || k % 64 || static_cast<int64_t>(x_chunks.element_count()) != x_blocks * (k / 64)))
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: x_chunks needs x [T, K] (x_layout 0), K % 64 == 0 per block "
+                                       "and x_blocks * K/64 entries, got " + ShapeString(x_chunks) + " for K = " +
+                                       std::to_string(k) + ", x_blocks = " + std::to_string(x_blocks));
   if (ffi::Error e = CheckSparseWeight("jaxsparse_sddmm", rows, groups, columns, metadata, v, m); e.failure()) return e;
   if (Dim(dy, 0) != tokens || k != groups * m || out->dimensions()[0] != rows ||
       out->dimensions()[1] != 2 * groups || rows % kSdBR)
@@ -906,6 +919,7 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
   p.v = v;
   p.out_f32 = out->element_type() == ffi::F32;
   p.x_blocks = x_blocks;
+  p.x_chunks = x_chunks.element_count() != 0 ? x_chunks.typed_data() : nullptr;
   const Partials partials{partial->typed_data(), static_cast<int64_t>(partial->element_count())};
   if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, m, split, engine, x_layout, partials);
   if (dt == ffi::F16) return Dispatch<__half>(stream, p, m, split, engine, x_layout, partials);
@@ -922,6 +936,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSddmm, jaxsparse::SddmmImpl,
                                   .Arg<xla::ffi::AnyBuffer>()               // dy [T, R]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // columns [R/V, G, 4] or [0]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // metadata [R, G/8]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // x_chunks [x_blocks, K/64] or [0]
                                   .Ret<xla::ffi::AnyBuffer>()               // dvalues [R, 2G], T or f32
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // token-split partial sums [S*R*2G] or [0]
                                   .Attr<int32_t>("v")

@@ -62,12 +62,15 @@ struct SpmmXtParams {
   int act_table;         // act_mode 1, 2 in bf16 with a GELU: act and act' from the table of cuda/act_table.cuh
   int x_blocks;          // x [T, x_blocks K] (x_rows, warp-specialized kernel): the weight is x_blocks diagonal blocks,
                          // row r reading x's columns (r / (rows / x_blocks)) K + [0, K); 1 = one block (x [T, K])
+  const int32_t* x_chunks;  // [x_blocks, K/64] or null: block b's k-step j reads x's columns x_chunks[b, j] * 64 + [0, 64)
+                            // (its input set in 64-column chunks, no relabelling); null = (b K/64 + j) * 64
+  const int32_t* y_chunks;  // [R/64] or null (no y2): feature f is stored at y's column y_chunks[f/64] * 64 + f % 64
 };
 
 // The stores' extra work for act_mode 1 (none without y2; act_mode 2 stages act and act' itself); `table` is the
 // activation table in shared memory, or null.
 __device__ __forceinline__ StagedExtra Extra(const SpmmXtParams& p, const uint32_t* table) {
-  return StagedExtra{p.y2, p.activation, table};
+  return StagedExtra{p.y2, p.activation, table, p.y_chunks};
 }
 
 // Where a CTA keeps the activation table: the table of p.activation copied from global memory into shared memory at
@@ -568,6 +571,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
       const int row0 = (tile % nfb) * BR, tok0 = (tile / nfb) * BT;
       const int xk0 = XROW ? (row0 / block_rows) * kc_total : 0;  // the tile's diagonal block's first column of x
+      const int32_t* xch = XROW && p.x_chunks != nullptr ? p.x_chunks + (row0 / block_rows) * num_kt : nullptr;
       const uint8_t* tcols = p.cols != nullptr ? p.cols + static_cast<int64_t>(row0 / p.v) * kc_total : nullptr;
       for (int kt = 0; kt < num_kt; ++kt, ++it) {
         const int s = it % STAGES;
@@ -586,7 +590,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
           if (meta_box)  // words 2 kt .. 2 kt + 3 of the tile's rows: 4 kt in 16-bit columns
             TmaLoad2d(smem_base + L::kMetaOff + s * L::kMetaBytes, &tma_m, 4 * kt, row0, full);
           if (XROW)  // x [T, K]: BT rows of the stage's 64 k
-            TmaLoad2d(stage + L::kABytes, &tma_x, xk0 + kt * kKc, tok0, full);
+            TmaLoad2d(stage + L::kABytes, &tma_x, xch != nullptr ? __ldg(xch + kt) * kKc : xk0 + kt * kKc, tok0, full);
           else if (x_by_tma)
 #pragma unroll
             for (int c = 0; c < BT / 64; ++c) TmaLoad2d(stage + L::kABytes + c * kColBytes, &tma_x, tok0 + 64 * c, kt * kKc, full);
@@ -805,7 +809,8 @@ ffi::Error CheckActMode(int32_t act_mode, int32_t activation, int64_t tokens, in
 }
 
 ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer values, ffi::Buffer<ffi::U8> columns,
-                      ffi::Buffer<ffi::U32> metadata, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
+                      ffi::Buffer<ffi::U32> metadata, ffi::AnyBuffer bias, ffi::Buffer<ffi::S32> x_chunks,
+                      ffi::Buffer<ffi::S32> y_chunks, ffi::Result<ffi::AnyBuffer> out,
                       ffi::Result<ffi::AnyBuffer> out2, int32_t v, int32_t m, int32_t activation, int32_t act_mode,
                       int32_t tile, int32_t x_rows, int32_t act_table, int32_t x_blocks) {
   if (xt.dimensions().size() != 2 || values.dimensions().size() != 2 || out->dimensions().size() != 2)
@@ -824,6 +829,15 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer val
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x_blocks = " + std::to_string(x_blocks) +
                                        " diagonal blocks need R % (128 x_blocks) == 0 and K % 64 == 0 (per block), "
                                        "got R = " + std::to_string(rows) + ", K = " + std::to_string(k));
+  if (x_chunks.element_count() != 0 &&
+      (!x_rows || k % kKc || static_cast<int64_t>(x_chunks.element_count()) != x_blocks * (k / kKc)))
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x_chunks needs x [T, K] (x_rows 1), K % 64 == 0 per block "
+                                       "and x_blocks * K/64 entries, got " + ShapeString(x_chunks) + " for K = " +
+                                       std::to_string(k) + ", x_blocks = " + std::to_string(x_blocks));
+  if (y_chunks.element_count() != 0 &&
+      (!x_rows || act_mode != 0 || static_cast<int64_t>(y_chunks.element_count()) != rows / 64))
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: y_chunks needs x [T, K] (x_rows 1), act_mode 0 and R/64 "
+                                       "entries, got " + ShapeString(y_chunks) + " for R = " + std::to_string(rows));
   if (ffi::Error e = CheckSpec("jaxsparse_spmm_xt", v, m); e.failure()) return e;
   const int64_t groups = k / m;
   if (k % m || Dim(values, 1) != 2 * groups || rows % 64)
@@ -863,8 +877,11 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer val
   p.meta_pairs = 1;
   p.act_table = act_table != 0 && dt == ffi::BF16 && act_mode != 0 && (activation == 1 || activation == 2);
   p.x_blocks = x_blocks;
-  if (x_blocks > 1 && tile != kTileAuto && tile != kTileWs128x256)
-    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x_blocks > 1 takes tile auto or ws128x256");
+  p.x_chunks = x_chunks.element_count() != 0 ? x_chunks.typed_data() : nullptr;
+  p.y_chunks = y_chunks.element_count() != 0 ? y_chunks.typed_data() : nullptr;
+  if ((x_blocks > 1 || p.x_chunks != nullptr || p.y_chunks != nullptr) && tile != kTileAuto && tile != kTileWs128x256)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x_blocks > 1, x_chunks and y_chunks take tile auto or "
+                                       "ws128x256");
   if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, tile, x_rows == 1);
   if (dt == ffi::F16) return Dispatch<__half>(stream, p, tile, x_rows == 1);
   return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T must be bfloat16 or float16");
@@ -881,6 +898,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSpmmXt, jaxsparse::SpmmXtImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // columns [R/V, G, 4] or [0]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // metadata [R, G/8]
                                   .Arg<xla::ffi::AnyBuffer>()               // bias [R] or [0]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // x_chunks [x_blocks, K/64] or [0]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // y_chunks [R/64] or [0]
                                   .Ret<xla::ffi::AnyBuffer>()               // y [T, R] ([R, T] for act_mode 2)
                                   .Ret<xla::ffi::AnyBuffer>()               // act'(z) [T, R] (act_mode 1, 2) or [0]
                                   .Attr<int32_t>("v")

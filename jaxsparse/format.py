@@ -27,6 +27,9 @@ __all__ = [
     "diagonal_sets",
     "stack_transposed_blocks",
     "stack_diagonal_blocks",
+    "DIAGONAL_CHUNK",
+    "diagonal_chunks",
+    "chunk_columns",
     "mask_is_valid",
     "check_mask",
     "compress",
@@ -773,6 +776,41 @@ def stack_diagonal_blocks(w: jax.Array, blocks: int) -> jax.Array:
         raise ValueError(f"a [{k}, {r}] matrix does not split into {blocks} diagonal blocks")
     kb, rb = k // blocks, r // blocks
     return jnp.concatenate([w[b * kb:(b + 1) * kb, b * rb:(b + 1) * rb] for b in range(blocks)], axis=1)
+
+
+DIAGONAL_CHUNK = 64
+"""Width of the input-feature chunks a diagonal-block weight's table names (:func:`diagonal_chunks`): the kernels'
+k-step, one TMA box of x a stage."""
+
+
+def diagonal_chunks(mask: jax.Array, blocks: int) -> np.ndarray:
+    """The chunk table of a :func:`select_diagonal_mask` mask chosen in chunks of :data:`DIAGONAL_CHUNK` features:
+    ``int32 [blocks, K / (blocks 64)]``, row ``b`` the 64-feature chunks (index ``c``: features ``64 c .. 64 c + 63``)
+    that block ``b`` reads, ascending (:func:`diagonal_sets`). With it a layer needs no relabelling of its inputs:
+    ``jaxsparse.ops.diagonal_linear(x, stack_diagonal_blocks(w[chunk_columns(table)], blocks), blocks,
+    chunks=table)`` computes ``x @ (w * mask)`` from ``x`` as it is."""
+    sets = np.asarray(diagonal_sets(mask, blocks, chunk=DIAGONAL_CHUNK))
+    return (sets[:, ::DIAGONAL_CHUNK] // DIAGONAL_CHUNK).astype(np.int32)
+
+
+def chunk_columns(chunks: jax.Array) -> jax.Array:
+    """The input features a chunk table (:func:`diagonal_chunks`) reads, block by block: ``[blocks K]``, the order
+    in which the stacked weight's rows (and the kernels' x loads) take them."""
+    c = jnp.asarray(chunks, jnp.int32)
+    return (c[..., None] * DIAGONAL_CHUNK + jnp.arange(DIAGONAL_CHUNK, dtype=jnp.int32)).reshape(-1)
+
+
+def check_chunks(chunks, blocks: int, k: int, width: int) -> None:
+    """Raises ``ValueError`` unless ``chunks`` is a chunk table (int32 ``[blocks, K / 64]``) of a stacked weight of
+    ``K`` rows (``K % 64 == 0``) over an input of ``width`` features. The entries are not read (they may be traced):
+    a table must be a permutation of ``0 .. width / 64 - 1`` (:func:`diagonal_chunks` makes one)."""
+    shape = tuple(getattr(chunks, "shape", ()))
+    if k % DIAGONAL_CHUNK or shape != (blocks, k // DIAGONAL_CHUNK) or width != blocks * k:
+        raise ValueError(f"a chunk table of {blocks} diagonal blocks of K = {k} input features needs K % "
+                         f"{DIAGONAL_CHUNK} == 0, shape ({blocks}, K/{DIAGONAL_CHUNK}) and an input of {blocks} * K "
+                         f"features, got shape {shape} and {width} features")
+    if not jnp.issubdtype(getattr(chunks, "dtype", np.float32), jnp.integer):
+        raise ValueError(f"a chunk table must be integer, got {getattr(chunks, 'dtype', None)}")
 
 
 def stack_transposed_blocks(wt: SparseWeight, blocks: int) -> SparseWeight:

@@ -65,6 +65,9 @@ class NMDense(nn.Module):
         (``jaxsparse.ops.diagonal_linear``; the density of a V:2:M ``sparsity`` with ``M = 4 diagonal_blocks``):
         ``values`` and ``metadata`` are the stacked blocks' (``[R, K / (2 diagonal_blocks)]``), the input features
         in the relabelled order ``jaxsparse.pruning.to_compressed`` gives. Master mode ignores it (the mask says).
+      diagonal_chunks: with ``diagonal_blocks > 1``, the blocks read x through a chunk table (the ``"sparsity"``
+        entry ``chunks``, int32 ``[blocks, K / (64 blocks)]``, ``jaxsparse.format.diagonal_chunks``) instead of
+        relabelled inputs; ``return_operands`` then returns ``(SparseWeight, bias, chunks)``.
     """
 
     features: int
@@ -78,6 +81,7 @@ class NMDense(nn.Module):
     compressed: bool = False
     return_operands: bool = False
     diagonal_blocks: int = 1
+    diagonal_chunks: bool = False
 
     @property
     def spec(self) -> fmt.VNM | None:
@@ -89,8 +93,11 @@ class NMDense(nn.Module):
         """Apply the layer to ``x [..., K]``; returns ``[..., features]``."""
         k, r = x.shape[-1], self.features
         spec = self.spec
+        if self.diagonal_chunks and self.diagonal_blocks < 2:
+            raise ValueError(f"{self.name}: diagonal_chunks needs diagonal_blocks > 1, got {self.diagonal_blocks}")
         if spec is not None and self.compressed and self.diagonal_blocks > 1:
-            fmt.check_diagonal_shape((k, r), self.diagonal_blocks, transposable=True)
+            fmt.check_diagonal_shape((k, r), self.diagonal_blocks, transposable=True,
+                                     chunk=fmt.DIAGONAL_CHUNK if self.diagonal_chunks else 1)
         elif spec is not None:
             fmt.validate_shape((k, r), spec, compressed=self.compressed)
         bias = self.param("bias", self.bias_init, (r,), self.param_dtype) if self.use_bias else None
@@ -101,10 +108,15 @@ class NMDense(nn.Module):
             if spec is None:
                 raise ValueError("NMDense(compressed=True) needs a sparsity spec with N = 2, got None")
             sw, bias = self._compressed_operands(x, bias, spec)
+            chunks = None
+            if self.diagonal_chunks:
+                g = self.diagonal_blocks
+                chunks = self.variable(SPARSITY, "chunks", lambda: jnp.arange(
+                    k // fmt.DIAGONAL_CHUNK, dtype=jnp.int32).reshape(g, -1)).value
             if self.return_operands:
-                return sw, bias
+                return (sw, bias, chunks) if self.diagonal_chunks else (sw, bias)
             if self.diagonal_blocks > 1:
-                return ops.diagonal_linear(x.astype(sw.values.dtype), sw, self.diagonal_blocks, bias)
+                return ops.diagonal_linear(x.astype(sw.values.dtype), sw, self.diagonal_blocks, bias, chunks=chunks)
             return ops.sparse_linear(x.astype(sw.values.dtype), sw, bias)
 
         kernel = self.param("kernel", self.kernel_init, (k, r), self.param_dtype)

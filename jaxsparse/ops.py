@@ -21,11 +21,12 @@ from jaxsparse.ffi import calls as cuda_calls
 from jaxsparse.ffi.calls import spmm_unsupported
 from jaxsparse.format import SparseWeight, check_transpose_2_4_shape, decompress as _reference_decompress
 from jaxsparse.format import transpose_2_4 as format_transpose_2_4
-from jaxsparse.format import block_dx_operands, check_blocks_shape, stack_transposed_blocks
+from jaxsparse.format import block_dx_operands, check_blocks_shape, check_chunks, stack_transposed_blocks
 
 __all__ = ["decompress", "transpose_2_4", "spmm", "sddmm", "spmm_t", "dx_route",
            "dx_route_scope", "linear_x_layout", "mlp_hidden_layout", "mlp_hidden_scope", "sparse_linear", "sparse_mlp",
-           "FUSED_ACTIVATIONS", "masked_linear", "spmm_unsupported", "diagonal_linear", "transpose_blocks"]
+           "FUSED_ACTIVATIONS", "masked_linear", "spmm_unsupported", "diagonal_linear", "transpose_blocks",
+           "diagonal_mlp"]
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -357,40 +358,59 @@ def transpose_blocks(sw: SparseWeight, blocks: int) -> SparseWeight:
     return stack_transposed_blocks(transpose_2_4(sw), blocks)
 
 
-def _blocks_product(x2: jax.Array, sw: SparseWeight, bias: Optional[jax.Array], blocks: int) -> jax.Array:
-    ref = lambda x, s, b: reference.spmm_blocks(x, s, blocks, b)
-    cuda = lambda x, s, b: cuda_calls.spmm_blocks(x, s, blocks, b)
+def _blocks_product(x2: jax.Array, sw: SparseWeight, bias: Optional[jax.Array], blocks: int,
+                    x_chunks: Optional[jax.Array] = None, y_chunks: Optional[jax.Array] = None,
+                    activation: Optional[str] = None, with_derivative: bool = False):
+    """The blocked forward product (``act(x @ W + bias)``, or ``(act(z), act'(z))`` with ``with_derivative``, both
+    from the kernel's epilogue on a GPU) on the kernels or the reference."""
+    def ref(x, s, b):
+        if with_derivative:
+            z = reference.spmm_blocks(x, s, blocks, b, x_chunks=x_chunks)
+            return reference.activation_with_derivative(activation, z)
+        return reference.spmm_blocks(x, s, blocks, b, activation, x_chunks=x_chunks, y_chunks=y_chunks)
+
+    cuda = lambda x, s, b: cuda_calls.spmm_blocks(x, s, blocks, b, activation, with_derivative, x_chunks=x_chunks,
+                                                  y_chunks=y_chunks)
     with jax.named_scope("jaxsparse_spmm"):
         return dispatch.call("spmm", ref, cuda, x2, sw, bias, unsupported=cuda_calls.blocks_unsupported(sw, blocks))
 
 
-def _blocks_sddmm(x2: jax.Array, dy: jax.Array, sw: SparseWeight, blocks: int) -> jax.Array:
-    ref = lambda x, d, s: reference.sddmm_blocks(x, d, s, blocks)
-    cuda = lambda x, d, s: cuda_calls.sddmm_blocks(x, d, s, blocks)
+def _blocks_sddmm(x2: jax.Array, dy: jax.Array, sw: SparseWeight, blocks: int,
+                  x_chunks: Optional[jax.Array] = None) -> jax.Array:
+    ref = lambda x, d, s: reference.sddmm_blocks(x, d, s, blocks, x_chunks=x_chunks)
+    cuda = lambda x, d, s: cuda_calls.sddmm_blocks(x, d, s, blocks, x_chunks=x_chunks)
     with jax.named_scope("jaxsparse_sddmm"):
         return dispatch.call("sddmm", ref, cuda, x2, dy, sw, unsupported=cuda_calls.blocks_unsupported(sw, blocks))
 
 
+def _flat_chunks(chunks: Optional[jax.Array]) -> Optional[jax.Array]:
+    """The input gradient's output table: stacked row chunk ``j`` of the transposed blocks is x's chunk
+    ``chunks.reshape(-1)[j]``."""
+    return None if chunks is None else chunks.reshape(-1)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _diagonal(x2: jax.Array, sw: SparseWeight, bias: Optional[jax.Array], blocks: int) -> jax.Array:
-    return _blocks_product(x2, sw, bias, blocks)
+def _diagonal(x2: jax.Array, sw: SparseWeight, bias: Optional[jax.Array], blocks: int,
+              chunks: Optional[jax.Array]) -> jax.Array:
+    return _blocks_product(x2, sw, bias, blocks, chunks)
 
 
-def _diagonal_fwd(x2, sw, bias, blocks):
-    return _blocks_product(x2, sw, bias, blocks), (x2, sw, bias)
+def _diagonal_fwd(x2, sw, bias, blocks, chunks):
+    return _blocks_product(x2, sw, bias, blocks, chunks), (x2, sw, bias, chunks)
 
 
 def _diagonal_bwd(blocks, residuals, dy):
-    x2, sw, bias = residuals
+    x2, sw, bias, chunks = residuals
     with jax.named_scope("jaxsparse_spmm_t"):
-        dx = _blocks_product(dy, transpose_blocks(sw, blocks), None, blocks)
-    return (dx, *_weight_cotangents(dy, sw, bias, _blocks_sddmm(x2, dy, sw, blocks)))
+        dx = _blocks_product(dy, transpose_blocks(sw, blocks), None, blocks, y_chunks=_flat_chunks(chunks))
+    return (dx, *_weight_cotangents(dy, sw, bias, _blocks_sddmm(x2, dy, sw, blocks, chunks)), None)
 
 
 _diagonal.defvjp(_diagonal_fwd, _diagonal_bwd)
 
 
-def diagonal_linear(x: jax.Array, sw: SparseWeight, blocks: int, bias: Optional[jax.Array] = None) -> jax.Array:
+def diagonal_linear(x: jax.Array, sw: SparseWeight, blocks: int, bias: Optional[jax.Array] = None,
+                    chunks: Optional[jax.Array] = None) -> jax.Array:
     """``x @ W + bias`` for a block-diagonal ``W`` of ``blocks`` 2:4 blocks, differentiable in ``x``, ``sw.values``
     and ``bias``.
 
@@ -398,18 +418,22 @@ def diagonal_linear(x: jax.Array, sw: SparseWeight, blocks: int, bias: Optional[
     belongs to block ``b = r // (R / blocks)`` and reads x's features ``b K .. b K + K - 1``; ``W`` is the
     ``[blocks K, R]`` kernel they form. A V:2:M mask with ``M = 4 blocks`` has the same density; a layer whose input
     features can be relabelled at no cost (the FFN's hidden units) can take this layout instead
-    (:func:`jaxsparse.format.select_diagonal_mask` chooses such masks; docs/kernel-notes.md, session 31). Each product
-    is then a 2:4 product of ``1 / blocks`` the dense work on contiguous slices: on a Hopper GPU the forward and the
-    input gradient run on the TMA row kernel (the input gradient on :func:`transpose_blocks`, so the masks must be
-    transposable: ``select_mask(..., transposable=True)`` per block), the weight gradient on the SDDMM's tma engine,
-    with no transpose of any activation (:func:`jaxsparse.ffi.calls.blocks_unsupported` lists the shapes; elsewhere
-    the reference runs).
+    (:func:`jaxsparse.format.select_diagonal_mask` chooses such masks; docs/kernel-notes.md, session 31). Any other
+    layer takes it through ``chunks``, a table ``[blocks, K / 64]`` of the 64-feature chunks of x each block reads
+    (:func:`jaxsparse.format.diagonal_chunks`; a permutation of x's chunks): no relabelling, no gather of x (the
+    kernels load each k-step's chunk where the table says, and write the input gradient's chunks back there). Each
+    product is then a 2:4 product of ``1 / blocks`` the dense work: on a Hopper GPU the forward and the input gradient
+    run on the TMA row kernel (the input gradient on :func:`transpose_blocks`, so the masks must be transposable:
+    ``select_mask(..., transposable=True)`` per block), the weight gradient on the SDDMM's tma engine, with no
+    transpose of any activation (:func:`jaxsparse.ffi.calls.blocks_unsupported` lists the shapes; elsewhere the
+    reference runs).
 
     Args:
       x: ``[..., blocks K]`` in the values' dtype.
       sw: the stacked 2:4 weight, ``(K, R)``, ``R % (32 blocks) == 0``.
       blocks: the number of diagonal blocks.
       bias: ``[R]`` or None.
+      chunks: None (block ``b`` reads x's features ``b K .. b K + K - 1``) or an integer table ``[blocks, K / 64]``.
 
     Returns:
       ``[..., R]``.
@@ -422,7 +446,10 @@ def diagonal_linear(x: jax.Array, sw: SparseWeight, blocks: int, bias: Optional[
     if jnp.dtype(x.dtype) != jnp.dtype(sw.values.dtype):
         raise ValueError(f"x dtype {x.dtype} must equal the sparse values dtype {sw.values.dtype}")
     _check_bias(bias, sw)
-    y = _diagonal(_flatten(x), sw, bias, blocks)
+    if chunks is not None:
+        check_chunks(chunks, blocks, sw.shape[0], x.shape[-1])
+        chunks = jnp.asarray(chunks, jnp.int32)
+    y = _diagonal(_flatten(x), sw, bias, blocks, chunks)
     return y.reshape(*x.shape[:-1], sw.shape[1])
 
 
@@ -512,6 +539,64 @@ def _mlp_bwd(activation, blocks, residuals, dy):
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _diagonal_mlp(x2, sw1, b1, c1, sw2, b2, c2, activation, blocks):
+    h = _blocks_product(x2, sw1, b1, blocks, c1, activation=activation)
+    return _blocks_product(h, sw2, b2, blocks, c2)
+
+
+def _diagonal_mlp_fwd(x2, sw1, b1, c1, sw2, b2, c2, activation, blocks):
+    h, dact = _blocks_product(x2, sw1, b1, blocks, c1, activation=activation, with_derivative=True)
+    return _blocks_product(h, sw2, b2, blocks, c2), (x2, dact, h, sw1, b1, c1, sw2, b2, c2)
+
+
+def _diagonal_mlp_bwd(activation, blocks, residuals, dy):
+    x2, dact, h, sw1, b1, c1, sw2, b2, c2 = residuals
+    dsw2, db2 = _weight_cotangents(dy, sw2, b2, _blocks_sddmm(h, dy, sw2, blocks, c2))
+    with jax.named_scope("jaxsparse_spmm_t"):
+        dh = _blocks_product(dy, transpose_blocks(sw2, blocks), None, blocks, y_chunks=_flat_chunks(c2))
+    dz = _times(dh, dact)  # XLA fuses the multiply with dz's bias-gradient reduction
+    dsw1, db1 = _weight_cotangents(dz, sw1, b1, _blocks_sddmm(x2, dz, sw1, blocks, c1))
+    with jax.named_scope("jaxsparse_spmm_t"):
+        dx = _blocks_product(dz, transpose_blocks(sw1, blocks), None, blocks, y_chunks=_flat_chunks(c1))
+    return dx, dsw1, db1, None, dsw2, db2, None
+
+
+_diagonal_mlp.defvjp(_diagonal_mlp_fwd, _diagonal_mlp_bwd)
+
+
+def diagonal_mlp(x: jax.Array, sw1: SparseWeight, b1: Optional[jax.Array], chunks1: jax.Array, sw2: SparseWeight,
+                 b2: Optional[jax.Array], chunks2: jax.Array, blocks: int, activation: str = "gelu_erf") -> jax.Array:
+    """:func:`sparse_mlp` with both layers of ``blocks`` diagonal 2:4 blocks read through chunk tables
+    (:func:`diagonal_linear` with ``chunks``): ``act(x @ W1 + b1) @ W2 + b2``, differentiable in ``x``, both
+    weights' values and both biases. The first product's epilogue writes ``h`` and ``act'`` (as in
+    :func:`sparse_mlp`); the second reads ``h`` by its own table, so neither layer's inputs are relabelled.
+
+    Args:
+      x: ``[..., blocks K]`` in the values' dtype.
+      sw1: the first layer's stacked weight ``(K, F)``; ``b1``: ``[F]`` or None; ``chunks1``: ``[blocks, K / 64]``.
+      sw2: the second's ``(F / blocks, R)``; ``b2``: ``[R]`` or None; ``chunks2``: ``[blocks, F / (64 blocks)]``.
+      blocks: the number of diagonal blocks of each layer.
+      activation: one of :data:`FUSED_ACTIVATIONS`.
+
+    Returns:
+      ``[..., R]``.
+    """
+    for sw, b, c, width in ((sw1, b1, chunks1, x.shape[-1]), (sw2, b2, chunks2, sw1.shape[1])):
+        _check_weight(sw)
+        _check_blocks(sw, blocks)
+        _check_bias(b, sw)
+        check_chunks(c, blocks, sw.shape[0], width)
+    if jnp.dtype(x.dtype) != jnp.dtype(sw1.values.dtype) or sw2.values.dtype != sw1.values.dtype:
+        raise ValueError(f"x and both weights must share one dtype, got {x.dtype}, {sw1.values.dtype} and "
+                         f"{sw2.values.dtype}")
+    if activation not in FUSED_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {FUSED_ACTIVATIONS}, got {activation!r}")
+    c1, c2 = jnp.asarray(chunks1, jnp.int32), jnp.asarray(chunks2, jnp.int32)
+    y = _diagonal_mlp(_flatten(x), sw1, b1, c1, sw2, b2, c2, activation, blocks)
+    return y.reshape(*x.shape[:-1], sw2.shape[1])
 
 
 def sparse_mlp(x: jax.Array, sw1: SparseWeight, b1: Optional[jax.Array], sw2: SparseWeight, b2: Optional[jax.Array],

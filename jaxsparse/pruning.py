@@ -560,7 +560,8 @@ def _relabel(tree, perms: dict):
     return traverse_util.unflatten_dict(flat)
 
 
-def to_compressed(params, masks, spec: str | fmt.VNM, opt_state=None, diagonal_fn: FilterFn | None = None):
+def to_compressed(params, masks, spec: str | fmt.VNM, opt_state=None, diagonal_fn: FilterFn | None = None,
+                  diagonal_chunks: bool = False):
     """Switch training to compressed mode once the final N = 2 masks are in place.
 
     Args:
@@ -575,6 +576,10 @@ def to_compressed(params, masks, spec: str | fmt.VNM, opt_state=None, diagonal_f
         produces them (its columns, bias and their optimizer state), are relabelled set by set, which changes no
         output; the kernel is then stored as its stacked blocks (``jaxsparse.format.stack_diagonal_blocks``,
         compressed 2:4), for the model built with ``BertConfig.diagonal_ffn_out``.
+      diagonal_chunks: keep every diagonal kernel's inputs where they are and store its chunk table instead (the
+        ``"sparsity"`` entry ``chunks``, :func:`jaxsparse.format.diagonal_chunks`; its rows are stacked in the
+        table's order): any layer, no relabelling, for the model built with ``BertConfig.diagonal_all``. The masks'
+        input sets must be whole 64-feature chunks (``chunk = V`` with V a multiple of 64).
 
     Returns:
       ``(params, sparsity)`` -- or ``(params, sparsity, opt_state)`` when ``opt_state`` is given -- for
@@ -583,7 +588,18 @@ def to_compressed(params, masks, spec: str | fmt.VNM, opt_state=None, diagonal_f
     spec = fmt.VNM.parse(spec)
     flat = dict(traverse_util.flatten_dict(dict(masks)))
     diagonal_masks = {}  # kernel path -> its stacked blocks' mask
-    if any(p[-1] == "kernel" for p in flat):  # a params-shaped mask tree
+    orders = {}  # kernel path -> the order of its rows in the stacked blocks (diagonal_chunks)
+    tables = {}  # kernel path -> its chunk table (diagonal_chunks)
+    if diagonal_chunks and any(p[-1] == "kernel" for p in flat):
+        g = fmt.diagonal_blocks(spec)
+        for path, m in list(flat.items()):
+            if m is None or path[-1] != "kernel" or diagonal_fn is None or not diagonal_fn(_path_names(path), m):
+                continue
+            tables[path] = fmt.diagonal_chunks(m, g)
+            orders[path] = np.asarray(fmt.chunk_columns(tables[path]))
+            diagonal_masks[path] = fmt.stack_diagonal_blocks(flat.pop(path)[orders[path]], g)
+        masks = sparsity_collection(traverse_util.unflatten_dict(flat))
+    elif any(p[-1] == "kernel" for p in flat):  # a params-shaped mask tree
         perms = _diagonal_relabelling(flat, spec, diagonal_fn)
         if perms:
             params = _relabel(params, perms)
@@ -600,9 +616,13 @@ def to_compressed(params, masks, spec: str | fmt.VNM, opt_state=None, diagonal_f
         and the ``"sparsity"`` entries (metadata) of those."""
         flat_t, pattern = dict(traverse_util.flatten_dict(dict(tree))), {}
         for path, mask in diagonal_masks.items():
-            sw = fmt.compress(fmt.stack_diagonal_blocks(flat_t.pop(path), fmt.diagonal_blocks(spec)), mask, "2:4")
+            w = flat_t.pop(path)
+            w = w[orders[path]] if path in orders else w
+            sw = fmt.compress(fmt.stack_diagonal_blocks(w, fmt.diagonal_blocks(spec)), mask, "2:4")
             flat_t[path[:-1] + ("values",)] = sw.values
             pattern[path[:-1] + ("metadata",)] = sw.metadata
+            if path in tables:
+                pattern[path[:-1] + ("chunks",)] = jnp.asarray(tables[path])
         return traverse_util.unflatten_dict(flat_t), pattern
 
     c_params, pattern = compress_variables(params, masks, spec)

@@ -11,7 +11,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jaxsparse.format import SparseWeight, compress_like, decompress
+from jaxsparse.format import SparseWeight, chunk_columns, compress_like, decompress
 
 __all__ = ["ACTIVATIONS", "activation_with_derivative", "spmm", "sddmm", "spmm_t", "bias_grad", "spmm_blocks",
            "sddmm_blocks"]
@@ -57,19 +57,31 @@ def spmm_t(dy: jax.Array, sw: SparseWeight) -> jax.Array:
 
 
 def spmm_blocks(x: jax.Array, sw: SparseWeight, blocks: int, bias: Optional[jax.Array] = None,
-                activation: Optional[str] = None) -> jax.Array:
+                activation: Optional[str] = None, x_chunks: Optional[jax.Array] = None,
+                y_chunks: Optional[jax.Array] = None) -> jax.Array:
     """Forward product of a weight of ``blocks`` diagonal blocks stacked as ``sw`` (Flax shape ``(K, R)``; output
-    feature ``r`` reads x's columns ``(r // (R / blocks)) K + [0, K)``): ``[T, blocks K] -> [T, R]``."""
+    feature ``r`` reads x's columns ``(r // (R / blocks)) K + [0, K)``): ``[T, blocks K] -> [T, R]``. With
+    ``x_chunks`` (a table ``[blocks, K/64]``, ``jaxsparse.format.diagonal_chunks``) block ``b`` reads x's 64-column
+    chunks ``x_chunks[b]`` instead; with ``y_chunks`` (``[R/64]``) output feature ``f`` goes to column
+    ``y_chunks[f // 64] * 64 + f % 64``."""
     k, r = sw.shape
+    if x_chunks is not None:
+        x = x[:, chunk_columns(x_chunks)]
+    if y_chunks is not None:
+        y = spmm_blocks(x, sw, blocks, bias, activation)
+        return jnp.zeros_like(y).at[:, chunk_columns(y_chunks)].set(y)
     w = decompress(sw).astype(x.dtype).reshape(k, blocks, r // blocks)
     y = jnp.einsum("tbk,kbr->tbr", x.reshape(-1, blocks, k), w, preferred_element_type=jnp.float32).reshape(-1, r)
     return _epilogue(y, bias, activation, x.dtype)
 
 
-def sddmm_blocks(x: jax.Array, dy: jax.Array, sw: SparseWeight, blocks: int, out_dtype=None) -> jax.Array:
+def sddmm_blocks(x: jax.Array, dy: jax.Array, sw: SparseWeight, blocks: int, out_dtype=None,
+                 x_chunks: Optional[jax.Array] = None) -> jax.Array:
     """Weight gradient of :func:`spmm_blocks`: each block's ``x^T dy`` sampled at its kept positions, in the layout
-    of ``sw.values``."""
+    of ``sw.values`` (``x_chunks`` as there)."""
     k, r = sw.shape
+    if x_chunks is not None:
+        x = x[:, chunk_columns(x_chunks)]
     t = x.shape[0]
     dense = jnp.einsum("tbk,tbr->kbr", x.reshape(t, blocks, k), dy.reshape(t, blocks, r // blocks),
                        preferred_element_type=jnp.float32).reshape(k, r)

@@ -116,9 +116,9 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
                         "jaxsparse.ops.diagonal_linear (docs/kernel-notes.md, session 31)")
     p.add_argument("--diagonal-all", action="store_true",
                    help="as --diagonal-ffn-out, for every pruned encoder kernel (Q, K, V, attention out, FFN in and "
-                        "out), each with its own input sets in chunks of V and no relabelling: an accuracy study, "
-                        "masked-dense only (--compress off or auto); kernels that read x by such chunks are not "
-                        "built (docs/results.md, session 32)")
+                        "out), each with its own input sets in chunks of V (a multiple of 64) and no relabelling; "
+                        "with --compress the blocks train as jaxsparse.ops.diagonal_linear / diagonal_mlp reading x "
+                        "through chunk tables (docs/kernel-notes.md, session 32)")
     p.add_argument("--exclusive-columns", action="store_true",
                    help="choose V:2:M masks (M > 4) whose every input column is kept by at most ceil(4 (R/V) / M) "
                         "of a kernel's R/V blocks in each group (jaxsparse.format.select_mask exclusive_columns=True): "
@@ -183,8 +183,10 @@ def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
         _check_mask_option(p, args, "--diagonal-all", fmt.diagonal_blocks)
         if getattr(args, "diagonal_ffn_out", False):
             p.error("--diagonal-all already gives FFN out diagonal blocks: drop --diagonal-ffn-out")
-        if getattr(args, "compress", "off") == "on":
-            p.error("--diagonal-all trains masked-dense only (its kernels are not built): use --compress off or auto")
+        sparsity = getattr(args, "sparsity", None)
+        if sparsity not in (None, "dense") and fmt.VNM.parse(sparsity).v % fmt.DIAGONAL_CHUNK:
+            p.error(f"--diagonal-all: the input sets come in chunks of V, which must be a multiple of "
+                    f"{fmt.DIAGONAL_CHUNK} (the chunk tables' width), got {sparsity}")
     if args.exclusive_columns:
         _check_mask_option(p, args, "--exclusive-columns", fmt.check_exclusive_spec)
 
@@ -759,7 +761,9 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
     sparse = args.sparsity != "dense"
     spec = fmt.VNM.parse(args.sparsity) if sparse else None
     diagonal = bool(getattr(args, "diagonal_ffn_out", False)) and sparse
-    compressed_cfg = dataclasses.replace(cfg, diagonal_ffn_out=True) if diagonal else cfg
+    diagonal_all = bool(getattr(args, "diagonal_all", False)) and sparse
+    compressed_cfg = (dataclasses.replace(cfg, diagonal_all=True) if diagonal_all
+                      else dataclasses.replace(cfg, diagonal_ffn_out=True) if diagonal else cfg)
     make_model = lambda compressed: bert.BertForSequenceClassification(  # noqa: E731
         compressed_cfg if compressed else cfg, sparsity=args.sparsity if sparse else None, compressed=compressed,
         dtype=dtype, num_labels=task.num_labels)
@@ -781,7 +785,6 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         params = bert.merge_params(params, pretrained)
     transposable = bool(getattr(args, "transposable_masks", False))
     exclusive = bool(getattr(args, "exclusive_columns", False))
-    diagonal_all = bool(getattr(args, "diagonal_all", False))
     diagonal_fn = (pruning.encoder_kernels if diagonal_all
                    else pruning.ffn_out_kernels if getattr(args, "diagonal_ffn_out", False) else None)
     refit = bool(getattr(args, "refit", False))
@@ -830,7 +833,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
                           diagonal_fn is not None)
                          if prune is not None else ())
     opt_state = tx.init(params)
-    compress = _use_compressed(args.compress, spec, compressed_cfg) and not diagonal_all
+    compress = _use_compressed(args.compress, spec, compressed_cfg)
     switch_step = prune.final_step + 1 if prune is not None else None
     # --average-from: the params after steps average_start + 1 .. total are averaged (masks final by then).
     average_from = float(getattr(args, "average_from", 0.0))
@@ -887,7 +890,8 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         for idx in bar:
             if compress and not compressed and global_step == switch_step:
                 params, pattern, base_state = pruning.to_compressed(params, pruning.masks_of(opt_state), spec,
-                                                                    opt_state[0], diagonal_fn=diagonal_fn)
+                                                                    opt_state[0], diagonal_fn=diagonal_fn,
+                                                                    diagonal_chunks=diagonal_all)
                 opt_state, extra, compressed = base_state, {"sparsity": pattern}, True
                 model = make_model(True)
                 step = cache.get("step", (model, base_key, False, mesh, kd, hidden, attention, augment),
@@ -973,12 +977,15 @@ def predict_logits(cfg: bert.BertConfig, variables: dict, batch: data_lib.Batch,
     if compressed and sparsity is None:
         raise ValueError("predict_logits: these params are compressed (`values` in place of the sparse kernels): "
                          "give their pattern as sparsity=")
-    if compressed and fmt.VNM.parse(sparsity).m > 4 and not cfg.diagonal_ffn_out:
-        # FFN out layers stored as diagonal 2:4 blocks (--diagonal-ffn-out) carry no column sets.
+    if compressed and fmt.VNM.parse(sparsity).m > 4 and not (cfg.diagonal_ffn_out or cfg.diagonal_all):
         pattern = dict(_flat(variables.get("sparsity", {})))
+        # Layers stored as diagonal 2:4 blocks carry chunk tables (--diagonal-all), or, in FFN out alone
+        # (--diagonal-ffn-out), no column sets.
         ffn_out = [p for p, m in pattern.items()
                    if p[-1] == "metadata" and pruning.ffn_out_kernels(p[:-1] + ("kernel",), m)]
-        if ffn_out and not any(p[:-1] + ("columns",) in pattern for p in ffn_out):
+        if any(p[-1] == "chunks" for p in pattern):
+            cfg = dataclasses.replace(cfg, diagonal_all=True)
+        elif ffn_out and not any(p[:-1] + ("columns",) in pattern for p in ffn_out):
             cfg = dataclasses.replace(cfg, diagonal_ffn_out=True)
     model = bert.BertForSequenceClassification(cfg, sparsity=sparsity if compressed else None, compressed=compressed,
                                                dtype=jnp.dtype(dtype), num_labels=num_labels)

@@ -73,6 +73,8 @@ class StepConfig:
       diagonal_ffn_out: the FFN out kernels as ``M / 4`` diagonal 2:4 blocks (``V:2:M`` with ``M >= 8``; masks by
         ``jaxsparse.format.select_diagonal_mask``, the hidden units relabelled by ``jaxsparse.pruning.to_compressed``;
         ``BertConfig.diagonal_ffn_out``).
+      diagonal_all: every encoder kernel as ``M / 4`` diagonal 2:4 blocks read through chunk tables (no relabelling;
+        ``V`` a multiple of 64; ``BertConfig.diagonal_all``).
     """
 
     model: str = "tiny"
@@ -87,6 +89,7 @@ class StepConfig:
     fuse_feed_forward: bool = True
     exclusive_columns: bool = False
     diagonal_ffn_out: bool = False
+    diagonal_all: bool = False
 
     def __post_init__(self) -> None:
         if self.model not in bert.PRESETS:
@@ -108,6 +111,14 @@ class StepConfig:
             if self.sparsity == "dense":
                 raise ValueError("diagonal FFN out blocks need a V:2:M pattern with M >= 8, not 'dense'")
             fmt.diagonal_blocks(self.sparsity)  # ValueError naming the constraint
+        if self.diagonal_all:
+            if self.sparsity == "dense" or self.diagonal_ffn_out:
+                raise ValueError("diagonal blocks in every layer need a V:2:M pattern with M >= 8 (not 'dense') and "
+                                 "no diagonal_ffn_out (it includes FFN out)")
+            fmt.diagonal_blocks(self.sparsity)
+            if fmt.VNM.parse(self.sparsity).v % fmt.DIAGONAL_CHUNK:
+                raise ValueError(f"diagonal blocks in every layer take their input sets in chunks of V, which must be "
+                                 f"a multiple of {fmt.DIAGONAL_CHUNK}, got {self.sparsity}")
 
     def dx_route(self) -> str | None:
         """The input-gradient route the masks are chosen for: ``"blocks"`` for column-exclusive masks,
@@ -119,7 +130,8 @@ class StepConfig:
         """The preset's :class:`~jaxsparse.models.bert.BertConfig` with this attention."""
         fused = dict(attention_probs_dropout_prob=0.0, attention_impl="fused") if self.attention == "fused" else {}
         return bert.BertConfig.preset(self.model, fuse_feed_forward=self.fuse_feed_forward,
-                                      diagonal_ffn_out=self.diagonal_ffn_out, **fused)
+                                      diagonal_ffn_out=self.diagonal_ffn_out, diagonal_all=self.diagonal_all,
+                                      **fused)
 
 
 @dataclasses.dataclass
@@ -196,12 +208,13 @@ def build_step(config: StepConfig) -> TrainStep:
     master = make(False)
     params = jax.jit(master.init)(k_init, ids[:1, :8])["params"]
     base = adamw()
-    diagonal_fn = pruning.ffn_out_kernels if config.diagonal_ffn_out else None
+    diagonal_fn = (pruning.encoder_kernels if config.diagonal_all
+                   else pruning.ffn_out_kernels if config.diagonal_ffn_out else None)
     if mode == "compressed":
         masks = pruning.oneshot_masks(params, config.sparsity, transposable=config.transposable,
                                       exclusive_columns=config.exclusive_columns, diagonal_fn=diagonal_fn)
         params, pattern, opt_state = pruning.to_compressed(params, masks, config.sparsity, base.init(params),
-                                                           diagonal_fn=diagonal_fn)
+                                                           diagonal_fn=diagonal_fn, diagonal_chunks=config.diagonal_all)
         model, tx, extra, with_masks = make(True), base, {"sparsity": pattern}, False
     elif mode == "masked":
         tx = optax.chain(base, pruning.gmp_prune([config.sparsity], 0, 0, transposable=config.transposable,

@@ -153,3 +153,113 @@ def test_sparse_mlp_with_diagonal_out_on_kernels(monkeypatch, spec, blocks):
         a, b = _f32(a), _f32(b)
         _compare(a if a.ndim == 2 else a[None], b if b.ndim == 2 else b[None], 2 * TOL[jnp.bfloat16],
                  f"sparse_mlp {spec} blocks={blocks} {name}")
+
+
+# ----------------------------------------------------------------------------- chunk tables (no relabelling)
+
+
+def _make_chunked(rng, t: int, blocks: int, k: int, r: int, dtype):
+    """As :func:`_make`, with a random chunk table (a permutation of x's 64-column chunks, so each block reads chunks
+    scattered over x) and the dense ``[blocks k, r]`` matrix whose block ``b`` sits at the rows the table names."""
+    x, dy, sw, dense, bias = _make(rng, t, blocks, k, r, dtype)
+    perm = np.asarray(jax.random.permutation(jax.random.fold_in(rng, 7), blocks * k // 64), np.int32)
+    table = jnp.asarray(perm.reshape(blocks, k // 64))
+    scattered = np.zeros_like(np.asarray(dense))
+    scattered[np.asarray(F.chunk_columns(table))] = np.asarray(dense)
+    return x, dy, sw, jnp.asarray(scattered), bias, table
+
+
+@needs_hopper
+@pytest.mark.parametrize("blocks, k, r", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("t", [1, 1000])
+def test_spmm_blocks_chunked(blocks, k, r, dtype, t):
+    x, _, sw, dense, bias, table = _make_chunked(key("spmm_chunks", blocks, k, r, str(dtype), t), t, blocks, k, r,
+                                                 dtype)
+    poison((t, r), dtype)
+    out = calls.spmm_blocks(x, sw, blocks, bias, x_chunks=table)
+    ref = jnp.dot(_f32(x), dense, precision=HIGHEST) + _f32(bias)
+    _compare(out, ref, TOL[dtype], f"spmm_blocks chunked G={blocks} K={k} R={r} t={t}")
+
+
+@needs_hopper
+@pytest.mark.parametrize("blocks, k, r", SHAPES)
+@pytest.mark.parametrize("dtype, out_dtype", [(jnp.bfloat16, None), (jnp.bfloat16, jnp.float32)], ids=["bf16", "bf16-f32"])
+@pytest.mark.parametrize("t", [1, 1000])
+def test_sddmm_blocks_chunked(blocks, k, r, dtype, t, out_dtype):
+    x, dy, sw, _, _, table = _make_chunked(key("sddmm_chunks", blocks, k, r, str(dtype), t), t, blocks, k, r, dtype)
+    poison(sw.values.shape, out_dtype or dtype)
+    out = calls.sddmm_blocks(x, dy, sw, blocks, out_dtype, x_chunks=table)
+    dense = jnp.dot(_f32(x).T, _f32(dy), precision=HIGHEST)[F.chunk_columns(table)]  # stacked order
+    ref = F.compress_like(F.stack_diagonal_blocks(dense, blocks), sw)
+    _compare(out, ref, TOL[dtype], f"sddmm_blocks chunked G={blocks} K={k} R={r} t={t}")
+
+
+@needs_hopper
+@pytest.mark.parametrize("blocks, k, r", SHAPES)
+@pytest.mark.parametrize("t", [1, 1000])
+def test_diagonal_linear_chunked_grad_on_kernels(blocks, k, r, t):
+    """``jax.grad`` of ``diagonal_linear(..., chunks=)`` under ``jit``: the forward and the SDDMM read x by the table,
+    the input gradient writes its chunks back by it; against the dense layer in float32."""
+    dtype = jnp.bfloat16
+    x, dy, sw, dense, bias, table = _make_chunked(key("chunk_grad", blocks, k, r, t), t, blocks, k, r, dtype)
+    f = jax.jit(lambda x, v, b: jax.vjp(lambda x, v, b: ops.diagonal_linear(x, sw.replace(values=v), blocks, b,
+                                                                            chunks=table), x, v, b)[1](dy))
+    poison((t, blocks * k), dtype)
+    dx, dv, db = f(x, sw.values, bias)
+    ref_dx = jnp.dot(_f32(dy), dense.T, precision=HIGHEST)
+    ref_dw = jnp.dot(_f32(x).T, _f32(dy), precision=HIGHEST)[F.chunk_columns(table)]
+    what = f"diagonal_linear chunked G={blocks} K={k} R={r} t={t}"
+    _compare(dx, ref_dx, TOL[dtype], what + " dx")
+    _compare(dv, F.compress_like(F.stack_diagonal_blocks(ref_dw, blocks), sw), TOL[dtype], what + " dvalues")
+    _compare(db[None], _f32(dy).sum(0)[None], TOL[dtype], what + " dbias")
+    text = f.lower(x, sw.values, bias).compile().as_text()
+    assert 'custom_call_target="jaxsparse_spmm_xt"' in text and 'custom_call_target="jaxsparse_sddmm"' in text
+
+
+@needs_hopper
+def test_chunk_tables_reject():
+    x, dy, sw, _, _, table = _make_chunked(key("chunks_reject"), 64, 2, 128, 256, jnp.bfloat16)
+    with pytest.raises(ValueError, match="chunk table"):
+        calls.spmm_blocks(x, sw, 2, x_chunks=table.reshape(-1))
+    with pytest.raises(ValueError, match="integer"):
+        calls.sddmm_blocks(x, dy, sw, 2, x_chunks=table.astype(jnp.float32))
+    with pytest.raises(ValueError, match="y_chunks"):
+        calls.spmm_blocks(x, sw, 2, y_chunks=jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match="y_chunks"):
+        calls.spmm_blocks(x, sw, 2, activation="relu", y_chunks=jnp.arange(4, dtype=jnp.int32))
+
+
+@needs_hopper
+@pytest.mark.parametrize("blocks", [2, 4])
+def test_diagonal_mlp_on_kernels(monkeypatch, blocks):
+    """``diagonal_mlp`` (both layers diagonal blocks read through random chunk tables; the first epilogue writes ``h``
+    and ``act'``) under ``jit``: outputs and every gradient against the same function on the reference path."""
+    t, k, f, r = 1000, 512, 2048, 512
+    kx, kd, k1, k2, kb, kp = jax.random.split(key("diag_mlp", blocks), 6)
+    x = jax.random.normal(kx, (t, k), jnp.float32).astype(jnp.bfloat16)
+    dy = jax.random.normal(kd, (t, r), jnp.float32).astype(jnp.bfloat16)
+
+    def layer(rng, kin, kout):
+        w = (jax.random.normal(rng, (kin // blocks, kout), jnp.float32) / np.sqrt(kin / blocks / 2)).astype(jnp.bfloat16)
+        sw = F.compress(w, F.select_mask(w, "2:4", transposable=True), "2:4")
+        table = jax.random.permutation(jax.random.fold_in(rng, 1), kin // 64).astype(jnp.int32).reshape(blocks, -1)
+        return sw, table
+
+    (sw1, c1), (sw2, c2) = layer(k1, k, f), layer(k2, f, r)
+    b1 = jax.random.normal(kb, (f,), jnp.float32).astype(jnp.bfloat16)
+    b2 = jax.random.normal(kp, (r,), jnp.float32).astype(jnp.bfloat16)
+
+    def run():
+        g = lambda x, v1, b1, v2, b2: ops.diagonal_mlp(x, sw1.replace(values=v1), b1, c1, sw2.replace(values=v2), b2,
+                                                      c2, blocks)
+        y, vjp = jax.vjp(g, x, sw1.values, b1, sw2.values, b2)
+        return (y, *vjp(dy))
+
+    got = jax.jit(run)()
+    monkeypatch.setenv("JAXSPARSE_BACKEND", "reference")
+    want = jax.jit(run)()
+    for name, a, b in zip(("y", "dx", "dvalues1", "dbias1", "dvalues2", "dbias2"), got, want):
+        a, b = _f32(a), _f32(b)
+        _compare(a if a.ndim == 2 else a[None], b if b.ndim == 2 else b[None], 2 * TOL[jnp.bfloat16],
+                 f"diagonal_mlp blocks={blocks} {name}")

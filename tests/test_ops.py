@@ -675,6 +675,69 @@ def test_diagonal_linear_is_the_block_diagonal_layer(blocks):
     assert rel_err(dv, F.compress_like(F.stack_diagonal_blocks(rw, blocks), sw)) < 1e-5
 
 
+@pytest.mark.parametrize("blocks", [2, 4])
+def test_diagonal_linear_with_a_chunk_table_is_the_masked_layer(blocks):
+    """``chunks=``: a mask of diagonal blocks chosen in 64-feature chunks on a kernel in its own order
+    (``select_diagonal_mask``), stored stacked with its table (``diagonal_chunks``), computes the masked dense layer
+    from x as it is, forward and every gradient (the input gradient's chunks written back by the table), under jit."""
+    k, r = 64 * 2 * blocks, 64 * blocks
+    kw, kx, kb = jax.random.split(jax.random.PRNGKey(10 + blocks), 3)
+    w = jax.random.normal(kw, (k, r), jnp.float32)
+    mask = F.select_diagonal_mask(w, blocks, transposable=True, chunk=F.DIAGONAL_CHUNK)
+    table = F.diagonal_chunks(mask, blocks)
+    assert table.shape == (blocks, k // blocks // 64) and sorted(table.ravel().tolist()) == list(range(k // 64))
+    dense = w * mask
+    stacked = F.stack_diagonal_blocks(dense[F.chunk_columns(table)], blocks)
+    sw = F.compress(stacked, stacked != 0, "2:4")
+    x = jax.random.normal(kx, (3, 5, k), jnp.float32)
+    bias = jax.random.normal(kb, (r,), jnp.float32)
+    assert rel_err(ops.diagonal_linear(x, sw, blocks, bias, chunks=table), x @ dense + bias) < 1e-5
+    f = lambda x, v, b, t: (ops.diagonal_linear(x, sw.replace(values=v), blocks, b, chunks=t) ** 2).sum()
+    g = lambda x, w, b: ((x @ w + b) ** 2).sum()
+    dx, dv, db = jax.jit(jax.grad(f, argnums=(0, 1, 2)))(x, sw.values, bias, jnp.asarray(table))
+    rx, rw, rb = jax.grad(g, argnums=(0, 1, 2))(x, dense, bias)
+    assert rel_err(dx, rx) < 1e-5 and rel_err(db, rb) < 1e-5
+    assert rel_err(dv, F.compress_like(F.stack_diagonal_blocks(rw[F.chunk_columns(table)], blocks), sw)) < 1e-5
+    with pytest.raises(ValueError, match="chunk table"):
+        ops.diagonal_linear(x, sw, blocks, bias, chunks=table[:, :1])
+    with pytest.raises(ValueError, match="integer"):
+        ops.diagonal_linear(x, sw, blocks, bias, chunks=table.astype(np.float32))
+
+
+def _chunked_layer(key, k: int, r: int, blocks: int):
+    """A kernel masked to diagonal blocks in 64-feature chunks: (masked dense [k, r], stacked 2:4 weight, table)."""
+    w = jax.random.normal(key, (k, r), jnp.float32) / np.sqrt(k / 4)
+    mask = F.select_diagonal_mask(w, blocks, transposable=True, chunk=F.DIAGONAL_CHUNK)
+    table = F.diagonal_chunks(mask, blocks)
+    stacked = F.stack_diagonal_blocks((w * mask)[F.chunk_columns(table)], blocks)
+    return w * mask, F.compress(stacked, stacked != 0, "2:4"), table
+
+
+def test_diagonal_mlp_is_the_masked_feed_forward():
+    """``diagonal_mlp``: both layers diagonal blocks read through their tables, against the masked dense FFN with the
+    exact GELU, forward and every gradient, under jit."""
+    blocks, k, f, r = 2, 256, 512, 256
+    k1, k2, kx, kb1, kb2 = jax.random.split(jax.random.PRNGKey(3), 5)
+    d1, sw1, c1 = _chunked_layer(k1, k, f, blocks)
+    d2, sw2, c2 = _chunked_layer(k2, f, r, blocks)
+    x = jax.random.normal(kx, (4, 7, k), jnp.float32)
+    b1, b2 = jax.random.normal(kb1, (f,)), jax.random.normal(kb2, (r,))
+    gelu = lambda z: jax.nn.gelu(z, approximate=False)
+    dense = lambda x, w1, b1, w2, b2: gelu(x @ w1 + b1) @ w2 + b2
+    mlp = lambda x, v1, b1, v2, b2: ops.diagonal_mlp(x, sw1.replace(values=v1), b1, c1, sw2.replace(values=v2), b2,
+                                                     c2, blocks)
+    assert rel_err(mlp(x, sw1.values, b1, sw2.values, b2), dense(x, d1, b1, d2, b2)) < 1e-5
+    got = jax.jit(jax.grad(lambda *a: (mlp(*a) ** 2).sum(), argnums=(0, 1, 2, 3, 4)))(x, sw1.values, b1, sw2.values, b2)
+    want = jax.grad(lambda *a: (dense(*a) ** 2).sum(), argnums=(0, 1, 2, 3, 4))(x, d1, b1, d2, b2)
+    assert rel_err(got[0], want[0]) < 1e-5 and rel_err(got[2], want[2]) < 1e-5 and rel_err(got[4], want[4]) < 1e-5
+    for g, w, sw, c in ((got[1], want[1], sw1, c1), (got[3], want[3], sw2, c2)):
+        assert rel_err(g, F.compress_like(F.stack_diagonal_blocks(w[F.chunk_columns(c)], blocks), sw)) < 1e-5
+    with pytest.raises(ValueError, match="chunk table"):
+        ops.diagonal_mlp(x, sw1, b1, c2, sw2, b2, c2, blocks)
+    with pytest.raises(ValueError, match="activation"):
+        ops.diagonal_mlp(x, sw1, b1, c1, sw2, b2, c2, blocks, activation="tanh")
+
+
 def test_diagonal_linear_rejects():
     x, sw, bias, _ = _diagonal_operands(4)
     with pytest.raises(ValueError, match="last dimension"):

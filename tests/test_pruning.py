@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -425,3 +426,35 @@ def test_diagonal_ffn_out_through_the_transforms_and_to_compressed():
     assert shapes(c_state[0].mu) == shapes(c_params) and shapes(c_state[0].nu) == shapes(c_params)
     with pytest.raises(ValueError, match="params-shaped"):
         pruning.to_compressed(params, pruning.sparsity_collection(masks), spec, diagonal_fn=pruning.ffn_out_kernels)
+
+
+def test_diagonal_all_to_compressed_keeps_the_inputs_and_stores_chunk_tables():
+    """``diagonal_fn=encoder_kernels`` with ``diagonal_chunks``: every encoder kernel gets diagonal 2:4 blocks in
+    64-feature chunks; ``to_compressed`` stores each as its stacked blocks with its chunk table (nothing
+    relabelled), and the compressed model (``BertConfig.diagonal_all``) computes what the masked master model did."""
+    from jaxsparse.models import bert
+
+    spec = "64:2:8"
+    cfg = bert.BertConfig.preset("tiny", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    master = bert.BertForSequenceClassification(cfg, sparsity=spec, num_labels=3)
+    ids = jax.random.randint(jax.random.PRNGKey(1), (2, 16), 0, 1000)
+    args = (ids, jnp.zeros_like(ids), jnp.ones_like(ids))
+    params = master.init(jax.random.PRNGKey(0), *args)["params"]
+    masks = pruning.oneshot_masks(params, spec, transposable=True, diagonal_fn=pruning.encoder_kernels)
+    y_master = master.apply(pruning.model_variables(params, masks=masks), *args)
+    opt = optax.adam(1e-3).init(params)
+    c_params, pattern, c_state = pruning.to_compressed(params, masks, spec, opt, diagonal_fn=pruning.encoder_kernels,
+                                                       diagonal_chunks=True)
+    layer, sparsity = c_params["bert"]["encoder_layer_0"], pattern["bert"]["encoder_layer_0"]
+    assert layer["output"]["values"].shape == (128, 512 // 2 // 2)
+    assert layer["intermediate"]["values"].shape == (512, 128 // 2 // 2)
+    np.testing.assert_array_equal(layer["intermediate"]["bias"],
+                                  params["bert"]["encoder_layer_0"]["intermediate"]["bias"])
+    table = np.asarray(sparsity["attention"]["query"]["chunks"])
+    assert table.shape == (2, 1) and sorted(table.ravel()) == [0, 1] and "columns" not in sparsity["output"]
+    compressed = bert.BertForSequenceClassification(dataclasses.replace(cfg, diagonal_all=True), sparsity=spec,
+                                                    compressed=True, num_labels=3)
+    y = compressed.apply({"params": c_params, "sparsity": pattern}, *args)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_master), atol=1e-5)
+    shapes = lambda t: [a.shape for a in jax.tree_util.tree_leaves(t)]  # noqa: E731
+    assert shapes(c_state[0].mu) == shapes(c_params) and shapes(c_state[0].nu) == shapes(c_params)

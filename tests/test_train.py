@@ -667,9 +667,27 @@ def test_diagonal_all_run(tmp_path):
         assert bool(fmt.transposable_mask_is_valid(stacked)), m.shape
     for argv in (["--sparsity", "dense", "--diagonal-all"], ["--prune", "none", "--diagonal-all"],
                  ["--sparsity", "2:4", "--diagonal-all"], ["--diagonal-all", "--diagonal-ffn-out"],
-                 ["--diagonal-all", "--compress", "on"]):
+                 ["--sparsity", "32:2:8", "--diagonal-all"]):
         with pytest.raises(SystemExit):
             train.parse_args(argv)
+
+
+def test_diagonal_all_compressed_run_predicts_as_evaluated(tmp_path):
+    """--diagonal-all with --compress on: the run switches to compressed training on stacked blocks with chunk tables
+    (no relabelling), learns, and its checkpoint's logits (predict_logits finds the tables) give its test accuracy."""
+    out = tmp_path / "run"
+    args = train.parse_args(TINY + ["--sparsity", "64:2:8", "--epochs", "2", "--prune", "oneshot", "--max-train", "128",
+                                    "--transposable-masks", "--diagonal-all", "--compress", "on", "--out", str(out)])
+    metrics = train.run(args)
+    assert metrics["diagonal_all"] and metrics["compressed_training"]
+    hist = metrics["history"]
+    assert np.isfinite(hist[-1]["train_loss"]) and hist[-1]["train_loss"] < hist[0]["first_loss"], hist
+    variables = train.load_checkpoint(out / "checkpoint")
+    assert variables["sparsity"]["bert"]["encoder_layer_0"]["attention"]["key"]["chunks"].shape == (2, 1)
+    data_ = train.load_data("trec", args.max_train, args.max_eval, args.max_len)
+    cfg = train.load_model(args.model)[0]
+    logits = train.predict_logits(cfg, variables, data_.test, data_.task.num_labels, args.dtype, 8, sparsity="64:2:8")
+    assert np.mean(logits.argmax(-1) == data_.test.labels) == pytest.approx(metrics["test_accuracy"], abs=1e-6)
 
 
 def test_transposable_masks_run_takes_the_transposed_dx_route(tmp_path, monkeypatch):

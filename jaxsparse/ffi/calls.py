@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxsparse import reference
 from jaxsparse.ffi import register
-from jaxsparse.format import VNM, SparseWeight
+from jaxsparse.format import VNM, SparseWeight, check_chunks
 from jaxsparse.format import as_2_4 as format_as_2_4
 from jaxsparse.format import RESIDENT_DX_GROUPS, condensed_dx_operands, resident_dx_fragments
 
@@ -352,10 +352,10 @@ def transpose_out_problem(tile: str | None = None) -> str | None:
 
 
 def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str | None = None,
-                  x_rows: bool = False, act_mode: int = 0, x_blocks: int = 1):
+                  x_rows: bool = False, act_mode: int = 0, x_blocks: int = 1, x_chunks=None, y_chunks=None):
     """The ``jaxsparse_spmm_xt`` call, operands checked: ``xt`` is x^T [K, T], or x [T, K] with ``x_rows``
-    (``[T, x_blocks K]`` for a weight of ``x_blocks`` diagonal blocks, :func:`spmm_blocks`).
-    ``act_mode`` 1 returns ``(act(z), act'(z))``, 2 ``(act(z)^T, act'(z))`` (cuda/spmm_xt.cu)."""
+    (``[T, x_blocks K]`` for a weight of ``x_blocks`` diagonal blocks, :func:`spmm_blocks`, which also passes the
+    chunk tables). ``act_mode`` 1 returns ``(act(z), act'(z))``, 2 ``(act(z)^T, act'(z))`` (cuda/spmm_xt.cu)."""
     b = bias if bias is not None else jnp.zeros((0,), xt.dtype)
     tokens = xt.shape[0] if x_rows else xt.shape[1]
     name = _setting(tile, SPMM_XT_TILE_ENV)
@@ -370,7 +370,7 @@ def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str |
     first = ((sw.shape[1], tokens), xt.dtype) if act_mode == 2 else out
     results = _call_results(
         "jaxsparse_spmm_xt", [first, out if act_mode != 0 else ((0,), xt.dtype)], xt, sw.values,
-        _columns_operand(sw), sw.metadata, b, v=np.int32(sw.spec.v),
+        _columns_operand(sw), sw.metadata, b, _chunks_operand(x_chunks), _chunks_operand(y_chunks), v=np.int32(sw.spec.v),
         m=np.int32(sw.spec.m), activation=np.int32(ACTIVATION_CODES[activation]), act_mode=np.int32(act_mode),
         tile=np.int32(tile_id), x_rows=np.int32(x_rows), act_table=np.int32(act_table()), x_blocks=np.int32(x_blocks),
     )
@@ -569,8 +569,13 @@ def sddmm_partial_elements(tokens: int, n_values: int, split: int) -> int:
     return ranges * n_values if ranges > 1 else 0
 
 
+def _chunks_operand(chunks) -> jax.Array:
+    """A chunk table as the handlers take it: int32, flat; empty for none."""
+    return jnp.zeros((0,), jnp.int32) if chunks is None else jnp.asarray(chunks, jnp.int32).reshape(-1)
+
+
 def _sddmm_call(x: jax.Array, dy: jax.Array, sw: SparseWeight, out, split, engine: int, x_layout: int,
-                x_blocks: int = 1) -> jax.Array:
+                x_blocks: int = 1, x_chunks=None) -> jax.Array:
     """The ``jaxsparse_sddmm`` call, operands checked: ``x`` is ``[T, K]`` (x_layout 0) or ``x^T [K, T]`` (1).
 
     Its second result is the token split's float32 buffer (:func:`sddmm_partial_elements`), dropped here: an
@@ -580,7 +585,7 @@ def _sddmm_call(x: jax.Array, dy: jax.Array, sw: SparseWeight, out, split, engin
     partial = sddmm_partial_elements(tokens, int(np.prod(sw.values.shape)), split)
     dvalues, _ = _call_results(
         "jaxsparse_sddmm", [(sw.values.shape, out), ((partial,), jnp.float32)], x, dy, _columns_operand(sw),
-        sw.metadata, v=np.int32(sw.spec.v), m=np.int32(sw.spec.m), split=np.int32(split),
+        sw.metadata, _chunks_operand(x_chunks), v=np.int32(sw.spec.v), m=np.int32(sw.spec.m), split=np.int32(split),
         engine=np.int32(engine), x_layout=np.int32(x_layout), x_blocks=np.int32(x_blocks),
     )
     return dvalues
@@ -706,11 +711,18 @@ def blocks_unsupported(sw: SparseWeight, blocks: int) -> str | None:
     return None
 
 
-def _check_blocks(name: str, x: jax.Array, sw: SparseWeight, blocks: int, x_name: str = "x") -> None:
-    """``x`` 2-D ``[T, blocks K]`` in the values' dtype, and :func:`blocks_unsupported` None; ``ValueError`` else."""
+def _check_blocks(name: str, x: jax.Array, sw: SparseWeight, blocks: int, x_name: str = "x",
+                  x_chunks=None) -> None:
+    """``x`` 2-D ``[T, blocks K]`` in the values' dtype, ``x_chunks`` None or its chunk table
+    (``jaxsparse.format.check_chunks``), and :func:`blocks_unsupported` None; ``ValueError`` else."""
     if x.ndim != 2 or x.shape[1] != blocks * sw.shape[0]:
         raise ValueError(f"{name}: {x_name} must be [T, {blocks} * {sw.shape[0]}] for {blocks} diagonal blocks of a "
                          f"weight {sw.shape}, got {x.shape}")
+    if x_chunks is not None:
+        try:
+            check_chunks(x_chunks, blocks, sw.shape[0], x.shape[1])
+        except ValueError as e:
+            raise ValueError(f"{name}: x_chunks: {e}") from None
     if x.dtype != sw.values.dtype:
         raise ValueError(f"{name}: {x_name} dtype {x.dtype} must equal the values dtype {sw.values.dtype}")
     problem = blocks_unsupported(sw, blocks)
@@ -719,25 +731,34 @@ def _check_blocks(name: str, x: jax.Array, sw: SparseWeight, blocks: int, x_name
 
 
 def spmm_blocks(x: jax.Array, sw: SparseWeight, blocks: int, bias: jax.Array | None = None,
-                activation: str | None = None, with_derivative: bool = False):
+                activation: str | None = None, with_derivative: bool = False, x_chunks=None, y_chunks=None):
     """``act(x @ W + bias)`` for a weight of ``blocks`` diagonal 2:4 blocks, on the TMA row kernel: ``x [T, blocks
     K]``, ``sw`` the blocks stacked along the outputs (a 2:4 weight of shape ``(K, R)``; output feature ``r`` reads
     x's columns ``(r // (R / blocks)) K + [0, K)``) -> ``[T, R]`` (with ``with_derivative``, ``(act(z), act'(z))``).
-    Constraints: :func:`blocks_unsupported`, ``bias`` and ``activation`` as :func:`spmm`'s."""
-    _check_blocks("spmm_blocks", x, sw, blocks)
+    ``x_chunks`` (int32 ``[blocks, K/64]``, ``jaxsparse.format.diagonal_chunks``): block ``b`` reads x's 64-column
+    chunks ``x_chunks[b]`` instead of its contiguous range. ``y_chunks`` (int32 ``[R/64]``, no activation): output
+    feature ``f`` is written to column ``y_chunks[f // 64] * 64 + f % 64`` (the input gradient of a chunked layer).
+    The tables' entries must be permutations of x's (y's) chunks: an entry out of range reads zeros (is clamped), it
+    never touches memory outside x or y. Constraints: :func:`blocks_unsupported`, ``bias`` and ``activation`` as
+    :func:`spmm`'s."""
+    _check_blocks("spmm_blocks", x, sw, blocks, x_chunks=x_chunks)
     _spmm_checks("spmm_blocks", sw, x.dtype, bias, activation)
     _check_act_mode("spmm_blocks", activation, with_derivative)
+    if y_chunks is not None and (activation is not None or tuple(getattr(y_chunks, "shape", ())) != (sw.shape[1] // 64,)
+                                 or sw.shape[1] % 64):
+        raise ValueError(f"spmm_blocks: y_chunks needs no activation, R % 64 == 0 and shape (R/64,) = "
+                         f"({sw.shape[1] // 64},), got {getattr(y_chunks, 'shape', None)} with activation {activation}")
     tile = None if blocks == 1 else "auto"  # the 64-row tile could straddle two blocks' rows: not for x_blocks > 1
     return _spmm_xt_call(x, sw, bias, activation, tile=tile, x_rows=True, act_mode=int(with_derivative),
-                         x_blocks=blocks)
+                         x_blocks=blocks, x_chunks=x_chunks, y_chunks=y_chunks)
 
 
 def sddmm_blocks(x: jax.Array, dy: jax.Array, sw: SparseWeight, blocks: int, out_dtype=None,
-                 split: int | str | None = None) -> jax.Array:
-    """:func:`sddmm` for a weight of ``blocks`` diagonal 2:4 blocks (:func:`spmm_blocks`' layout): ``x [T, blocks
-    K]``, ``dy [T, R]`` -> ``[R, K/2]`` like ``sw.values``, on the SDDMM's tma engine."""
-    _check_blocks("sddmm_blocks", x, sw, blocks)
+                 split: int | str | None = None, x_chunks=None) -> jax.Array:
+    """:func:`sddmm` for a weight of ``blocks`` diagonal 2:4 blocks (:func:`spmm_blocks`' layout, ``x_chunks`` as
+    there): ``x [T, blocks K]``, ``dy [T, R]`` -> ``[R, K/2]`` like ``sw.values``, on the SDDMM's tma engine."""
+    _check_blocks("sddmm_blocks", x, sw, blocks, x_chunks=x_chunks)
     if dy.ndim != 2 or dy.shape != (x.shape[0], sw.shape[1]):
         raise ValueError(f"sddmm_blocks: dy must be [{x.shape[0]}, {sw.shape[1]}], got {dy.shape}")
     out = _sddmm_out_dtype("sddmm_blocks", "x", x, dy, sw, out_dtype)
-    return _sddmm_call(x, dy, sw, out, split, SDDMM_ENGINES["tma"], x_layout=0, x_blocks=blocks)
+    return _sddmm_call(x, dy, sw, out, split, SDDMM_ENGINES["tma"], x_layout=0, x_blocks=blocks, x_chunks=x_chunks)

@@ -68,6 +68,11 @@ class BertConfig:
     # (jaxsparse.ops.diagonal_linear; masks from jaxsparse.format.select_diagonal_mask, converted by
     # jaxsparse.pruning.to_compressed with diagonal_fn=ffn_out_kernels, which relabels the hidden units).
     diagonal_ffn_out: bool = False
+    # Nor this: with compressed V:2:M layers (M >= 8), store every encoder kernel as M/4 diagonal 2:4 blocks read
+    # through a chunk table (jaxsparse.ops.diagonal_linear with chunks, the FFN as jaxsparse.ops.diagonal_mlp; masks
+    # from jaxsparse.format.select_diagonal_mask in 64-feature chunks, converted by jaxsparse.pruning.to_compressed
+    # with diagonal_fn=encoder_kernels and diagonal_chunks=True: no relabelling).
+    diagonal_all: bool = False
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -77,6 +82,8 @@ class BertConfig:
             raise ValueError(f"hidden_act must be one of {sorted(ACTIVATIONS)}, got {self.hidden_act!r}")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        if self.diagonal_all and self.diagonal_ffn_out:
+            raise ValueError("diagonal_all already stores FFN out as diagonal blocks: set diagonal_ffn_out=False")
         if self.attention_impl == "fused" and self.attention_probs_dropout_prob:
             raise ValueError("attention_impl='fused' has no dropout on the attention probabilities: set "
                              f"attention_probs_dropout_prob=0 (got {self.attention_probs_dropout_prob})")
@@ -109,9 +116,13 @@ class BertConfig:
         """Why some encoder kernel cannot be stored compressed as ``spec`` (None when all can)."""
         from jaxsparse.format import check_diagonal_shape, diagonal_blocks, validate_shape
 
+        from jaxsparse.format import DIAGONAL_CHUNK
+
         for shape in self.sparse_kernel_shapes():
             try:
-                if self.diagonal_ffn_out and shape == (self.intermediate_size, self.hidden_size):
+                if self.diagonal_all:
+                    check_diagonal_shape(shape, diagonal_blocks(spec), transposable=True, chunk=DIAGONAL_CHUNK)
+                elif self.diagonal_ffn_out and shape == (self.intermediate_size, self.hidden_size):
                     check_diagonal_shape(shape, diagonal_blocks(spec), transposable=True)
                 else:
                     validate_shape(shape, spec, compressed=True)
@@ -151,17 +162,29 @@ class _Sparse(nn.Module):
     dtype: Any = jnp.float32
 
     def dense(self, features: int, name: str, return_operands: bool = False, diagonal_blocks: int = 1) -> NMDense:
+        """An encoder NMDense; under ``BertConfig.diagonal_all`` (compressed) every one is :meth:`all_blocks`
+        diagonal blocks read through its chunk table."""
+        chunked = self.all_blocks() > 1
         return NMDense(features, dtype=self.dtype, sparsity=self.sparsity, compressed=self.compressed,
                        kernel_init=nn.initializers.normal(self.config.initializer_range), name=name,
-                       return_operands=return_operands, diagonal_blocks=diagonal_blocks)
+                       return_operands=return_operands,
+                       diagonal_blocks=self.all_blocks() if chunked else diagonal_blocks, diagonal_chunks=chunked)
 
-    def ffn_out_blocks(self) -> int:
-        """The FFN out layer's diagonal 2:4 blocks (``BertConfig.diagonal_ffn_out`` on compressed layers), else 1."""
-        if not (self.config.diagonal_ffn_out and self.compressed and self.sparsity is not None):
+    def _blocks_if(self, on: bool) -> int:
+        if not (on and self.compressed and self.sparsity is not None):
             return 1
         from jaxsparse.format import diagonal_blocks
 
         return diagonal_blocks(self.sparsity)
+
+    def all_blocks(self) -> int:
+        """Every encoder layer's diagonal 2:4 blocks (``BertConfig.diagonal_all`` on compressed layers), else 1."""
+        return self._blocks_if(self.config.diagonal_all)
+
+    def ffn_out_blocks(self) -> int:
+        """The FFN out layer's diagonal 2:4 blocks (``BertConfig.diagonal_ffn_out`` or ``diagonal_all`` on
+        compressed layers), else 1."""
+        return self._blocks_if(self.config.diagonal_ffn_out or self.config.diagonal_all)
 
     def feed_forward(self, h: jax.Array) -> jax.Array:
         """``output(act(intermediate(h)))``: one :func:`jaxsparse.ops.sparse_mlp` when the layers are compressed
@@ -172,6 +195,12 @@ class _Sparse(nn.Module):
                 and cfg.hidden_act in FUSED_FFN_ACTIVATIONS):
             return self.dense(cfg.hidden_size, "output", diagonal_blocks=self.ffn_out_blocks())(
                 ACTIVATIONS[cfg.hidden_act](self.dense(cfg.intermediate_size, "intermediate")(h)))
+        if self.all_blocks() > 1:
+            sw1, b1, c1 = self.dense(cfg.intermediate_size, "intermediate", return_operands=True)(h)
+            hidden = jax.ShapeDtypeStruct((*h.shape[:-1], cfg.intermediate_size), sw1.values.dtype)
+            sw2, b2, c2 = self.dense(cfg.hidden_size, "output", return_operands=True)(hidden)
+            return ops.diagonal_mlp(h.astype(sw1.values.dtype), sw1, b1, c1, sw2, b2, c2, self.all_blocks(),
+                                    FUSED_FFN_ACTIVATIONS[cfg.hidden_act])
         sw1, b1 = self.dense(cfg.intermediate_size, "intermediate", return_operands=True)(h)
         hidden = jax.ShapeDtypeStruct((*h.shape[:-1], cfg.intermediate_size), sw1.values.dtype)
         blocks = self.ffn_out_blocks()
