@@ -57,6 +57,14 @@ def _diagonal_floor_ms(tokens: int, k: int, n: int, g: int) -> float:
     return 3 * one
 
 
+def _table(kind: str, chunks: int, g: int, seed: int) -> jax.Array:
+    """A chunk table ``[g, chunks / g]`` of x's ``chunks`` 64-column chunks (``--table``)."""
+    if kind == "identity":
+        return jnp.arange(chunks, dtype=jnp.int32).reshape(g, -1)
+    table = jax.random.permutation(jax.random.PRNGKey(seed), chunks).astype(jnp.int32).reshape(g, -1)
+    return jnp.sort(table, axis=1) if kind == "sorted" else table
+
+
 def _groups_vjp(xs, dys, sws, bs):
     """The G blocks' layers, each fwd+bwd, under the caller's jit."""
     return [common.sparse_vjp(x, dy, sw.values, b, sw) for x, dy, sw, b in zip(xs, dys, sws, bs)]
@@ -68,6 +76,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="json path (default benchmarks/results/<gpu>/block_diagonal.json)")
     ap.add_argument("--no-separate", action="store_true", help="skip the G separate sparse_linear layers")
+    ap.add_argument("--table", default="random", choices=("random", "sorted", "identity"),
+                    help="the chunked rows' table: a random permutation of x's chunks, the same sets ascending within "
+                         "each block (as jaxsparse.format.diagonal_chunks gives them), or the contiguous chunks "
+                         "(the tables' own cost)")
     args = ap.parse_args()
     rows = []
     with ops.dx_route_scope("transposed"):
@@ -91,7 +103,7 @@ def main() -> None:
                 lambda x, v, b: ops.diagonal_linear(x, sw.replace(values=v), g, b, chunks=t), x, sw.values, b)[1](dy)
             diag_ms = common.time_jax(jax.jit(lambda x, dy, sw, b: diag(x, dy, sw, b, None)),
                                       [(x, dy, stacked, b) for x, dy in zip(xs, dys)])
-            table = jax.random.permutation(jax.random.PRNGKey(k + n + g), k // 64).astype(jnp.int32).reshape(g, -1)
+            table = _table(args.table, k // 64, g, k + n + g)
             chunked_ms = common.time_jax(jax.jit(diag), [(x, dy, stacked, b, table) for x, dy in zip(xs, dys)])
             floor_ms = _diagonal_floor_ms(TOKENS, k, n, g)
             row = dict(K=k, N=n, spec=spec, G=g, dense_ms=dense_ms, vnm_ms=vnm_ms, blocks_separate_ms=bd_ms,
@@ -107,6 +119,7 @@ def main() -> None:
                   f"({dense_ms / chunked_ms:.2f}x, {chunked_ms / floor_ms:.2f}x floor) ms fwd+bwd", flush=True)
     common.write_json(common.results_path("block_diagonal.json", args.out),
                       dict(gpu=common.gpu_name(), tokens=TOKENS, versions=common.versions(), dx_route="transposed",
+                           table=args.table,
                            cases=CASE_NOTES, results=rows))
 
 

@@ -290,19 +290,19 @@ __device__ __forceinline__ void StoreStagedTile(const unsigned char* tile, int r
   constexpr int kChunks = BR / 8;  // 16-byte chunks per token row of the tile
   constexpr int kTotal = BT * kChunks;
   auto at = [&](int i) { return static_cast<int64_t>(tok0 + i / kChunks) * rows + row0 + (i % kChunks) * 8; };
+
+  auto staged = [&](int i) { return *reinterpret_cast<const uint4*>(tile + (i / kChunks) * row_bytes + (i % kChunks) * 16); };
   if (extra.y2 == nullptr && extra.y_chunks != nullptr) {
-    const int last = rows / 64 - 1;
+    static_assert(THREADS % kChunks == 0, "each thread stores one column range of the tile");
+    // A thread's stores all fall in the tile's column range (thread % kChunks): one table read a tile.
+    const int f = row0 + (thread % kChunks) * 8;
+    const int col = min(max(__ldg(extra.y_chunks + f / 64), 0), rows / 64 - 1) * 64 + f % 64;
     for (int i = thread; i < kTotal; i += THREADS) {
-      if (tok0 + i / kChunks < tokens) {
-        const int f = row0 + (i % kChunks) * 8;
-        const int c = min(max(__ldg(extra.y_chunks + f / 64), 0), last);
-        *reinterpret_cast<uint4*>(y + static_cast<int64_t>(tok0 + i / kChunks) * rows + c * 64 + f % 64) =
-            *reinterpret_cast<const uint4*>(tile + (i / kChunks) * row_bytes + (i % kChunks) * 16);
-      }
+      if (tok0 + i / kChunks < tokens)
+        *reinterpret_cast<uint4*>(y + static_cast<int64_t>(tok0 + i / kChunks) * rows + col) = staged(i);
     }
     return;
   }
-  auto staged = [&](int i) { return *reinterpret_cast<const uint4*>(tile + (i / kChunks) * row_bytes + (i % kChunks) * 16); };
   // One loop per kind of extra work, chosen once: a branch inside the loop body keeps the compiler from overlapping
   // one chunk's math with the next (session 30: act_mode 2's staging ran 2.2x slower with the table test inside it).
   auto store_all = [&](auto with_extra, auto activate) {

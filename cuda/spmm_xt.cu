@@ -572,6 +572,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       const int row0 = (tile % nfb) * BR, tok0 = (tile / nfb) * BT;
       const int xk0 = XROW ? (row0 / block_rows) * kc_total : 0;  // the tile's diagonal block's first column of x
       const int32_t* xch = XROW && p.x_chunks != nullptr ? p.x_chunks + (row0 / block_rows) * num_kt : nullptr;
+      int xnext = tid == 0 && xch != nullptr ? __ldg(xch) : 0;  // x_chunks: the next stage's chunk, read a stage ahead
       const uint8_t* tcols = p.cols != nullptr ? p.cols + static_cast<int64_t>(row0 / p.v) * kc_total : nullptr;
       for (int kt = 0; kt < num_kt; ++kt, ++it) {
         const int s = it % STAGES;
@@ -589,11 +590,14 @@ __global__ void __launch_bounds__(kWsThreads, 1)
           TmaLoad2d(stage, &tma_a, kt * (kKc / 2), row0, full);
           if (meta_box)  // words 2 kt .. 2 kt + 3 of the tile's rows: 4 kt in 16-bit columns
             TmaLoad2d(smem_base + L::kMetaOff + s * L::kMetaBytes, &tma_m, 4 * kt, row0, full);
-          if (XROW)  // x [T, K]: BT rows of the stage's 64 k
-            TmaLoad2d(stage + L::kABytes, &tma_x, xch != nullptr ? __ldg(xch + kt) * kKc : xk0 + kt * kKc, tok0, full);
-          else if (x_by_tma)
+          if (XROW) {  // x [T, K]: BT rows of the stage's 64 k
+            const int xcol = xch != nullptr ? xnext * kKc : xk0 + kt * kKc;
+            if (xch != nullptr && kt + 1 < num_kt) xnext = __ldg(xch + kt + 1);
+            TmaLoad2d(stage + L::kABytes, &tma_x, xcol, tok0, full);
+          } else if (x_by_tma) {
 #pragma unroll
             for (int c = 0; c < BT / 64; ++c) TmaLoad2d(stage + L::kABytes + c * kColBytes, &tma_x, tok0 + 64 * c, kt * kKc, full);
+          }
         }
         if (tma_only) continue;
         if (!p.meta_pairs && meta_now)
