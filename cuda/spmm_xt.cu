@@ -62,8 +62,9 @@ struct SpmmXtParams {
   int act_table;         // act_mode 1, 2 in bf16 with a GELU: act and act' from the table of cuda/act_table.cuh
   int x_blocks;          // x [T, x_blocks K] (x_rows, warp-specialized kernel): the weight is x_blocks diagonal blocks,
                          // row r reading x's columns (r / (rows / x_blocks)) K + [0, K); 1 = one block (x [T, K])
-  const int32_t* x_chunks;  // [x_blocks, K/64] or null: block b's k-step j reads x's columns x_chunks[b, j] * 64 + [0, 64)
-                            // (its input set in 64-column chunks, no relabelling); null = (b K/64 + j) * 64
+  const int32_t* x_chunks;  // [x_blocks, K/64] or null: block b's k-step j reads x's columns
+                            // x_chunks[b, j] * 64 + [0, 64) (its input set in 64-column chunks, no relabelling);
+                            // null = (b K/64 + j) * 64
   const int32_t* y_chunks;  // [R/64] or null (no y2): feature f is stored at y's column y_chunks[f/64] * 64 + f % 64
 };
 

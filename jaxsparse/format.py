@@ -30,6 +30,7 @@ __all__ = [
     "DIAGONAL_CHUNK",
     "diagonal_chunks",
     "chunk_columns",
+    "check_chunks",
     "mask_is_valid",
     "check_mask",
     "compress",

@@ -590,10 +590,13 @@ def to_compressed(params, masks, spec: str | fmt.VNM, opt_state=None, diagonal_f
     diagonal_masks = {}  # kernel path -> its stacked blocks' mask
     orders = {}  # kernel path -> the order of its rows in the stacked blocks (diagonal_chunks)
     tables = {}  # kernel path -> its chunk table (diagonal_chunks)
+    if diagonal_chunks and diagonal_fn is None:
+        raise ValueError("to_compressed: diagonal_chunks stores the tables of the kernels diagonal_fn selects: give "
+                         "diagonal_fn")
     if diagonal_chunks and any(p[-1] == "kernel" for p in flat):
         g = fmt.diagonal_blocks(spec)
         for path, m in list(flat.items()):
-            if m is None or path[-1] != "kernel" or diagonal_fn is None or not diagonal_fn(_path_names(path), m):
+            if m is None or path[-1] != "kernel" or not diagonal_fn(_path_names(path), m):
                 continue
             tables[path] = fmt.diagonal_chunks(m, g)
             orders[path] = np.asarray(fmt.chunk_columns(tables[path]))

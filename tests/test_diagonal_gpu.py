@@ -90,17 +90,24 @@ def test_sddmm_blocks(blocks, k, r, dtype, t, out_dtype):
 @pytest.mark.parametrize("blocks, k, r", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("t", [1000])
-def test_diagonal_linear_grad_on_kernels(blocks, k, r, dtype, t):
+@pytest.mark.parametrize("chunked", [False, True], ids=["contiguous", "chunked"])
+def test_diagonal_linear_grad_on_kernels(blocks, k, r, dtype, t, chunked):
     """``jax.grad`` of ``diagonal_linear`` under ``jit`` (forward, input gradient on the stacked ``W^T`` blocks and
-    the SDDMM, all on the kernels) against the dense block-diagonal layer in float32."""
-    x, dy, sw, dense, bias = _make(key("diag_grad", blocks, k, r, str(dtype), t), t, blocks, k, r, dtype)
-    f = jax.jit(lambda x, v, b: jax.vjp(lambda x, v, b: ops.diagonal_linear(x, sw.replace(values=v), blocks, b),
-                                        x, v, b)[1](dy))
+    the SDDMM, all on the kernels) against the dense block-diagonal layer in float32; ``chunked``: through a random
+    chunk table (the forward and the SDDMM read x by it, the input gradient writes its chunks back by it)."""
+    rng = key("diag_grad", blocks, k, r, str(dtype), t, chunked)
+    if chunked:
+        x, dy, sw, dense, bias, table = _make_chunked(rng, t, blocks, k, r, dtype)
+        rows = F.chunk_columns(table)  # the stacked weight's rows among x's features
+    else:
+        (x, dy, sw, dense, bias), table, rows = _make(rng, t, blocks, k, r, dtype), None, slice(None)
+    f = jax.jit(lambda x, v, b: jax.vjp(lambda x, v, b: ops.diagonal_linear(x, sw.replace(values=v), blocks, b,
+                                                                            chunks=table), x, v, b)[1](dy))
     poison((t, blocks * k), dtype)
     dx, dv, db = f(x, sw.values, bias)
     ref_dx = jnp.dot(_f32(dy), dense.T, precision=HIGHEST)
-    ref_dw = jnp.dot(_f32(x).T, _f32(dy), precision=HIGHEST)
-    what = f"diagonal_linear G={blocks} K={k} R={r} t={t}"
+    ref_dw = jnp.dot(_f32(x).T, _f32(dy), precision=HIGHEST)[rows]
+    what = f"diagonal_linear G={blocks} K={k} R={r} t={t}{' chunked' if chunked else ''}"
     _compare(dx, ref_dx, TOL[dtype], what + " dx")
     _compare(dv, F.compress_like(F.stack_diagonal_blocks(ref_dw, blocks), sw), TOL[dtype], what + " dvalues")
     _compare(db[None], _f32(dy).sum(0)[None], TOL[dtype], what + " dbias")
@@ -184,7 +191,8 @@ def test_spmm_blocks_chunked(blocks, k, r, dtype, t):
 
 @needs_hopper
 @pytest.mark.parametrize("blocks, k, r", SHAPES)
-@pytest.mark.parametrize("dtype, out_dtype", [(jnp.bfloat16, None), (jnp.bfloat16, jnp.float32)], ids=["bf16", "bf16-f32"])
+@pytest.mark.parametrize("dtype, out_dtype", [(jnp.bfloat16, None), (jnp.bfloat16, jnp.float32)],
+                         ids=["bf16", "bf16-f32"])
 @pytest.mark.parametrize("t", [1, 1000])
 def test_sddmm_blocks_chunked(blocks, k, r, dtype, t, out_dtype):
     x, dy, sw, _, _, table = _make_chunked(key("sddmm_chunks", blocks, k, r, str(dtype), t), t, blocks, k, r, dtype)
@@ -193,28 +201,6 @@ def test_sddmm_blocks_chunked(blocks, k, r, dtype, t, out_dtype):
     dense = jnp.dot(_f32(x).T, _f32(dy), precision=HIGHEST)[F.chunk_columns(table)]  # stacked order
     ref = F.compress_like(F.stack_diagonal_blocks(dense, blocks), sw)
     _compare(out, ref, TOL[dtype], f"sddmm_blocks chunked G={blocks} K={k} R={r} t={t}")
-
-
-@needs_hopper
-@pytest.mark.parametrize("blocks, k, r", SHAPES)
-@pytest.mark.parametrize("t", [1, 1000])
-def test_diagonal_linear_chunked_grad_on_kernels(blocks, k, r, t):
-    """``jax.grad`` of ``diagonal_linear(..., chunks=)`` under ``jit``: the forward and the SDDMM read x by the table,
-    the input gradient writes its chunks back by it; against the dense layer in float32."""
-    dtype = jnp.bfloat16
-    x, dy, sw, dense, bias, table = _make_chunked(key("chunk_grad", blocks, k, r, t), t, blocks, k, r, dtype)
-    f = jax.jit(lambda x, v, b: jax.vjp(lambda x, v, b: ops.diagonal_linear(x, sw.replace(values=v), blocks, b,
-                                                                            chunks=table), x, v, b)[1](dy))
-    poison((t, blocks * k), dtype)
-    dx, dv, db = f(x, sw.values, bias)
-    ref_dx = jnp.dot(_f32(dy), dense.T, precision=HIGHEST)
-    ref_dw = jnp.dot(_f32(x).T, _f32(dy), precision=HIGHEST)[F.chunk_columns(table)]
-    what = f"diagonal_linear chunked G={blocks} K={k} R={r} t={t}"
-    _compare(dx, ref_dx, TOL[dtype], what + " dx")
-    _compare(dv, F.compress_like(F.stack_diagonal_blocks(ref_dw, blocks), sw), TOL[dtype], what + " dvalues")
-    _compare(db[None], _f32(dy).sum(0)[None], TOL[dtype], what + " dbias")
-    text = f.lower(x, sw.values, bias).compile().as_text()
-    assert 'custom_call_target="jaxsparse_spmm_xt"' in text and 'custom_call_target="jaxsparse_sddmm"' in text
 
 
 @needs_hopper
@@ -241,7 +227,8 @@ def test_diagonal_mlp_on_kernels(monkeypatch, blocks):
     dy = jax.random.normal(kd, (t, r), jnp.float32).astype(jnp.bfloat16)
 
     def layer(rng, kin, kout):
-        w = (jax.random.normal(rng, (kin // blocks, kout), jnp.float32) / np.sqrt(kin / blocks / 2)).astype(jnp.bfloat16)
+        w = jax.random.normal(rng, (kin // blocks, kout), jnp.float32) / np.sqrt(kin / blocks / 2)
+        w = w.astype(jnp.bfloat16)
         sw = F.compress(w, F.select_mask(w, "2:4", transposable=True), "2:4")
         table = jax.random.permutation(jax.random.fold_in(rng, 1), kin // 64).astype(jnp.int32).reshape(blocks, -1)
         return sw, table

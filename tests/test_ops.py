@@ -675,6 +675,15 @@ def test_diagonal_linear_is_the_block_diagonal_layer(blocks):
     assert rel_err(dv, F.compress_like(F.stack_diagonal_blocks(rw, blocks), sw)) < 1e-5
 
 
+def _chunked_layer(key, k: int, r: int, blocks: int):
+    """A kernel masked to diagonal blocks in 64-feature chunks: (masked dense [k, r], stacked 2:4 weight, table)."""
+    w = jax.random.normal(key, (k, r), jnp.float32) / np.sqrt(k / 4)
+    mask = F.select_diagonal_mask(w, blocks, transposable=True, chunk=F.DIAGONAL_CHUNK)
+    table = F.diagonal_chunks(mask, blocks)
+    stacked = F.stack_diagonal_blocks((w * mask)[F.chunk_columns(table)], blocks)
+    return w * mask, F.compress(stacked, stacked != 0, "2:4"), table
+
+
 @pytest.mark.parametrize("blocks", [2, 4])
 def test_diagonal_linear_with_a_chunk_table_is_the_masked_layer(blocks):
     """``chunks=``: a mask of diagonal blocks chosen in 64-feature chunks on a kernel in its own order
@@ -682,13 +691,8 @@ def test_diagonal_linear_with_a_chunk_table_is_the_masked_layer(blocks):
     from x as it is, forward and every gradient (the input gradient's chunks written back by the table), under jit."""
     k, r = 64 * 2 * blocks, 64 * blocks
     kw, kx, kb = jax.random.split(jax.random.PRNGKey(10 + blocks), 3)
-    w = jax.random.normal(kw, (k, r), jnp.float32)
-    mask = F.select_diagonal_mask(w, blocks, transposable=True, chunk=F.DIAGONAL_CHUNK)
-    table = F.diagonal_chunks(mask, blocks)
+    dense, sw, table = _chunked_layer(kw, k, r, blocks)
     assert table.shape == (blocks, k // blocks // 64) and sorted(table.ravel().tolist()) == list(range(k // 64))
-    dense = w * mask
-    stacked = F.stack_diagonal_blocks(dense[F.chunk_columns(table)], blocks)
-    sw = F.compress(stacked, stacked != 0, "2:4")
     x = jax.random.normal(kx, (3, 5, k), jnp.float32)
     bias = jax.random.normal(kb, (r,), jnp.float32)
     assert rel_err(ops.diagonal_linear(x, sw, blocks, bias, chunks=table), x @ dense + bias) < 1e-5
@@ -702,15 +706,6 @@ def test_diagonal_linear_with_a_chunk_table_is_the_masked_layer(blocks):
         ops.diagonal_linear(x, sw, blocks, bias, chunks=table[:, :1])
     with pytest.raises(ValueError, match="integer"):
         ops.diagonal_linear(x, sw, blocks, bias, chunks=table.astype(np.float32))
-
-
-def _chunked_layer(key, k: int, r: int, blocks: int):
-    """A kernel masked to diagonal blocks in 64-feature chunks: (masked dense [k, r], stacked 2:4 weight, table)."""
-    w = jax.random.normal(key, (k, r), jnp.float32) / np.sqrt(k / 4)
-    mask = F.select_diagonal_mask(w, blocks, transposable=True, chunk=F.DIAGONAL_CHUNK)
-    table = F.diagonal_chunks(mask, blocks)
-    stacked = F.stack_diagonal_blocks((w * mask)[F.chunk_columns(table)], blocks)
-    return w * mask, F.compress(stacked, stacked != 0, "2:4"), table
 
 
 def test_diagonal_mlp_is_the_masked_feed_forward():

@@ -458,3 +458,5 @@ def test_diagonal_all_to_compressed_keeps_the_inputs_and_stores_chunk_tables():
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_master), atol=1e-5)
     shapes = lambda t: [a.shape for a in jax.tree_util.tree_leaves(t)]  # noqa: E731
     assert shapes(c_state[0].mu) == shapes(c_params) and shapes(c_state[0].nu) == shapes(c_params)
+    with pytest.raises(ValueError, match="give diagonal_fn"):
+        pruning.to_compressed(params, masks, spec, diagonal_chunks=True)

@@ -114,9 +114,7 @@ class BertConfig:
 
     def compressed_problem(self, spec) -> str | None:
         """Why some encoder kernel cannot be stored compressed as ``spec`` (None when all can)."""
-        from jaxsparse.format import check_diagonal_shape, diagonal_blocks, validate_shape
-
-        from jaxsparse.format import DIAGONAL_CHUNK
+        from jaxsparse.format import DIAGONAL_CHUNK, check_diagonal_shape, diagonal_blocks, validate_shape
 
         for shape in self.sparse_kernel_shapes():
             try:
