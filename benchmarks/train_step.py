@@ -387,7 +387,7 @@ def main(argv=None) -> int:
                                            if fuse and s != "dense" else [None])]
                 diagonals = ({"off": [False], "on": [True], "both": [False, True]}[a.diagonal_ffn_out]
                              if s != "dense" and fmt.takes_diagonal_blocks(s) else [False])
-                if a.diagonal_all and s != "dense" and fmt.takes_diagonal_blocks(s) and fmt.VNM.parse(s).v % 64 == 0:
+                if a.diagonal_all and s != "dense" and fmt.takes_chunked_diagonal_blocks(s):
                     diagonals = diagonals + ["all"]
                 for (fuse, hidden), diagonal in [(v, d) for v in variants for d in diagonals]:
                     configs.append({"model": model, "seq_len": seq, "batch_size": batch, "sparsity": s,

@@ -290,7 +290,6 @@ __device__ __forceinline__ void StoreStagedTile(const unsigned char* tile, int r
   constexpr int kChunks = BR / 8;  // 16-byte chunks per token row of the tile
   constexpr int kTotal = BT * kChunks;
   auto at = [&](int i) { return static_cast<int64_t>(tok0 + i / kChunks) * rows + row0 + (i % kChunks) * 8; };
-
   auto staged = [&](int i) { return *reinterpret_cast<const uint4*>(tile + (i / kChunks) * row_bytes + (i % kChunks) * 16); };
   if (extra.y2 == nullptr && extra.y_chunks != nullptr) {
     static_assert(THREADS % kChunks == 0, "each thread stores one column range of the tile");

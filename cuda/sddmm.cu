@@ -846,8 +846,7 @@ ffi::Error Dispatch(cudaStream_t stream, const SddmmParams& p, int m, int split,
   if (p.x_blocks > 1 || p.x_chunks != nullptr) {  // only the tma engine reads a diagonal block's columns of x
     if (m != 4 || engine == kEngineMma || engine == kEngineWgmma || !Sm90aImageLoaded<SddmmWgmmaXtKernel<T, true>>())
       return ffi::Error::InvalidArgument("jaxsparse_sddmm: x_blocks > 1 and x_chunks run on the tma engine (engine "
-                                         "auto or tma, "
-                                         "2:4, an sm_90a build on a Hopper GPU)");
+                                         "auto or tma, 2:4, an sm_90a build on a Hopper GPU)");
     return LaunchXt<T, true>(stream, p, split, partials);
   }
   // 2:4 from x [T, K] on Hopper: the TMA engine reads x as it is (the x^T engine's TMA path took 0.28 ms against

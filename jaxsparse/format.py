@@ -28,6 +28,8 @@ __all__ = [
     "stack_transposed_blocks",
     "stack_diagonal_blocks",
     "DIAGONAL_CHUNK",
+    "takes_chunked_diagonal_blocks",
+    "chunked_diagonal_blocks",
     "diagonal_chunks",
     "chunk_columns",
     "check_chunks",
@@ -317,6 +319,27 @@ def diagonal_blocks(spec: Union[str, VNM]) -> int:
     if not takes_diagonal_blocks(spec):
         raise ValueError(f"diagonal 2:4 blocks stand for a V:2:M pattern with M >= 8 (G = M / 4 blocks), got {spec}")
     return spec.m // 4
+
+
+DIAGONAL_CHUNK = 64
+"""Width of the input-feature chunks a diagonal-block weight's table names (:func:`diagonal_chunks`): the kernels'
+k-step, one TMA box of x a stage."""
+
+
+def takes_chunked_diagonal_blocks(spec: Union[str, VNM]) -> bool:
+    """Whether every layer can take ``spec``'s diagonal 2:4 blocks through chunk tables (:func:`diagonal_chunks`):
+    :func:`takes_diagonal_blocks`, and V a multiple of :data:`DIAGONAL_CHUNK` (the sets come in chunks of V)."""
+    return takes_diagonal_blocks(spec) and VNM.parse(spec).v % DIAGONAL_CHUNK == 0
+
+
+def chunked_diagonal_blocks(spec: Union[str, VNM]) -> int:
+    """:func:`diagonal_blocks` for the chunk-table layout: raises ``ValueError`` naming the constraint unless
+    :func:`takes_chunked_diagonal_blocks`."""
+    blocks = diagonal_blocks(spec)
+    if not takes_chunked_diagonal_blocks(spec):
+        raise ValueError(f"diagonal blocks through chunk tables take their input sets in chunks of V, which must be a "
+                         f"multiple of {DIAGONAL_CHUNK} (the tables' width), got {VNM.parse(spec)}")
+    return blocks
 
 
 def check_diagonal_shape(shape: tuple[int, int], blocks: int, transposable: bool = False, chunk: int = 1) -> None:
@@ -777,11 +800,6 @@ def stack_diagonal_blocks(w: jax.Array, blocks: int) -> jax.Array:
         raise ValueError(f"a [{k}, {r}] matrix does not split into {blocks} diagonal blocks")
     kb, rb = k // blocks, r // blocks
     return jnp.concatenate([w[b * kb:(b + 1) * kb, b * rb:(b + 1) * rb] for b in range(blocks)], axis=1)
-
-
-DIAGONAL_CHUNK = 64
-"""Width of the input-feature chunks a diagonal-block weight's table names (:func:`diagonal_chunks`): the kernels'
-k-step, one TMA box of x a stage."""
 
 
 def diagonal_chunks(mask: jax.Array, blocks: int) -> np.ndarray:

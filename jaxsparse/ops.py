@@ -383,10 +383,15 @@ def _blocks_sddmm(x2: jax.Array, dy: jax.Array, sw: SparseWeight, blocks: int,
         return dispatch.call("sddmm", ref, cuda, x2, dy, sw, unsupported=cuda_calls.blocks_unsupported(sw, blocks))
 
 
-def _flat_chunks(chunks: Optional[jax.Array]) -> Optional[jax.Array]:
-    """The input gradient's output table: stacked row chunk ``j`` of the transposed blocks is x's chunk
-    ``chunks.reshape(-1)[j]``."""
-    return None if chunks is None else chunks.reshape(-1)
+def _blocks_cotangents(x2: jax.Array, dy: jax.Array, sw: SparseWeight, bias: Optional[jax.Array], blocks: int,
+                       chunks: Optional[jax.Array] = None):
+    """``(dx, dsw, dbias)`` of a diagonal-block layer (:func:`diagonal_linear`): the input gradient is the blocked
+    forward on the stacked transposed blocks, its stacked row chunk ``j`` written to x's chunk
+    ``chunks.reshape(-1)[j]``; the weight gradient the blocked SDDMM."""
+    with jax.named_scope("jaxsparse_spmm_t"):
+        dx = _blocks_product(dy, transpose_blocks(sw, blocks), None, blocks,
+                             y_chunks=None if chunks is None else chunks.reshape(-1))
+    return (dx, *_weight_cotangents(dy, sw, bias, _blocks_sddmm(x2, dy, sw, blocks, chunks)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -401,9 +406,7 @@ def _diagonal_fwd(x2, sw, bias, blocks, chunks):
 
 def _diagonal_bwd(blocks, residuals, dy):
     x2, sw, bias, chunks = residuals
-    with jax.named_scope("jaxsparse_spmm_t"):
-        dx = _blocks_product(dy, transpose_blocks(sw, blocks), None, blocks, y_chunks=_flat_chunks(chunks))
-    return (dx, *_weight_cotangents(dy, sw, bias, _blocks_sddmm(x2, dy, sw, blocks, chunks)), None)
+    return (*_blocks_cotangents(x2, dy, sw, bias, blocks, chunks), None)
 
 
 _diagonal.defvjp(_diagonal_fwd, _diagonal_bwd)
@@ -527,9 +530,7 @@ def _mlp(x2, sw1, b1, sw2, b2, activation, blocks=1):
 def _mlp_bwd(activation, blocks, residuals, dy):
     x_kept, dact, h_kept, sw1, b1, sw2, b2 = residuals
     if blocks > 1:
-        dsw2, db2 = _weight_cotangents(dy, sw2, b2, _blocks_sddmm(h_kept, dy, sw2, blocks))
-        with jax.named_scope("jaxsparse_spmm_t"):
-            dh = _blocks_product(dy, transpose_blocks(sw2, blocks), None, blocks)
+        dh, dsw2, db2 = _blocks_cotangents(h_kept, dy, sw2, b2, blocks)
     else:
         dsw2, db2 = _weight_cotangents(dy, sw2, b2, _sddmm_kept(h_kept, dy, sw2))
         dh = spmm_t(dy, sw2)
@@ -554,13 +555,9 @@ def _diagonal_mlp_fwd(x2, sw1, b1, c1, sw2, b2, c2, activation, blocks):
 
 def _diagonal_mlp_bwd(activation, blocks, residuals, dy):
     x2, dact, h, sw1, b1, c1, sw2, b2, c2 = residuals
-    dsw2, db2 = _weight_cotangents(dy, sw2, b2, _blocks_sddmm(h, dy, sw2, blocks, c2))
-    with jax.named_scope("jaxsparse_spmm_t"):
-        dh = _blocks_product(dy, transpose_blocks(sw2, blocks), None, blocks, y_chunks=_flat_chunks(c2))
+    dh, dsw2, db2 = _blocks_cotangents(h, dy, sw2, b2, blocks, c2)
     dz = _times(dh, dact)  # XLA fuses the multiply with dz's bias-gradient reduction
-    dsw1, db1 = _weight_cotangents(dz, sw1, b1, _blocks_sddmm(x2, dz, sw1, blocks, c1))
-    with jax.named_scope("jaxsparse_spmm_t"):
-        dx = _blocks_product(dz, transpose_blocks(sw1, blocks), None, blocks, y_chunks=_flat_chunks(c1))
+    dx, dsw1, db1 = _blocks_cotangents(x2, dz, sw1, b1, blocks, c1)
     return dx, dsw1, db1, None, dsw2, db2, None
 
 

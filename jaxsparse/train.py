@@ -180,13 +180,9 @@ def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
     if getattr(args, "diagonal_ffn_out", False):
         _check_mask_option(p, args, "--diagonal-ffn-out", fmt.diagonal_blocks)
     if getattr(args, "diagonal_all", False):
-        _check_mask_option(p, args, "--diagonal-all", fmt.diagonal_blocks)
+        _check_mask_option(p, args, "--diagonal-all", fmt.chunked_diagonal_blocks)
         if getattr(args, "diagonal_ffn_out", False):
             p.error("--diagonal-all already gives FFN out diagonal blocks: drop --diagonal-ffn-out")
-        sparsity = getattr(args, "sparsity", None)
-        if sparsity not in (None, "dense") and fmt.VNM.parse(sparsity).v % fmt.DIAGONAL_CHUNK:
-            p.error(f"--diagonal-all: the input sets come in chunks of V, which must be a multiple of "
-                    f"{fmt.DIAGONAL_CHUNK} (the chunk tables' width), got {sparsity}")
     if args.exclusive_columns:
         _check_mask_option(p, args, "--exclusive-columns", fmt.check_exclusive_spec)
 
@@ -785,8 +781,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         params = bert.merge_params(params, pretrained)
     transposable = bool(getattr(args, "transposable_masks", False))
     exclusive = bool(getattr(args, "exclusive_columns", False))
-    diagonal_fn = (pruning.encoder_kernels if diagonal_all
-                   else pruning.ffn_out_kernels if getattr(args, "diagonal_ffn_out", False) else None)
+    diagonal_fn = pruning.encoder_kernels if diagonal_all else pruning.ffn_out_kernels if diagonal else None
     refit = bool(getattr(args, "refit", False))
     if refit:
         if args.prune != "oneshot":

@@ -115,10 +115,7 @@ class StepConfig:
             if self.sparsity == "dense" or self.diagonal_ffn_out:
                 raise ValueError("diagonal blocks in every layer need a V:2:M pattern with M >= 8 (not 'dense') and "
                                  "no diagonal_ffn_out (it includes FFN out)")
-            fmt.diagonal_blocks(self.sparsity)
-            if fmt.VNM.parse(self.sparsity).v % fmt.DIAGONAL_CHUNK:
-                raise ValueError(f"diagonal blocks in every layer take their input sets in chunks of V, which must be "
-                                 f"a multiple of {fmt.DIAGONAL_CHUNK}, got {self.sparsity}")
+            fmt.chunked_diagonal_blocks(self.sparsity)  # ValueError naming the constraint
 
     def dx_route(self) -> str | None:
         """The input-gradient route the masks are chosen for: ``"blocks"`` for column-exclusive masks,

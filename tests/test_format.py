@@ -548,6 +548,14 @@ def test_diagonal_blocks_and_rejects():
             F.select_diagonal_mask(w, blocks, chunk=chunk)
     with pytest.raises(ValueError, match="transposable"):
         F.select_diagonal_mask(jnp.ones((256, 24)), 4, transposable=True)  # 6 outputs a block
+    # Through chunk tables the sets come in chunks of V: V a multiple of 64.
+    assert F.chunked_diagonal_blocks("64:2:8") == 2 and F.chunked_diagonal_blocks("128:2:16") == 4
+    assert F.takes_chunked_diagonal_blocks("128:2:8") and not F.takes_chunked_diagonal_blocks("32:2:8")
+    assert not F.takes_chunked_diagonal_blocks("2:4")
+    with pytest.raises(ValueError, match="multiple of 64"):
+        F.chunked_diagonal_blocks("32:2:8")
+    with pytest.raises(ValueError, match="V:2:M"):
+        F.chunked_diagonal_blocks("64:4:8")
 
 
 def test_stacked_blocks_and_their_transposes():

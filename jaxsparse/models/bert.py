@@ -114,12 +114,13 @@ class BertConfig:
 
     def compressed_problem(self, spec) -> str | None:
         """Why some encoder kernel cannot be stored compressed as ``spec`` (None when all can)."""
-        from jaxsparse.format import DIAGONAL_CHUNK, check_diagonal_shape, diagonal_blocks, validate_shape
+        from jaxsparse.format import (DIAGONAL_CHUNK, check_diagonal_shape, chunked_diagonal_blocks, diagonal_blocks,
+                                      validate_shape)
 
         for shape in self.sparse_kernel_shapes():
             try:
                 if self.diagonal_all:
-                    check_diagonal_shape(shape, diagonal_blocks(spec), transposable=True, chunk=DIAGONAL_CHUNK)
+                    check_diagonal_shape(shape, chunked_diagonal_blocks(spec), transposable=True, chunk=DIAGONAL_CHUNK)
                 elif self.diagonal_ffn_out and shape == (self.intermediate_size, self.hidden_size):
                     check_diagonal_shape(shape, diagonal_blocks(spec), transposable=True)
                 else:
