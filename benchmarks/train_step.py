@@ -81,7 +81,8 @@ def run_config(cfg: dict, turn: dict | None = None) -> dict:
                           fuse_feed_forward=cfg.get("fuse_feed_forward", True),
                           exclusive_columns=bool(cfg.get("exclusive_columns")) and sparse,
                           diagonal_ffn_out=bool(cfg.get("diagonal_ffn_out")) and sparse,
-                          diagonal_all=bool(cfg.get("diagonal_all")) and sparse)
+                          diagonal_all=bool(cfg.get("diagonal_all")) and sparse,
+                          diagonal_ffn=bool(cfg.get("diagonal_ffn")) and sparse)
     # An in-process run's other configurations keep their own dX route; a JAXSPARSE_DX set by the user wins.
     # How sparse_mlp hands h over (ops.mlp_hidden_layout); None: as the environment says.
     with ops.mlp_hidden_scope(cfg.get("mlp_hidden")), ops.dx_route_scope(step_cfg.dx_route(), keep_set=True):
@@ -235,7 +236,8 @@ def _ffn(r: dict) -> str:
     """How a row's FFNs ran: ``fused`` (one sparse_mlp), ``unfused``, or ``-`` where no layer is compressed."""
     if r.get("mode") != "compressed":
         return "-"
-    diagonal = ", all diagonal" if r.get("diagonal_all") else ", out diagonal" if r.get("diagonal_ffn_out") else ""
+    diagonal = (", all diagonal" if r.get("diagonal_all") else ", FFN diagonal" if r.get("diagonal_ffn")
+                else ", out diagonal" if r.get("diagonal_ffn_out") else "")
     if not r.get("fuse_feed_forward", True):
         return "unfused" + diagonal
     return ("fused, h row" if r.get("mlp_hidden") == "row" else "fused") + diagonal
@@ -341,6 +343,9 @@ def main(argv=None) -> int:
     ap.add_argument("--diagonal-all", action="store_true",
                     help="also run each sparse configuration with M >= 8 and V % 64 == 0 with every encoder kernel as "
                          "M/4 diagonal 2:4 blocks read through chunk tables (BertConfig.diagonal_all)")
+    ap.add_argument("--diagonal-ffn", action="store_true",
+                    help="also run each sparse configuration with M >= 8 and V % 64 == 0 with the FFN's two kernels as "
+                         "M/4 diagonal 2:4 blocks read through chunk tables (BertConfig.diagonal_ffn)")
     ap.add_argument("--ffn", default="fused", choices=("fused", "unfused", "both"),
                     help="compressed FFNs as one jaxsparse.ops.sparse_mlp with the activation in the kernels (fused), "
                          "as two layers and XLA's activation (unfused, BertConfig.fuse_feed_forward=False), or each "
@@ -387,8 +392,8 @@ def main(argv=None) -> int:
                                            if fuse and s != "dense" else [None])]
                 diagonals = ({"off": [False], "on": [True], "both": [False, True]}[a.diagonal_ffn_out]
                              if s != "dense" and fmt.takes_diagonal_blocks(s) else [False])
-                if a.diagonal_all and s != "dense" and fmt.takes_chunked_diagonal_blocks(s):
-                    diagonals = diagonals + ["all"]
+                if s != "dense" and fmt.takes_chunked_diagonal_blocks(s):
+                    diagonals = diagonals + ["ffn"] * a.diagonal_ffn + ["all"] * a.diagonal_all
                 for (fuse, hidden), diagonal in [(v, d) for v in variants for d in diagonals]:
                     configs.append({"model": model, "seq_len": seq, "batch_size": batch, "sparsity": s,
                                     "dtype": a.dtype, "attention": a.attention, "steps": steps, "warmup": warmup,
@@ -396,6 +401,7 @@ def main(argv=None) -> int:
                                     **({"transposable": True} if a.transposable and s != "dense" else {}),
                                     **({"exclusive_columns": True} if a.exclusive_columns and s != "dense" else {}),
                                     **({"diagonal_all": True} if diagonal == "all"
+                                       else {"diagonal_ffn": True} if diagonal == "ffn"
                                        else {"diagonal_ffn_out": True} if diagonal else {})})
     t0 = time.time()
     if a.concurrent and not a.in_process:

@@ -587,6 +587,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--diagonal-all", action="store_true",
                    help="every encoder kernel as M/4 diagonal 2:4 blocks read through chunk tables "
                         "(jaxsparse.trainstep.StepConfig.diagonal_all)")
+    p.add_argument("--diagonal-ffn", action="store_true",
+                   help="the FFN's two kernels as M/4 diagonal 2:4 blocks read through chunk tables "
+                        "(jaxsparse.trainstep.StepConfig.diagonal_ffn)")
     p.add_argument("--diagonal-ffn-out", action="store_true",
                    help="the FFN out kernels as M/4 diagonal 2:4 blocks (V:2:M with M >= 8; "
                         "jaxsparse.trainstep.StepConfig.diagonal_ffn_out)")
@@ -608,7 +611,7 @@ def step_config(args: argparse.Namespace):
     return StepConfig(args.model, args.sparsity, batch, args.seq_len, args.dtype, args.compressed,
                       attention=args.attention, transposable=args.transposable_masks,
                       exclusive_columns=args.exclusive_columns, diagonal_ffn_out=args.diagonal_ffn_out,
-                      diagonal_all=args.diagonal_all)
+                      diagonal_all=args.diagonal_all, diagonal_ffn=args.diagonal_ffn)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -620,6 +623,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prof = profile_step(config, args.steps, args.warmup, args.trace_dir, top=max(args.top, 25), hlo_path=args.hlo)
         prof.meta.update(transposable_masks=args.transposable_masks, exclusive_columns=args.exclusive_columns,
                          diagonal_ffn_out=args.diagonal_ffn_out, diagonal_all=args.diagonal_all,
+                         diagonal_ffn=args.diagonal_ffn,
                          dx_route=ops.dx_route())  # the route traced
     m = prof.meta
     print(f"jaxsparse-profile: BERT-{m['model']} {m['sparsity']} ({m['mode']}{': ' + m['mode_reason'] if m['mode_reason'] else ''}), "
@@ -628,7 +632,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           + (", transposable masks (dX on W^T)" if args.transposable_masks else "")
           + (", column-exclusive masks (dX by V blocks)" if args.exclusive_columns else "")
           + (", FFN out as diagonal 2:4 blocks" if args.diagonal_ffn_out else "")
-          + (", every layer as diagonal 2:4 blocks (chunk tables)" if args.diagonal_all else ""))
+          + (", every layer as diagonal 2:4 blocks (chunk tables)" if args.diagonal_all else "")
+          + (", the FFN as diagonal 2:4 blocks (chunk tables)" if args.diagonal_ffn else ""))
     print(format_table(prof, args.top))
     if args.json:
         _write_text(args.json, json.dumps(prof.to_json(), indent=1))

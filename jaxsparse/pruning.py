@@ -66,6 +66,7 @@ __all__ = [
     "sparsity_collection",
     "model_variables",
     "oneshot_masks",
+    "ffn_kernels",
     "ffn_out_kernels",
     "diagonal_mask",
     "sparsity_of",
@@ -250,6 +251,14 @@ def ffn_out_kernels(path: tuple[str, ...], x) -> bool:
     units) can be relabelled at no cost."""
     return (len(path) >= 3 and path[-1] == "kernel" and path[-2] == "output" and path[-3].startswith("encoder_layer_")
             and getattr(x, "ndim", 0) == 2)
+
+
+def ffn_kernels(path: tuple[str, ...], x) -> bool:
+    """A filter for ``diagonal_fn``: both FFN kernels of each BERT encoder layer (``encoder_layer_<i>/intermediate/
+    kernel`` and ``encoder_layer_<i>/output/kernel``), the attention's four kernels left out: the layers that
+    ``BertConfig.diagonal_ffn`` stores as diagonal blocks read through chunk tables."""
+    return ffn_out_kernels(path, x) or (len(path) >= 3 and path[-1] == "kernel" and path[-2] == "intermediate"
+                                        and path[-3].startswith("encoder_layer_") and getattr(x, "ndim", 0) == 2)
 
 
 def input_norms_tree(stats, params) -> Any:

@@ -48,7 +48,7 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     ``--fade``, ``--score``, ``--distill``, ``--temperature``, ``--distill-hidden``, ``--distill-attention``,
     ``--distill-augment``, ``--augment-neighbors``, ``--student-epochs``, ``--student-lr``, ``--init``, ``--refit``,
     ``--refit-batches``, ``--regrow-every``, ``--regrow-until``, ``--regrow-decay``, ``--transposable-masks``,
-    ``--exclusive-columns``, ``--diagonal-ffn-out``, ``--diagonal-all``."""
+    ``--exclusive-columns``, ``--diagonal-ffn-out``, ``--diagonal-ffn``, ``--diagonal-all``."""
     p.add_argument("--fade", type=float, default=0.0,
                    help="GMP: before each stage, fade the weights it will prune to zero over this fraction of all "
                         "steps (0 = masks change at once; see jaxsparse.pruning.gmp_prune fade_steps)")
@@ -119,6 +119,9 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
                         "out), each with its own input sets in chunks of V (a multiple of 64) and no relabelling; "
                         "with --compress the blocks train as jaxsparse.ops.diagonal_linear / diagonal_mlp reading x "
                         "through chunk tables (docs/kernel-notes.md, session 32)")
+    p.add_argument("--diagonal-ffn", action="store_true",
+                   help="as --diagonal-all, for the FFN's two kernels only (FFN in and out, chunk tables, no "
+                        "relabelling); the attention's kernels keep their V:2:M masks (docs/kernel-notes.md, session 33)")
     p.add_argument("--exclusive-columns", action="store_true",
                    help="choose V:2:M masks (M > 4) whose every input column is kept by at most ceil(4 (R/V) / M) "
                         "of a kernel's R/V blocks in each group (jaxsparse.format.select_mask exclusive_columns=True): "
@@ -179,10 +182,11 @@ def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
         p.error("--transposable-masks chooses a sparse run's masks: give a --sparsity pattern and --prune gmp or oneshot")
     if getattr(args, "diagonal_ffn_out", False):
         _check_mask_option(p, args, "--diagonal-ffn-out", fmt.diagonal_blocks)
-    if getattr(args, "diagonal_all", False):
-        _check_mask_option(p, args, "--diagonal-all", fmt.chunked_diagonal_blocks)
-        if getattr(args, "diagonal_ffn_out", False):
-            p.error("--diagonal-all already gives FFN out diagonal blocks: drop --diagonal-ffn-out")
+    chunked = [f for f in ("--diagonal-ffn", "--diagonal-all") if getattr(args, f[2:].replace("-", "_"), False)]
+    for flag in chunked:
+        _check_mask_option(p, args, flag, fmt.chunked_diagonal_blocks)
+    if len(chunked) + bool(getattr(args, "diagonal_ffn_out", False)) > 1:
+        p.error("--diagonal-ffn-out, --diagonal-ffn and --diagonal-all each give FFN out diagonal blocks: give one")
     if args.exclusive_columns:
         _check_mask_option(p, args, "--exclusive-columns", fmt.check_exclusive_spec)
 
@@ -758,8 +762,9 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
     spec = fmt.VNM.parse(args.sparsity) if sparse else None
     diagonal = bool(getattr(args, "diagonal_ffn_out", False)) and sparse
     diagonal_all = bool(getattr(args, "diagonal_all", False)) and sparse
-    compressed_cfg = (dataclasses.replace(cfg, diagonal_all=True) if diagonal_all
-                      else dataclasses.replace(cfg, diagonal_ffn_out=True) if diagonal else cfg)
+    diagonal_ffn = bool(getattr(args, "diagonal_ffn", False)) and sparse
+    compressed_cfg = dataclasses.replace(cfg, diagonal_all=diagonal_all, diagonal_ffn=diagonal_ffn,
+                                         diagonal_ffn_out=diagonal)
     make_model = lambda compressed: bert.BertForSequenceClassification(  # noqa: E731
         compressed_cfg if compressed else cfg, sparsity=args.sparsity if sparse else None, compressed=compressed,
         dtype=dtype, num_labels=task.num_labels)
@@ -781,7 +786,8 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         params = bert.merge_params(params, pretrained)
     transposable = bool(getattr(args, "transposable_masks", False))
     exclusive = bool(getattr(args, "exclusive_columns", False))
-    diagonal_fn = pruning.encoder_kernels if diagonal_all else pruning.ffn_out_kernels if diagonal else None
+    diagonal_fn = (pruning.encoder_kernels if diagonal_all else pruning.ffn_kernels if diagonal_ffn
+                   else pruning.ffn_out_kernels if diagonal else None)
     refit = bool(getattr(args, "refit", False))
     if refit:
         if args.prune != "oneshot":
@@ -886,7 +892,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
             if compress and not compressed and global_step == switch_step:
                 params, pattern, base_state = pruning.to_compressed(params, pruning.masks_of(opt_state), spec,
                                                                     opt_state[0], diagonal_fn=diagonal_fn,
-                                                                    diagonal_chunks=diagonal_all)
+                                                                    diagonal_chunks=diagonal_all or diagonal_ffn)
                 opt_state, extra, compressed = base_state, {"sparsity": pattern}, True
                 model = make_model(True)
                 step = cache.get("step", (model, base_key, False, mesh, kd, hidden, attention, augment),
@@ -950,7 +956,8 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
            if regrow else {}),
         **({"transposable_masks": True, "dx_route": ops.dx_route()} if transposable else {}),
         **({"exclusive_columns": True} if exclusive else {}),
-        **({"diagonal_all": True} if diagonal_all else {"diagonal_ffn_out": True} if diagonal_fn is not None else {}),
+        **({"diagonal_all": True} if diagonal_all else {"diagonal_ffn": True} if diagonal_ffn
+           else {"diagonal_ffn_out": True} if diagonal_fn is not None else {}),
         "train_examples": len(train), "dev_examples": len(dev), "test_examples": len(test), "steps": global_step,
         "history": history, "dev_accuracy": history[-1]["dev_accuracy"], "test_accuracy": test_metrics["accuracy"],
         "test_loss": test_metrics["loss"], **averaged, "weight_sparsity": achieved,
@@ -972,14 +979,18 @@ def predict_logits(cfg: bert.BertConfig, variables: dict, batch: data_lib.Batch,
     if compressed and sparsity is None:
         raise ValueError("predict_logits: these params are compressed (`values` in place of the sparse kernels): "
                          "give their pattern as sparsity=")
-    if compressed and fmt.VNM.parse(sparsity).m > 4 and not (cfg.diagonal_ffn_out or cfg.diagonal_all):
+    if compressed and fmt.VNM.parse(sparsity).m > 4 and not (cfg.diagonal_ffn_out or cfg.diagonal_all
+                                                             or cfg.diagonal_ffn):
         pattern = dict(_flat(variables.get("sparsity", {})))
-        # Layers stored as diagonal 2:4 blocks carry chunk tables (--diagonal-all), or, in FFN out alone
-        # (--diagonal-ffn-out), no column sets.
+        # Layers stored as diagonal 2:4 blocks carry chunk tables (--diagonal-all in every kernel, --diagonal-ffn in
+        # the FFN's), or, in FFN out alone (--diagonal-ffn-out), no column sets.
         ffn_out = [p for p, m in pattern.items()
                    if p[-1] == "metadata" and pruning.ffn_out_kernels(p[:-1] + ("kernel",), m)]
-        if any(p[-1] == "chunks" for p in pattern):
+        chunked = [p[:-1] for p in pattern if p[-1] == "chunks"]
+        if any(not pruning.ffn_kernels(p + ("kernel",), pattern[p + ("metadata",)]) for p in chunked):
             cfg = dataclasses.replace(cfg, diagonal_all=True)
+        elif chunked:
+            cfg = dataclasses.replace(cfg, diagonal_ffn=True)
         elif ffn_out and not any(p[:-1] + ("columns",) in pattern for p in ffn_out):
             cfg = dataclasses.replace(cfg, diagonal_ffn_out=True)
     model = bert.BertForSequenceClassification(cfg, sparsity=sparsity if compressed else None, compressed=compressed,

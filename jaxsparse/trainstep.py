@@ -75,6 +75,7 @@ class StepConfig:
         ``BertConfig.diagonal_ffn_out``).
       diagonal_all: every encoder kernel as ``M / 4`` diagonal 2:4 blocks read through chunk tables (no relabelling;
         ``V`` a multiple of 64; ``BertConfig.diagonal_all``).
+      diagonal_ffn: as ``diagonal_all`` for the FFN's two kernels only (``BertConfig.diagonal_ffn``).
     """
 
     model: str = "tiny"
@@ -90,6 +91,7 @@ class StepConfig:
     exclusive_columns: bool = False
     diagonal_ffn_out: bool = False
     diagonal_all: bool = False
+    diagonal_ffn: bool = False
 
     def __post_init__(self) -> None:
         if self.model not in bert.PRESETS:
@@ -111,10 +113,10 @@ class StepConfig:
             if self.sparsity == "dense":
                 raise ValueError("diagonal FFN out blocks need a V:2:M pattern with M >= 8, not 'dense'")
             fmt.diagonal_blocks(self.sparsity)  # ValueError naming the constraint
-        if self.diagonal_all:
-            if self.sparsity == "dense" or self.diagonal_ffn_out:
-                raise ValueError("diagonal blocks in every layer need a V:2:M pattern with M >= 8 (not 'dense') and "
-                                 "no diagonal_ffn_out (it includes FFN out)")
+        if self.diagonal_all or self.diagonal_ffn:
+            if self.sparsity == "dense" or sum((self.diagonal_ffn_out, self.diagonal_ffn, self.diagonal_all)) > 1:
+                raise ValueError("chunk-table diagonal blocks (diagonal_ffn, diagonal_all) need a V:2:M pattern with "
+                                 "M >= 8 (not 'dense') and no other diagonal option (each includes FFN out)")
             fmt.chunked_diagonal_blocks(self.sparsity)  # ValueError naming the constraint
 
     def dx_route(self) -> str | None:
@@ -128,6 +130,7 @@ class StepConfig:
         fused = dict(attention_probs_dropout_prob=0.0, attention_impl="fused") if self.attention == "fused" else {}
         return bert.BertConfig.preset(self.model, fuse_feed_forward=self.fuse_feed_forward,
                                       diagonal_ffn_out=self.diagonal_ffn_out, diagonal_all=self.diagonal_all,
+                                      diagonal_ffn=self.diagonal_ffn,
                                       **fused)
 
 
@@ -205,13 +208,14 @@ def build_step(config: StepConfig) -> TrainStep:
     master = make(False)
     params = jax.jit(master.init)(k_init, ids[:1, :8])["params"]
     base = adamw()
-    diagonal_fn = (pruning.encoder_kernels if config.diagonal_all
+    diagonal_fn = (pruning.encoder_kernels if config.diagonal_all else pruning.ffn_kernels if config.diagonal_ffn
                    else pruning.ffn_out_kernels if config.diagonal_ffn_out else None)
     if mode == "compressed":
         masks = pruning.oneshot_masks(params, config.sparsity, transposable=config.transposable,
                                       exclusive_columns=config.exclusive_columns, diagonal_fn=diagonal_fn)
         params, pattern, opt_state = pruning.to_compressed(params, masks, config.sparsity, base.init(params),
-                                                           diagonal_fn=diagonal_fn, diagonal_chunks=config.diagonal_all)
+                                                           diagonal_fn=diagonal_fn,
+                                                           diagonal_chunks=config.diagonal_all or config.diagonal_ffn)
         model, tx, extra, with_masks = make(True), base, {"sparsity": pattern}, False
     elif mode == "masked":
         tx = optax.chain(base, pruning.gmp_prune([config.sparsity], 0, 0, transposable=config.transposable,

@@ -428,10 +428,13 @@ def test_diagonal_ffn_out_through_the_transforms_and_to_compressed():
         pruning.to_compressed(params, pruning.sparsity_collection(masks), spec, diagonal_fn=pruning.ffn_out_kernels)
 
 
-def test_diagonal_all_to_compressed_keeps_the_inputs_and_stores_chunk_tables():
-    """``diagonal_fn=encoder_kernels`` with ``diagonal_chunks``: every encoder kernel gets diagonal 2:4 blocks in
-    64-feature chunks; ``to_compressed`` stores each as its stacked blocks with its chunk table (nothing
-    relabelled), and the compressed model (``BertConfig.diagonal_all``) computes what the masked master model did."""
+@pytest.mark.parametrize("diagonal_fn,field", [(pruning.encoder_kernels, "diagonal_all"),
+                                               (pruning.ffn_kernels, "diagonal_ffn")])
+def test_chunked_diagonal_to_compressed_keeps_the_inputs_and_stores_chunk_tables(diagonal_fn, field):
+    """``diagonal_fn`` with ``diagonal_chunks``: every kernel it selects (every encoder kernel, or the FFN's two)
+    gets diagonal 2:4 blocks in 64-feature chunks; ``to_compressed`` stores each as its stacked blocks with its chunk
+    table (nothing relabelled; the other kernels stay V:2:M with their column sets), and the compressed model
+    (``BertConfig.diagonal_all`` / ``diagonal_ffn``) computes what the masked master model did."""
     from jaxsparse.models import bert
 
     spec = "64:2:8"
@@ -440,19 +443,21 @@ def test_diagonal_all_to_compressed_keeps_the_inputs_and_stores_chunk_tables():
     ids = jax.random.randint(jax.random.PRNGKey(1), (2, 16), 0, 1000)
     args = (ids, jnp.zeros_like(ids), jnp.ones_like(ids))
     params = master.init(jax.random.PRNGKey(0), *args)["params"]
-    masks = pruning.oneshot_masks(params, spec, transposable=True, diagonal_fn=pruning.encoder_kernels)
+    masks = pruning.oneshot_masks(params, spec, transposable=True, diagonal_fn=diagonal_fn)
     y_master = master.apply(pruning.model_variables(params, masks=masks), *args)
     opt = optax.adam(1e-3).init(params)
-    c_params, pattern, c_state = pruning.to_compressed(params, masks, spec, opt, diagonal_fn=pruning.encoder_kernels,
+    c_params, pattern, c_state = pruning.to_compressed(params, masks, spec, opt, diagonal_fn=diagonal_fn,
                                                        diagonal_chunks=True)
     layer, sparsity = c_params["bert"]["encoder_layer_0"], pattern["bert"]["encoder_layer_0"]
     assert layer["output"]["values"].shape == (128, 512 // 2 // 2)
     assert layer["intermediate"]["values"].shape == (512, 128 // 2 // 2)
     np.testing.assert_array_equal(layer["intermediate"]["bias"],
                                   params["bert"]["encoder_layer_0"]["intermediate"]["bias"])
-    table = np.asarray(sparsity["attention"]["query"]["chunks"])
+    table = np.asarray(sparsity["intermediate"]["chunks"])
     assert table.shape == (2, 1) and sorted(table.ravel()) == [0, 1] and "columns" not in sparsity["output"]
-    compressed = bert.BertForSequenceClassification(dataclasses.replace(cfg, diagonal_all=True), sparsity=spec,
+    query = sparsity["attention"]["query"]
+    assert ("chunks" in query) == (field == "diagonal_all") and ("columns" in query) == (field == "diagonal_ffn")
+    compressed = bert.BertForSequenceClassification(dataclasses.replace(cfg, **{field: True}), sparsity=spec,
                                                     compressed=True, num_labels=3)
     y = compressed.apply({"params": c_params, "sparsity": pattern}, *args)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_master), atol=1e-5)

@@ -8,6 +8,7 @@ import os
 import jax
 import numpy as np
 import pytest
+from flax import traverse_util
 
 from jaxsparse import data, format as fmt, ops, train
 
@@ -647,43 +648,52 @@ def test_diagonal_ffn_out_run(tmp_path):
             train.parse_args(argv)
 
 
-def test_diagonal_all_run(tmp_path):
-    """--diagonal-all: every pruned encoder kernel trains masked-dense on diagonal 2:4 blocks (the final masks are
-    checked set by set), the run learns and stays masked-dense; refused where it cannot apply."""
+@pytest.mark.parametrize("flag", ["--diagonal-all", "--diagonal-ffn"])
+def test_chunked_diagonal_run(tmp_path, flag):
+    """--diagonal-all / --diagonal-ffn: every pruned encoder kernel, or the FFN's two, trains masked-dense on diagonal
+    2:4 blocks (the final masks are checked set by set; the attention's stay 64:2:8 under --diagonal-ffn), the run
+    learns and stays masked-dense; refused where it cannot apply."""
     out = tmp_path / "run"
     metrics = train.run(train.parse_args(TINY + ["--sparsity", "64:2:8", "--epochs", "2", "--prune", "oneshot",
-                                                  "--transposable-masks", "--diagonal-all", "--out", str(out)]))
-    assert metrics["diagonal_all"] and not metrics["compressed_training"]
+                                                  "--transposable-masks", flag, "--out", str(out)]))
+    assert metrics[flag[2:].replace("-", "_")] and not metrics["compressed_training"]
     hist = metrics["history"]
     assert np.isfinite(hist[-1]["train_loss"]) and hist[-1]["train_loss"] < hist[0]["first_loss"], hist
-    masks = list(_leaves(train.load_checkpoint(out / "checkpoint")["sparsity"]))
-    assert len(masks) == 12
+    flat = traverse_util.flatten_dict(train.load_checkpoint(out / "checkpoint")["sparsity"])
+    assert len(flat) == 12
+    attention = [np.asarray(m) for p, m in flat.items() if "attention" in p]
+    masks = [np.asarray(m) for p, m in flat.items() if flag == "--diagonal-all" or "attention" not in p]
+    assert len(masks) == (12 if flag == "--diagonal-all" else 4)
+    if flag == "--diagonal-ffn":
+        assert all(bool(fmt.mask_is_valid(m, "64:2:8")) for m in attention)
     for m in masks:
-        m = np.asarray(m)
         sets = np.asarray(fmt.diagonal_sets(m, 2, chunk=64))
         stacked = np.asarray(fmt.stack_diagonal_blocks(m[sets.reshape(-1)], 2))
         assert m.sum() == m.size // 4 and stacked.sum() == m.sum(), m.shape  # nothing off the diagonal blocks
         assert (stacked.reshape(-1, 4, stacked.shape[1]).sum(axis=1) == 2).all(), m.shape  # 2:4 in each block
         assert bool(fmt.transposable_mask_is_valid(stacked)), m.shape
-    for argv in (["--sparsity", "dense", "--diagonal-all"], ["--prune", "none", "--diagonal-all"],
-                 ["--sparsity", "2:4", "--diagonal-all"], ["--diagonal-all", "--diagonal-ffn-out"],
-                 ["--sparsity", "32:2:8", "--diagonal-all"]):
+    for argv in (["--sparsity", "dense", flag], ["--prune", "none", flag], ["--sparsity", "2:4", flag],
+                 [flag, "--diagonal-ffn-out"], ["--diagonal-ffn", "--diagonal-all"], ["--sparsity", "32:2:8", flag]):
         with pytest.raises(SystemExit):
             train.parse_args(argv)
 
 
-def test_diagonal_all_compressed_run_predicts_as_evaluated(tmp_path):
-    """--diagonal-all with --compress on: the run switches to compressed training on stacked blocks with chunk tables
-    (no relabelling), learns, and its checkpoint's logits (predict_logits finds the tables) give its test accuracy."""
+@pytest.mark.parametrize("flag", ["--diagonal-all", "--diagonal-ffn"])
+def test_chunked_diagonal_compressed_run_predicts_as_evaluated(tmp_path, flag):
+    """--diagonal-all / --diagonal-ffn with --compress on: the run switches to compressed training on stacked blocks
+    with chunk tables (no relabelling), learns, and its checkpoint's logits (predict_logits finds the tables, and
+    which kernels have them) give its test accuracy."""
     out = tmp_path / "run"
     args = train.parse_args(TINY + ["--sparsity", "64:2:8", "--epochs", "2", "--prune", "oneshot", "--max-train", "128",
-                                    "--transposable-masks", "--diagonal-all", "--compress", "on", "--out", str(out)])
+                                    "--transposable-masks", flag, "--compress", "on", "--out", str(out)])
     metrics = train.run(args)
-    assert metrics["diagonal_all"] and metrics["compressed_training"]
+    assert metrics[flag[2:].replace("-", "_")] and metrics["compressed_training"]
     hist = metrics["history"]
     assert np.isfinite(hist[-1]["train_loss"]) and hist[-1]["train_loss"] < hist[0]["first_loss"], hist
     variables = train.load_checkpoint(out / "checkpoint")
-    assert variables["sparsity"]["bert"]["encoder_layer_0"]["attention"]["key"]["chunks"].shape == (2, 1)
+    layer = variables["sparsity"]["bert"]["encoder_layer_0"]
+    assert layer["intermediate"]["chunks"].shape == (2, 1)
+    assert ("chunks" in layer["attention"]["key"]) == (flag == "--diagonal-all")
     data_ = train.load_data("trec", args.max_train, args.max_eval, args.max_len)
     cfg = train.load_model(args.model)[0]
     logits = train.predict_logits(cfg, variables, data_.test, data_.task.num_labels, args.dtype, 8, sparsity="64:2:8")

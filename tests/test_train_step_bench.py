@@ -148,19 +148,25 @@ def test_replot_draws_from_a_results_file_and_runs_nothing(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
-def test_diagonal_all_step_runs_compressed_with_chunk_tables(tmp_path):
-    """--diagonal-all: a 64:2:8 run adds a row with every encoder kernel as diagonal blocks read through chunk tables
-    (compressed, finite loss) beside the plain one; patterns the layout cannot take are refused by StepConfig."""
+def test_chunked_diagonal_steps_run_compressed_with_chunk_tables(tmp_path):
+    """--diagonal-ffn --diagonal-all: a 64:2:8 run adds a row with the FFN's kernels and one with every encoder
+    kernel as diagonal blocks read through chunk tables (compressed, finite loss) beside the plain one; patterns
+    and combinations the layouts cannot take are refused by StepConfig."""
     from jaxsparse.trainstep import StepConfig
 
     bench = _load()
     out = tmp_path / "train_step.json"
     assert bench.main(["--quick", "--sparsities", "64:2:8", "--steps", "2", "--warmup", "1", "--batch-size", "2",
-                       "--in-process", "--transposable", "--diagonal-all", "--out", str(out)]) == 0
+                       "--in-process", "--transposable", "--diagonal-ffn", "--diagonal-all", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [bool(r.get("diagonal_all")) for r in rows] == [False, True]
-    assert rows[1]["mode"] == "compressed" and rows[1]["loss_last"] == rows[1]["loss_last"]  # not NaN
-    for kwargs in (dict(sparsity="dense"), dict(sparsity="2:4"), dict(sparsity="32:2:8"),
-                   dict(sparsity="64:2:8", diagonal_ffn_out=True)):
-        with pytest.raises(ValueError):
-            StepConfig(diagonal_all=True, **kwargs)
+    assert [(bool(r.get("diagonal_ffn")), bool(r.get("diagonal_all"))) for r in rows] == [
+        (False, False), (True, False), (False, True)]
+    for r in rows[1:]:
+        assert r["mode"] == "compressed" and r["loss_last"] == r["loss_last"]  # not NaN
+    for field in ("diagonal_all", "diagonal_ffn"):
+        for kwargs in (dict(sparsity="dense"), dict(sparsity="2:4"), dict(sparsity="32:2:8"),
+                       dict(sparsity="64:2:8", diagonal_ffn_out=True)):
+            with pytest.raises(ValueError):
+                StepConfig(**{field: True}, **kwargs)
+    with pytest.raises(ValueError):
+        StepConfig(sparsity="64:2:8", diagonal_all=True, diagonal_ffn=True)

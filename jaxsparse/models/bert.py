@@ -73,6 +73,9 @@ class BertConfig:
     # from jaxsparse.format.select_diagonal_mask in 64-feature chunks, converted by jaxsparse.pruning.to_compressed
     # with diagonal_fn=encoder_kernels and diagonal_chunks=True: no relabelling).
     diagonal_all: bool = False
+    # Nor this: as diagonal_all for the FFN's two kernels only (jaxsparse.ops.diagonal_mlp; masks in 64-feature chunks,
+    # converted with diagonal_fn=ffn_kernels and diagonal_chunks=True); the attention's four kernels stay V:2:M.
+    diagonal_ffn: bool = False
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -82,8 +85,9 @@ class BertConfig:
             raise ValueError(f"hidden_act must be one of {sorted(ACTIVATIONS)}, got {self.hidden_act!r}")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
-        if self.diagonal_all and self.diagonal_ffn_out:
-            raise ValueError("diagonal_all already stores FFN out as diagonal blocks: set diagonal_ffn_out=False")
+        if sum((self.diagonal_ffn_out, self.diagonal_ffn, self.diagonal_all)) > 1:
+            raise ValueError("diagonal_ffn_out, diagonal_ffn and diagonal_all each include FFN out: set at most one "
+                             f"(got {self.diagonal_ffn_out}, {self.diagonal_ffn}, {self.diagonal_all})")
         if self.attention_impl == "fused" and self.attention_probs_dropout_prob:
             raise ValueError("attention_impl='fused' has no dropout on the attention probabilities: set "
                              f"attention_probs_dropout_prob=0 (got {self.attention_probs_dropout_prob})")
@@ -117,9 +121,10 @@ class BertConfig:
         from jaxsparse.format import (DIAGONAL_CHUNK, check_diagonal_shape, chunked_diagonal_blocks, diagonal_blocks,
                                       validate_shape)
 
+        h = self.hidden_size
         for shape in self.sparse_kernel_shapes():
             try:
-                if self.diagonal_all:
+                if self.diagonal_all or (self.diagonal_ffn and shape != (h, h)):
                     check_diagonal_shape(shape, chunked_diagonal_blocks(spec), transposable=True, chunk=DIAGONAL_CHUNK)
                 elif self.diagonal_ffn_out and shape == (self.intermediate_size, self.hidden_size):
                     check_diagonal_shape(shape, diagonal_blocks(spec), transposable=True)
@@ -160,14 +165,15 @@ class _Sparse(nn.Module):
     compressed: bool = False
     dtype: Any = jnp.float32
 
-    def dense(self, features: int, name: str, return_operands: bool = False, diagonal_blocks: int = 1) -> NMDense:
-        """An encoder NMDense; under ``BertConfig.diagonal_all`` (compressed) every one is :meth:`all_blocks`
-        diagonal blocks read through its chunk table."""
-        chunked = self.all_blocks() > 1
+    def dense(self, features: int, name: str, return_operands: bool = False, diagonal_blocks: int = 1,
+              chunked_blocks: int = 1) -> NMDense:
+        """An encoder NMDense: ``chunked_blocks > 1`` diagonal blocks read through its chunk table
+        (:meth:`chunked_blocks`), else ``diagonal_blocks`` contiguous ones (1: the plain layer)."""
+        chunked = chunked_blocks > 1
         return NMDense(features, dtype=self.dtype, sparsity=self.sparsity, compressed=self.compressed,
                        kernel_init=nn.initializers.normal(self.config.initializer_range), name=name,
                        return_operands=return_operands,
-                       diagonal_blocks=self.all_blocks() if chunked else diagonal_blocks, diagonal_chunks=chunked)
+                       diagonal_blocks=chunked_blocks if chunked else diagonal_blocks, diagonal_chunks=chunked)
 
     def _blocks_if(self, on: bool) -> int:
         if not (on and self.compressed and self.sparsity is not None):
@@ -176,29 +182,33 @@ class _Sparse(nn.Module):
 
         return diagonal_blocks(self.sparsity)
 
-    def all_blocks(self) -> int:
-        """Every encoder layer's diagonal 2:4 blocks (``BertConfig.diagonal_all`` on compressed layers), else 1."""
-        return self._blocks_if(self.config.diagonal_all)
+    def chunked_blocks(self, ffn: bool) -> int:
+        """The diagonal 2:4 blocks, read through chunk tables, of an FFN kernel (``ffn``) or an attention kernel
+        (``BertConfig.diagonal_all``, or ``diagonal_ffn`` for the FFN's, on compressed layers), else 1."""
+        cfg = self.config
+        return self._blocks_if(cfg.diagonal_all or (ffn and cfg.diagonal_ffn))
 
     def ffn_out_blocks(self) -> int:
-        """The FFN out layer's diagonal 2:4 blocks (``BertConfig.diagonal_ffn_out`` or ``diagonal_all`` on
-        compressed layers), else 1."""
-        return self._blocks_if(self.config.diagonal_ffn_out or self.config.diagonal_all)
+        """The FFN out layer's contiguous diagonal 2:4 blocks (``BertConfig.diagonal_ffn_out`` on compressed
+        layers: its inputs relabelled), else 1."""
+        return self._blocks_if(self.config.diagonal_ffn_out)
 
     def feed_forward(self, h: jax.Array) -> jax.Array:
         """``output(act(intermediate(h)))``: one :func:`jaxsparse.ops.sparse_mlp` when the layers are compressed
         (``config.fuse_feed_forward``, and ``hidden_act`` in :data:`FUSED_FFN_ACTIVATIONS`), else two layers and the
         activation in between."""
         cfg = self.config
+        chunked = self.chunked_blocks(ffn=True)
         if not (self.compressed and self.sparsity is not None and cfg.fuse_feed_forward
                 and cfg.hidden_act in FUSED_FFN_ACTIVATIONS):
-            return self.dense(cfg.hidden_size, "output", diagonal_blocks=self.ffn_out_blocks())(
-                ACTIVATIONS[cfg.hidden_act](self.dense(cfg.intermediate_size, "intermediate")(h)))
-        if self.all_blocks() > 1:
-            sw1, b1, c1 = self.dense(cfg.intermediate_size, "intermediate", return_operands=True)(h)
+            return self.dense(cfg.hidden_size, "output", diagonal_blocks=self.ffn_out_blocks(), chunked_blocks=chunked)(
+                ACTIVATIONS[cfg.hidden_act](self.dense(cfg.intermediate_size, "intermediate", chunked_blocks=chunked)(h)))
+        if chunked > 1:
+            sw1, b1, c1 = self.dense(cfg.intermediate_size, "intermediate", return_operands=True,
+                                     chunked_blocks=chunked)(h)
             hidden = jax.ShapeDtypeStruct((*h.shape[:-1], cfg.intermediate_size), sw1.values.dtype)
-            sw2, b2, c2 = self.dense(cfg.hidden_size, "output", return_operands=True)(hidden)
-            return ops.diagonal_mlp(h.astype(sw1.values.dtype), sw1, b1, c1, sw2, b2, c2, self.all_blocks(),
+            sw2, b2, c2 = self.dense(cfg.hidden_size, "output", return_operands=True, chunked_blocks=chunked)(hidden)
+            return ops.diagonal_mlp(h.astype(sw1.values.dtype), sw1, b1, c1, sw2, b2, c2, chunked,
                                     FUSED_FFN_ACTIVATIONS[cfg.hidden_act])
         sw1, b1 = self.dense(cfg.intermediate_size, "intermediate", return_operands=True)(h)
         hidden = jax.ShapeDtypeStruct((*h.shape[:-1], cfg.intermediate_size), sw1.values.dtype)
@@ -273,9 +283,10 @@ class BertAttention(_Sparse):
         def split(t):
             return t.reshape(t.shape[:-1] + (heads, d))
 
-        q = split(self.dense(cfg.hidden_size, "query")(h))
-        k = split(self.dense(cfg.hidden_size, "key")(h))
-        v = split(self.dense(cfg.hidden_size, "value")(h))
+        chunked = self.chunked_blocks(ffn=False)
+        q = split(self.dense(cfg.hidden_size, "query", chunked_blocks=chunked)(h))
+        k = split(self.dense(cfg.hidden_size, "key", chunked_blocks=chunked)(h))
+        v = split(self.dense(cfg.hidden_size, "value", chunked_blocks=chunked)(h))
         if cfg.attention_impl == "fused":
             ctx = fused_attention(q, k, v, padding).reshape(h.shape)
         else:
@@ -284,7 +295,7 @@ class BertAttention(_Sparse):
             probs = jax.nn.softmax(logits, axis=-1)
             probs = nn.Dropout(cfg.attention_probs_dropout_prob)(probs, deterministic=deterministic)
             ctx = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v).reshape(h.shape)
-        out = self.dense(cfg.hidden_size, "output")(ctx)
+        out = self.dense(cfg.hidden_size, "output", chunked_blocks=chunked)(ctx)
         out = nn.Dropout(cfg.hidden_dropout_prob)(out, deterministic=deterministic)
         return self.norm("LayerNorm")(out + h)
 
