@@ -172,8 +172,12 @@ class GMPState(NamedTuple):
 
 
 def _path_names(path) -> tuple[str, ...]:
+    """A pytree key path's names (``("encoder", "layer_0", "kernel")``); a Flax NNX Variable's ``.value`` step (the
+    last key of a leaf in ``nnx.state(model)``) is dropped, so linen and NNX trees name a kernel alike."""
     names = []
     for k in path:
+        if isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value":
+            continue
         for attr in ("key", "name", "idx"):
             if hasattr(k, attr):
                 names.append(str(getattr(k, attr)))
