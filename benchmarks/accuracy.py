@@ -134,7 +134,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             if args.exclusive_columns and not fmt.takes_exclusive_columns(s):
                 p.error(f"--exclusive-columns needs V:N:M patterns with N <= 2 and M > 4, got {s} in --sparsities")
             for flag, check in (("--diagonal-ffn-out", fmt.diagonal_blocks), ("--diagonal-ffn", fmt.chunked_diagonal_blocks),
-                                ("--diagonal-all", fmt.chunked_diagonal_blocks)):
+                                ("--diagonal-all", fmt.chunked_diagonal_blocks),
+                                ("--diagonal-attention", fmt.chunked_diagonal_blocks)):
                 try:
                     if getattr(args, flag[2:].replace("-", "_")):
                         check(s)
@@ -178,6 +179,7 @@ def hyperparameters(args: argparse.Namespace) -> dict[str, Any]:
             **({"diagonal_ffn_out": True} if args.diagonal_ffn_out else {}),
             **({"diagonal_all": True} if args.diagonal_all else {}),
             **({"diagonal_ffn": True} if args.diagonal_ffn else {}),
+            **({"diagonal_attention": True} if args.diagonal_attention else {}),
             **({"average_from": args.average_from} if args.average_from else {}),
             **({"teacher_seeds": args.teacher_seeds} if args.teacher_seeds > 1 else {})}
 
@@ -214,6 +216,8 @@ def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> a
         argv += ["--diagonal-all"]
     if args.diagonal_ffn and sparsity != "dense":
         argv += ["--diagonal-ffn"]
+    if args.diagonal_attention and sparsity != "dense":
+        argv += ["--diagonal-attention"]
     return train.parse_args(argv)
 
 
@@ -393,6 +397,7 @@ def section(payload: dict) -> str:
                            + (["diagonal 2:4 blocks in FFN out"] if hp.get("diagonal_ffn_out") else [])
                            + (["diagonal 2:4 blocks in every pruned kernel"] if hp.get("diagonal_all") else [])
                            + (["diagonal 2:4 blocks in both FFN kernels"] if hp.get("diagonal_ffn") else [])
+                           + (["diagonal 2:4 blocks in the attention kernels"] if hp.get("diagonal_attention") else [])
                            + ([f"weights averaged from {hp['average_from']:g}"] if hp.get("average_from") else [])
                            + (["from the fine-tuned teacher"] if hp.get("init") == "teacher" else []))
     sparse_part = "" if dense_only else (
@@ -675,7 +680,8 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
 SPARSE_ONLY_HYPERPARAMETERS = ("prune", "ladder", "prune_begin", "prune_end", "fade", "score", "distill",
                                "temperature", "distill_hidden", "distill_attention", "distill_augment", "augment_neighbors", "student_epochs", "student_lr", "compress", "init", "refit", "refit_batches",
                                "regrow_every", "regrow_until", "regrow_decay", "transposable_masks",
-                               "exclusive_columns", "diagonal_ffn_out", "diagonal_all", "diagonal_ffn", "average_from",
+                               "exclusive_columns", "diagonal_ffn_out", "diagonal_all", "diagonal_ffn", "diagonal_attention",
+                               "average_from",
                                "teacher_seeds")
 
 

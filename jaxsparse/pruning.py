@@ -61,11 +61,13 @@ __all__ = [
     "path_filter",
     "encoder_kernels",
     "find_state",
+    "any_of",
     "mask_change",
     "masks_of",
     "sparsity_collection",
     "model_variables",
     "oneshot_masks",
+    "attention_kernels",
     "ffn_kernels",
     "ffn_out_kernels",
     "diagonal_mask",
@@ -263,6 +265,18 @@ def ffn_kernels(path: tuple[str, ...], x) -> bool:
     ``BertConfig.diagonal_ffn`` stores as diagonal blocks read through chunk tables."""
     return ffn_out_kernels(path, x) or (len(path) >= 3 and path[-1] == "kernel" and path[-2] == "intermediate"
                                         and path[-3].startswith("encoder_layer_") and getattr(x, "ndim", 0) == 2)
+
+
+def attention_kernels(path: tuple[str, ...], x) -> bool:
+    """A filter for ``diagonal_fn``: the four attention kernels of each BERT encoder layer
+    (``encoder_layer_<i>/attention/{query,key,value,output}/kernel``)."""
+    return (len(path) >= 4 and path[-1] == "kernel" and path[-2] in ("query", "key", "value", "output")
+            and path[-3] == "attention" and path[-4].startswith("encoder_layer_") and getattr(x, "ndim", 0) == 2)
+
+
+def any_of(*filters: FilterFn) -> FilterFn:
+    """The filter that keeps what any of ``filters`` keeps."""
+    return lambda path, x: any(f(path, x) for f in filters)
 
 
 def input_norms_tree(stats, params) -> Any:

@@ -48,7 +48,7 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     ``--fade``, ``--score``, ``--distill``, ``--temperature``, ``--distill-hidden``, ``--distill-attention``,
     ``--distill-augment``, ``--augment-neighbors``, ``--student-epochs``, ``--student-lr``, ``--init``, ``--refit``,
     ``--refit-batches``, ``--regrow-every``, ``--regrow-until``, ``--regrow-decay``, ``--transposable-masks``,
-    ``--exclusive-columns``, ``--diagonal-ffn-out``, ``--diagonal-ffn``, ``--diagonal-all``."""
+    ``--exclusive-columns``, ``--diagonal-ffn-out``, ``--diagonal-ffn``, ``--diagonal-all``, ``--diagonal-attention``."""
     p.add_argument("--fade", type=float, default=0.0,
                    help="GMP: before each stage, fade the weights it will prune to zero over this fraction of all "
                         "steps (0 = masks change at once; see jaxsparse.pruning.gmp_prune fade_steps)")
@@ -122,6 +122,10 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--diagonal-ffn", action="store_true",
                    help="as --diagonal-all, for the FFN's two kernels only (FFN in and out, chunk tables, no "
                         "relabelling); the attention's kernels keep their V:2:M masks (docs/kernel-notes.md, session 33)")
+    p.add_argument("--diagonal-attention", action="store_true",
+                   help="as --diagonal-all, for the attention's four kernels only (Q, K, V, attention out; input sets "
+                        "in chunks of V); with --diagonal-ffn-out, FFN out too. Masked-dense only: its compressed "
+                        "layout is not built, so --compress auto runs masked-dense and --compress on is refused")
     p.add_argument("--exclusive-columns", action="store_true",
                    help="choose V:2:M masks (M > 4) whose every input column is kept by at most ceil(4 (R/V) / M) "
                         "of a kernel's R/V blocks in each group (jaxsparse.format.select_mask exclusive_columns=True): "
@@ -187,6 +191,14 @@ def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
         _check_mask_option(p, args, flag, fmt.chunked_diagonal_blocks)
     if len(chunked) + bool(getattr(args, "diagonal_ffn_out", False)) > 1:
         p.error("--diagonal-ffn-out, --diagonal-ffn and --diagonal-all each give FFN out diagonal blocks: give one")
+    if getattr(args, "diagonal_attention", False):
+        _check_mask_option(p, args, "--diagonal-attention", fmt.chunked_diagonal_blocks)
+        if chunked:
+            p.error("--diagonal-attention with --diagonal-ffn is --diagonal-all, and --diagonal-all includes it: "
+                    "give --diagonal-all alone")
+        if getattr(args, "compress", "auto") == "on":
+            p.error("--diagonal-attention trains masked-dense only (its compressed layout is not built): "
+                    "give --compress off or auto")
     if args.exclusive_columns:
         _check_mask_option(p, args, "--exclusive-columns", fmt.check_exclusive_spec)
 
@@ -763,6 +775,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
     diagonal = bool(getattr(args, "diagonal_ffn_out", False)) and sparse
     diagonal_all = bool(getattr(args, "diagonal_all", False)) and sparse
     diagonal_ffn = bool(getattr(args, "diagonal_ffn", False)) and sparse
+    diagonal_attention = bool(getattr(args, "diagonal_attention", False)) and sparse
     compressed_cfg = dataclasses.replace(cfg, diagonal_all=diagonal_all, diagonal_ffn=diagonal_ffn,
                                          diagonal_ffn_out=diagonal)
     make_model = lambda compressed: bert.BertForSequenceClassification(  # noqa: E731
@@ -788,6 +801,9 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
     exclusive = bool(getattr(args, "exclusive_columns", False))
     diagonal_fn = (pruning.encoder_kernels if diagonal_all else pruning.ffn_kernels if diagonal_ffn
                    else pruning.ffn_out_kernels if diagonal else None)
+    if diagonal_attention:
+        diagonal_fn = (pruning.attention_kernels if diagonal_fn is None
+                       else pruning.any_of(pruning.attention_kernels, diagonal_fn))
     refit = bool(getattr(args, "refit", False))
     if refit:
         if args.prune != "oneshot":
@@ -831,10 +847,11 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         raise ValueError(f"the ladder must end at --sparsity {spec}, got {prune.schedule.ladder[-1]}")
     tx = optax.chain(base, prune) if prune is not None else base
     tx_key = base_key + ((prune.schedule, fade_steps, score, tuple(regrow.items()), transposable, exclusive,
-                          diagonal_fn is not None)
+                          (diagonal, diagonal_ffn, diagonal_all, diagonal_attention))
                          if prune is not None else ())
     opt_state = tx.init(params)
-    compress = _use_compressed(args.compress, spec, compressed_cfg)
+    # --diagonal-attention has no compressed layout yet: it trains masked-dense (parse_args refuses --compress on).
+    compress = _use_compressed(args.compress, spec, compressed_cfg) and not diagonal_attention
     switch_step = prune.final_step + 1 if prune is not None else None
     # --average-from: the params after steps average_start + 1 .. total are averaged (masks final by then).
     average_from = float(getattr(args, "average_from", 0.0))
@@ -957,7 +974,8 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         **({"transposable_masks": True, "dx_route": ops.dx_route()} if transposable else {}),
         **({"exclusive_columns": True} if exclusive else {}),
         **({"diagonal_all": True} if diagonal_all else {"diagonal_ffn": True} if diagonal_ffn
-           else {"diagonal_ffn_out": True} if diagonal_fn is not None else {}),
+           else {"diagonal_ffn_out": True} if diagonal else {}),
+        **({"diagonal_attention": True} if diagonal_attention else {}),
         "train_examples": len(train), "dev_examples": len(dev), "test_examples": len(test), "steps": global_step,
         "history": history, "dev_accuracy": history[-1]["dev_accuracy"], "test_accuracy": test_metrics["accuracy"],
         "test_loss": test_metrics["loss"], **averaged, "weight_sparsity": achieved,

@@ -648,34 +648,47 @@ def test_diagonal_ffn_out_run(tmp_path):
             train.parse_args(argv)
 
 
-@pytest.mark.parametrize("flag", ["--diagonal-all", "--diagonal-ffn"])
-def test_chunked_diagonal_run(tmp_path, flag):
-    """--diagonal-all / --diagonal-ffn: every pruned encoder kernel, or the FFN's two, trains masked-dense on diagonal
-    2:4 blocks (the final masks are checked set by set; the attention's stay 64:2:8 under --diagonal-ffn), the run
-    learns and stays masked-dense; refused where it cannot apply."""
+@pytest.mark.parametrize("flags,diagonal", [
+    (["--diagonal-all"], lambda path: True),
+    (["--diagonal-ffn"], lambda path: "attention" not in path),
+    (["--diagonal-attention", "--diagonal-ffn-out"], lambda path: "intermediate" not in path),
+])
+def test_chunked_diagonal_run(tmp_path, capsys, flags, diagonal):
+    """--diagonal-all / --diagonal-ffn / --diagonal-attention (here with --diagonal-ffn-out): the kernels each names
+    train masked-dense on diagonal 2:4 blocks (the final masks are checked set by set), the others keep 64:2:8 masks;
+    the run learns and stays masked-dense; refused where it cannot apply."""
     out = tmp_path / "run"
     metrics = train.run(train.parse_args(TINY + ["--sparsity", "64:2:8", "--epochs", "2", "--prune", "oneshot",
-                                                  "--transposable-masks", flag, "--out", str(out)]))
-    assert metrics[flag[2:].replace("-", "_")] and not metrics["compressed_training"]
+                                                  "--transposable-masks", *flags, "--out", str(out)]))
+    assert all(metrics[f[2:].replace("-", "_")] for f in flags) and not metrics["compressed_training"]
     hist = metrics["history"]
     assert np.isfinite(hist[-1]["train_loss"]) and hist[-1]["train_loss"] < hist[0]["first_loss"], hist
     flat = traverse_util.flatten_dict(train.load_checkpoint(out / "checkpoint")["sparsity"])
     assert len(flat) == 12
-    attention = [np.asarray(m) for p, m in flat.items() if "attention" in p]
-    masks = [np.asarray(m) for p, m in flat.items() if flag == "--diagonal-all" or "attention" not in p]
-    assert len(masks) == (12 if flag == "--diagonal-all" else 4)
-    if flag == "--diagonal-ffn":
-        assert all(bool(fmt.mask_is_valid(m, "64:2:8")) for m in attention)
+    masks = [np.asarray(m) for p, m in flat.items() if diagonal(p)]
+    assert 0 < len(masks) <= 12
+    for p, m in flat.items():
+        if not diagonal(p):
+            assert bool(fmt.mask_is_valid(m, "64:2:8")), p
     for m in masks:
         sets = np.asarray(fmt.diagonal_sets(m, 2, chunk=64))
         stacked = np.asarray(fmt.stack_diagonal_blocks(m[sets.reshape(-1)], 2))
         assert m.sum() == m.size // 4 and stacked.sum() == m.sum(), m.shape  # nothing off the diagonal blocks
         assert (stacked.reshape(-1, 4, stacked.shape[1]).sum(axis=1) == 2).all(), m.shape  # 2:4 in each block
         assert bool(fmt.transposable_mask_is_valid(stacked)), m.shape
+    flag = flags[0]
     for argv in (["--sparsity", "dense", flag], ["--prune", "none", flag], ["--sparsity", "2:4", flag],
-                 [flag, "--diagonal-ffn-out"], ["--diagonal-ffn", "--diagonal-all"], ["--sparsity", "32:2:8", flag]):
+                 ["--diagonal-ffn", "--diagonal-all"], ["--sparsity", "32:2:8", flag]) + (
+                     () if flag == "--diagonal-attention" else ([flag, "--diagonal-ffn-out"],)):
         with pytest.raises(SystemExit):
             train.parse_args(argv)
+    capsys.readouterr()
+    sparse = ["--sparsity", "64:2:8", "--prune", "oneshot"]
+    for argv, message in ((sparse + ["--diagonal-attention", "--diagonal-ffn"], "give --diagonal-all alone"),
+                          (sparse + ["--diagonal-attention", "--compress", "on"], "masked-dense only")):
+        with pytest.raises(SystemExit):
+            train.parse_args(argv)
+        assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag", ["--diagonal-all", "--diagonal-ffn"])
