@@ -133,7 +133,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                 p.error(f"--sparsities: {e}")
             if args.exclusive_columns and not fmt.takes_exclusive_columns(s):
                 p.error(f"--exclusive-columns needs V:N:M patterns with N <= 2 and M > 4, got {s} in --sparsities")
-            for flag, check in (("--diagonal-ffn-out", fmt.diagonal_blocks), ("--diagonal-ffn", fmt.chunked_diagonal_blocks),
+            for flag, check in (("--diagonal-ffn-out", fmt.diagonal_blocks),
+                                ("--diagonal-ffn", fmt.chunked_diagonal_blocks),
                                 ("--diagonal-all", fmt.chunked_diagonal_blocks),
                                 ("--diagonal-attention", fmt.chunked_diagonal_blocks)):
                 try:
@@ -680,8 +681,8 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
 SPARSE_ONLY_HYPERPARAMETERS = ("prune", "ladder", "prune_begin", "prune_end", "fade", "score", "distill",
                                "temperature", "distill_hidden", "distill_attention", "distill_augment", "augment_neighbors", "student_epochs", "student_lr", "compress", "init", "refit", "refit_batches",
                                "regrow_every", "regrow_until", "regrow_decay", "transposable_masks",
-                               "exclusive_columns", "diagonal_ffn_out", "diagonal_all", "diagonal_ffn", "diagonal_attention",
-                               "average_from",
+                               "exclusive_columns", "diagonal_ffn_out", "diagonal_all", "diagonal_ffn",
+                               "diagonal_attention", "average_from",
                                "teacher_seeds")
 
 

@@ -48,7 +48,8 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     ``--fade``, ``--score``, ``--distill``, ``--temperature``, ``--distill-hidden``, ``--distill-attention``,
     ``--distill-augment``, ``--augment-neighbors``, ``--student-epochs``, ``--student-lr``, ``--init``, ``--refit``,
     ``--refit-batches``, ``--regrow-every``, ``--regrow-until``, ``--regrow-decay``, ``--transposable-masks``,
-    ``--exclusive-columns``, ``--diagonal-ffn-out``, ``--diagonal-ffn``, ``--diagonal-all``, ``--diagonal-attention``."""
+    ``--exclusive-columns``, ``--diagonal-ffn-out``, ``--diagonal-ffn``, ``--diagonal-all``,
+    ``--diagonal-attention``."""
     p.add_argument("--fade", type=float, default=0.0,
                    help="GMP: before each stage, fade the weights it will prune to zero over this fraction of all "
                         "steps (0 = masks change at once; see jaxsparse.pruning.gmp_prune fade_steps)")
@@ -121,7 +122,8 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
                         "through chunk tables (docs/kernel-notes.md, session 32)")
     p.add_argument("--diagonal-ffn", action="store_true",
                    help="as --diagonal-all, for the FFN's two kernels only (FFN in and out, chunk tables, no "
-                        "relabelling); the attention's kernels keep their V:2:M masks (docs/kernel-notes.md, session 33)")
+                        "relabelling); the attention's kernels keep their V:2:M masks (docs/kernel-notes.md, "
+                        "session 33)")
     p.add_argument("--diagonal-attention", action="store_true",
                    help="as --diagonal-all, for the attention's four kernels only (Q, K, V, attention out; input sets "
                         "in chunks of V); with --diagonal-ffn-out, FFN out too. Masked-dense only: its compressed "

@@ -201,8 +201,9 @@ class _Sparse(nn.Module):
         chunked = self.chunked_blocks(ffn=True)
         if not (self.compressed and self.sparsity is not None and cfg.fuse_feed_forward
                 and cfg.hidden_act in FUSED_FFN_ACTIVATIONS):
-            return self.dense(cfg.hidden_size, "output", diagonal_blocks=self.ffn_out_blocks(), chunked_blocks=chunked)(
-                ACTIVATIONS[cfg.hidden_act](self.dense(cfg.intermediate_size, "intermediate", chunked_blocks=chunked)(h)))
+            hidden = self.dense(cfg.intermediate_size, "intermediate", chunked_blocks=chunked)(h)
+            return self.dense(cfg.hidden_size, "output", diagonal_blocks=self.ffn_out_blocks(),
+                              chunked_blocks=chunked)(ACTIVATIONS[cfg.hidden_act](hidden))
         if chunked > 1:
             sw1, b1, c1 = self.dense(cfg.intermediate_size, "intermediate", return_operands=True,
                                      chunked_blocks=chunked)(h)
