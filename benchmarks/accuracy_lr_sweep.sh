@@ -12,14 +12,15 @@
 #   the processes of one GPU share one teacher (--teacher-dir /tmp/teachers/gpuN), as those of one call did before
 # GPU0=3                        the first GPU to use (default 0): two sweeps side by side on disjoint GPUs (with their
 #   own OUT and ACC folders)
-# ACC=/tmp/acc                  where the processes write (default /tmp/acc)
+# ACC=/tmp/acc                  where the processes write (default /tmp/acc), each invocation in a fresh subfolder: a
+#   machine kept warm between calls keeps /tmp, and an earlier call's runs must not join this one's results
 set -u
 : "${OUT:?set OUT to the folder for the result files}"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 JAXSPARSE_DATA_DIR=$PWD/.devdata PYTHONPATH=$PWD JAXSPARSE_COMMIT=${COMMIT:-unknown}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 t0=$(date +%s); el() { echo "$(( $(date +%s) - t0 ))s"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-ACC=${ACC:-/tmp/acc}
+ACC=${ACC:-/tmp/acc}/run-$(date +%Y%m%d-%H%M%S)-$$
 mkdir -p /tmp/teachers $ACC
 pids=()
 n=0  # processes started (the next one's GPU is n % GPUS)
