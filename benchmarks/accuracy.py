@@ -207,18 +207,10 @@ def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> a
             "--average-from", str(args.average_from if sparsity != "dense" else 0.0), "--no-progress"]
     if args.refit and sparsity != "dense":
         argv += ["--refit", "--refit-batches", str(args.refit_batches)]
-    if args.transposable_masks and sparsity != "dense":
-        argv += ["--transposable-masks"]
-    if args.exclusive_columns and sparsity != "dense":
-        argv += ["--exclusive-columns"]
-    if args.diagonal_ffn_out and sparsity != "dense":
-        argv += ["--diagonal-ffn-out"]
-    if args.diagonal_all and sparsity != "dense":
-        argv += ["--diagonal-all"]
-    if args.diagonal_ffn and sparsity != "dense":
-        argv += ["--diagonal-ffn"]
-    if args.diagonal_attention and sparsity != "dense":
-        argv += ["--diagonal-attention"]
+    if sparsity != "dense":  # the mask-rule switches act on sparse runs only
+        argv += [flag for flag in ("--transposable-masks", "--exclusive-columns", "--diagonal-ffn-out",
+                                   "--diagonal-all", "--diagonal-ffn", "--diagonal-attention")
+                 if getattr(args, flag[2:].replace("-", "_"))]
     return train.parse_args(argv)
 
 

@@ -118,16 +118,13 @@ class NMLinear(nnx.Module):
     def compress(self) -> None:
         """Switch to compressed mode: ``values`` (the kept weights under the current mask) become the parameter,
         ``metadata`` / ``columns`` the fixed pattern, and the dense kernel and the mask go. Needs a mask that
-        obeys the layer's ``N = 2`` pattern (``ValueError`` otherwise); make the optimizer afterwards."""
+        obeys the layer's ``N = 2`` pattern (``jaxsparse.format.compress`` raises ``ValueError`` otherwise, e.g. for
+        an earlier ladder stage's mask); make the optimizer afterwards."""
         if self.compressed:
             raise ValueError("NMLinear.compress: the layer is already compressed")
         if self.sparsity is None or self.mask is None:
             raise ValueError("NMLinear.compress needs a sparsity pattern and a mask (set_masks / set_mask first)")
-        spec = fmt.VNM.parse(self.sparsity)
-        fmt.validate_shape((self.in_features, self.out_features), spec, compressed=True)
-        if not bool(fmt.mask_is_valid(self.mask.get_value(), spec)):
-            raise ValueError(f"NMLinear.compress: the mask does not obey {self.sparsity} (an earlier ladder stage?)")
-        sw = fmt.compress(self.kernel.get_value(), self.mask.get_value(), spec)
+        sw = fmt.compress(self.kernel.get_value(), self.mask.get_value(), self.sparsity)
         self.values = nnx.Param(sw.values)
         self.metadata = Mask(sw.metadata)
         self.columns = None if sw.columns is None else Mask(sw.columns)

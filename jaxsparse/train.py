@@ -801,8 +801,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         params = bert.merge_params(params, pretrained)
     transposable = bool(getattr(args, "transposable_masks", False))
     exclusive = bool(getattr(args, "exclusive_columns", False))
-    diagonal_fn = (pruning.encoder_kernels if diagonal_all else pruning.ffn_kernels if diagonal_ffn
-                   else pruning.ffn_out_kernels if diagonal else None)
+    diagonal_fn, diagonal_chunks = compressed_cfg.diagonal_kernels()
     if diagonal_attention:
         diagonal_fn = (pruning.attention_kernels if diagonal_fn is None
                        else pruning.any_of(pruning.attention_kernels, diagonal_fn))
@@ -911,7 +910,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
             if compress and not compressed and global_step == switch_step:
                 params, pattern, base_state = pruning.to_compressed(params, pruning.masks_of(opt_state), spec,
                                                                     opt_state[0], diagonal_fn=diagonal_fn,
-                                                                    diagonal_chunks=diagonal_all or diagonal_ffn)
+                                                                    diagonal_chunks=diagonal_chunks)
                 opt_state, extra, compressed = base_state, {"sparsity": pattern}, True
                 model = make_model(True)
                 step = cache.get("step", (model, base_key, False, mesh, kd, hidden, attention, augment),

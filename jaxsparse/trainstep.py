@@ -208,14 +208,12 @@ def build_step(config: StepConfig) -> TrainStep:
     master = make(False)
     params = jax.jit(master.init)(k_init, ids[:1, :8])["params"]
     base = adamw()
-    diagonal_fn = (pruning.encoder_kernels if config.diagonal_all else pruning.ffn_kernels if config.diagonal_ffn
-                   else pruning.ffn_out_kernels if config.diagonal_ffn_out else None)
+    diagonal_fn, diagonal_chunks = cfg.diagonal_kernels()
     if mode == "compressed":
         masks = pruning.oneshot_masks(params, config.sparsity, transposable=config.transposable,
                                       exclusive_columns=config.exclusive_columns, diagonal_fn=diagonal_fn)
         params, pattern, opt_state = pruning.to_compressed(params, masks, config.sparsity, base.init(params),
-                                                           diagonal_fn=diagonal_fn,
-                                                           diagonal_chunks=config.diagonal_all or config.diagonal_ffn)
+                                                           diagonal_fn=diagonal_fn, diagonal_chunks=diagonal_chunks)
         model, tx, extra, with_masks = make(True), base, {"sparsity": pattern}, False
     elif mode == "masked":
         tx = optax.chain(base, pruning.gmp_prune([config.sparsity], 0, 0, transposable=config.transposable,

@@ -116,6 +116,19 @@ class BertConfig:
         h, f = self.hidden_size, self.intermediate_size
         return (h, h), (h, f), (f, h)
 
+    def diagonal_kernels(self) -> tuple[Any, bool]:
+        """``(diagonal_fn, diagonal_chunks)`` of this layout for :mod:`jaxsparse.pruning` (the mask selection's
+        ``diagonal_fn`` and ``to_compressed``'s arguments): the kernels that take diagonal 2:4 blocks, and whether they
+        keep their inputs and store chunk tables (``diagonal_all``, ``diagonal_ffn``) or have them relabelled
+        (``diagonal_ffn_out``). ``(None, False)`` when no kernel is diagonal."""
+        from jaxsparse import pruning
+
+        if self.diagonal_all:
+            return pruning.encoder_kernels, True
+        if self.diagonal_ffn:
+            return pruning.ffn_kernels, True
+        return (pruning.ffn_out_kernels if self.diagonal_ffn_out else None), False
+
     def compressed_problem(self, spec) -> str | None:
         """Why some encoder kernel cannot be stored compressed as ``spec`` (None when all can)."""
         from jaxsparse.format import (DIAGONAL_CHUNK, check_diagonal_shape, chunked_diagonal_blocks, diagonal_blocks,
