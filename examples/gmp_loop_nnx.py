@@ -6,9 +6,9 @@
    them to the layers after each update (a mask is a ``Mask`` variable: state, not a parameter).
 3. The cubic schedule walks the ladder 2:4 -> 32:2:8 -> 32:2:16; masks change only at the stage steps and pruned
    weights are exactly zero after every update.
-4. Once the last (N = 2) stage is in place, ``layer.compress()`` makes the compressed ``values`` the parameter (the
-   fixed pattern stays as ``Mask`` state); a new optimizer over them trains on with ``sparse_linear`` -- no dense
-   gradient, no dense optimizer state (Adam's moments restart here; ``examples/gmp_loop.py`` carries them over).
+4. Once the last (N = 2) stage is in place, ``compress_model`` makes each layer's compressed ``values`` the parameter
+   (the fixed pattern stays as ``Mask`` state) and returns the optimizer that trains on with ``sparse_linear`` -- no
+   dense gradient, no dense optimizer state; Adam's moments and step count carry over into the values layout.
 
 Run: ``python examples/gmp_loop_nnx.py`` (CPU, a few seconds).
 """
@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 
 from jaxsparse import format as fmt
-from jaxsparse.nnx import NMLinear, set_masks
+from jaxsparse.nnx import NMLinear, compress_model, set_masks
 from jaxsparse.pruning import gmp_prune, masks_of
 
 
@@ -75,9 +75,8 @@ def main(steps: int = 300, begin: int = 30, end: int = 180) -> dict:
 
     # Final N = 2 pattern reached: switch to compressed training.
     dense_shape = model.encoder_in.kernel.get_value().shape
-    for layer in layers:
-        layer.compress()
-    optimizer = nnx.Optimizer(model, adamw, wrt=nnx.Param)  # the same optimizer, over the compressed values
+    # The same AdamW over the compressed values, its state (opt_state[0]: the chain's first part) carried over.
+    optimizer = compress_model(model, adamw, optimizer.opt_state[0])
     for t in range(steps, steps + 50):
         lo = (t * 64) % x.shape[0]
         loss = train_step(model, optimizer, x[lo:lo + 64], y[lo:lo + 64])

@@ -10,8 +10,8 @@ The two modes are those of ``NMDense``:
 * **compressed mode** (after :meth:`NMLinear.compress`, for an ``N = 2`` pattern): the parameter is the compressed
   ``values [R, 2K/M]`` and the fixed pattern (``metadata``, and ``columns`` for ``M > 4``) is :class:`Mask` state.
   The forward is :func:`jaxsparse.ops.sparse_linear`, whose gradient is written straight into the values layout:
-  no dense gradient and no dense optimizer state exist for the layer. Make the optimizer after compressing (its
-  state follows the parameters' shapes).
+  no dense gradient and no dense optimizer state exist for the layer. :func:`compress_model` compresses every
+  masked layer and makes the new optimizer, carrying Adam's moments (and the step count) over into the values layout.
 
 ``gmp_prune`` works on ``nnx.state(model, nnx.Param)`` as on a linen params tree (its filters read the same path
 names: ``.../kernel``); give it a ``filter_fn`` that selects your model's layers (the default selects kernels under a
@@ -31,12 +31,13 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from jaxsparse import format as fmt
 from jaxsparse import ops, pruning
 
-__all__ = ["Mask", "NMLinear", "set_masks"]
+__all__ = ["Mask", "NMLinear", "compress_model", "set_masks"]
 
 Array = jax.Array
 
@@ -149,3 +150,80 @@ def set_masks(model: nnx.Module, masks: Any) -> int:
             raise ValueError(f"set_masks: no master-mode NMLinear at {'/'.join(path)}")
         layer.set_mask(mask)
     return len(by_path)
+
+
+def _state_names(path) -> tuple[str, ...]:
+    """The trailing dict keys of an optimizer-state path: the parameter's path in the model (``('layer',
+    'kernel')`` of ``(0, .mu, 'layer', 'kernel')``)."""
+    names = []
+    for key in reversed(path):
+        if not isinstance(key, jax.tree_util.DictKey):
+            break
+        names.append(str(key.key))
+    return tuple(reversed(names))
+
+
+def compress_model(model: nnx.Module, tx: optax.GradientTransformation | None = None,
+                   opt_state: Any = None) -> nnx.Optimizer | None:
+    """Compress every :class:`NMLinear` of ``model`` that holds a mask (:meth:`NMLinear.compress`) and, with ``tx``,
+    make the optimizer that trains on: ``nnx.Optimizer(model, tx, wrt=nnx.Param)``.
+
+    Args:
+      model: the model, in master mode, after its final ``N = 2`` masks were set (:func:`set_masks`). Layers
+        without a mask stay as they are.
+      tx: the optimizer to go on with (e.g. the ``adamw`` of ``optax.chain(adamw, gmp_prune(...))``).
+      opt_state: optional: ``tx``'s state over the master-mode parameters, to carry over (``optimizer.opt_state[0]``
+        of ``nnx.Optimizer(model, optax.chain(adamw, gmp_prune(...)), wrt=nnx.Param)``). Each entry at a
+        compressed layer's ``kernel`` (Adam's ``mu``, ``nu``) is gathered into the ``values`` layout under the
+        layer's mask; every other entry (the step count, other layers' moments) is copied. So the optimizer
+        continues where it was, as :func:`jaxsparse.pruning.to_compressed` does for a linen model.
+
+    Returns:
+      The new optimizer, or None without ``tx``. Raises ``ValueError`` if ``opt_state`` is not ``tx``'s state over
+      the master-mode parameters (another structure, or a shape that differs), or if it is given without ``tx``.
+    """
+    if opt_state is not None and tx is None:
+        raise ValueError("compress_model: opt_state is carried into the optimizer made from tx; give tx")
+    masked = {tuple(str(p) for p in path): layer for path, layer in nnx.iter_graph(model)
+              if isinstance(layer, NMLinear) and not layer.compressed and layer.mask is not None}
+    patterns = {path: (layer.mask.get_value(), layer.sparsity) for path, layer in masked.items()}
+    for layer in masked.values():
+        layer.compress()
+    if tx is None:
+        return None
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    if opt_state is None:
+        return optimizer
+
+    def is_var(x) -> bool:
+        return isinstance(x, nnx.Variable)
+
+    def value(x):
+        return x.get_value() if is_var(x) else x
+
+    old = {tuple(path): value(leaf)
+           for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_var)[0]}
+    new = jax.tree_util.tree_flatten_with_path(optimizer.opt_state, is_leaf=is_var)[0]
+    hint = "give the state of tx alone over the master-mode parameters (e.g. optimizer.opt_state[0] of a chain)"
+    if len(old) != len(new):
+        raise ValueError(f"compress_model: opt_state has {len(old)} leaves, tx's state over the model {len(new)}: "
+                         f"{hint}")
+    for path, leaf in new:
+        names = _state_names(path)
+        source, pattern = tuple(path), None
+        if names and names[-1] == "values" and names[:-1] in patterns:
+            source = tuple(path[:-1]) + (jax.tree_util.DictKey("kernel"),)
+            pattern = patterns[names[:-1]]
+        if source not in old:
+            raise ValueError(f"compress_model: opt_state has no entry at {jax.tree_util.keystr(source)}: {hint}")
+        carried = old[source]
+        if pattern is not None:
+            carried = fmt.compress(carried, *pattern).values
+        if jnp.shape(carried) != jnp.shape(value(leaf)):
+            raise ValueError(f"compress_model: opt_state's entry at {jax.tree_util.keystr(source)} has shape "
+                             f"{jnp.shape(carried)}, tx's state {jnp.shape(value(leaf))}")
+        if is_var(leaf):
+            leaf.set_value(jnp.asarray(carried, value(leaf).dtype))
+        else:
+            raise ValueError(f"compress_model: tx's state holds a plain leaf at {jax.tree_util.keystr(path)}")
+    return optimizer

@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxsparse import format as fmt
 from jaxsparse import pruning
-from jaxsparse.nnx import NMLinear, set_masks
+from jaxsparse.nnx import NMLinear, compress_model, set_masks
 
 K, R = 64, 128
 
@@ -95,13 +95,23 @@ def test_gmp_prune_through_nnx_optimizer_then_compressed_training():
     assert bool(fmt.mask_is_valid(model.encoder_in.mask.get_value(), "64:2:8"))
     assert losses[-1] < losses[0], losses
     before = model(x)
-    model.encoder_in.compress()
+    mask = model.encoder_in.mask.get_value()
+    adam = optimizer.opt_state[0][0]  # the chain's adam state: ScaleByAdamState(count, mu, nu)
+    old_nu = adam.nu["encoder_in"]["kernel"].get_value()
+    old_head_mu = adam.mu["head"]["kernel"].get_value()
+    assert float(jnp.abs(old_nu).min()) < float(jnp.abs(old_nu).max())  # moments that a wrong gather would show
+    optimizer = compress_model(model, optax.adam(1e-2), optimizer.opt_state[0])
     layer = model.encoder_in
     assert layer.compressed and layer.kernel is None and layer.mask is None
     assert layer.values.get_value().shape == (R, 2 * K // 8) and layer.columns.get_value().shape == (R // 64, K // 8, 4)
     np.testing.assert_allclose(model(x), before, rtol=1e-5, atol=1e-5)
-    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     assert [v.shape for v in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))].count((R, 2 * K // 8)) == 1
+    # Adam's moments and count carried over: the layer's gathered into the values layout, the head's copied.
+    carried = optimizer.opt_state[0]
+    assert int(carried.count.get_value()) == 12
+    np.testing.assert_array_equal(carried.nu["encoder_in"]["values"].get_value(),
+                                  fmt.compress(old_nu, mask, "64:2:8").values)
+    np.testing.assert_array_equal(carried.mu["head"]["kernel"].get_value(), old_head_mu)
     after = [float(step(model, optimizer)) for _ in range(4)]
     assert np.isfinite(after).all() and after[-1] < after[0], after
 
@@ -130,3 +140,21 @@ def test_rejects():
         layer.set_mask(None)
     with pytest.raises(ValueError, match="no master-mode NMLinear at missing"):
         set_masks(_Net(nnx.Rngs(0)), {"missing": {"kernel": jnp.ones((K, R), bool)}})
+
+
+def test_compress_model_rejects_a_state_that_is_not_tx_s():
+    """compress_model carries only the state of the optimizer it makes: a chain's whole state, or a state
+    without tx, raises ValueError naming what to pass."""
+    def masked_net():
+        net = _Net(nnx.Rngs(0))
+        net.encoder_in.set_mask(fmt.select_mask(net.encoder_in.kernel.get_value(), "64:2:8"))
+        return net
+
+    net = masked_net()
+    chain = nnx.Optimizer(net, optax.chain(optax.adam(1e-2), optax.identity()), wrt=nnx.Param)
+    with pytest.raises(ValueError, match="give tx"):
+        compress_model(masked_net(), opt_state=chain.opt_state[0])
+    with pytest.raises(ValueError, match=r"opt_state\[0\] of a chain"):
+        compress_model(net, optax.adam(1e-2), chain.opt_state)
+    net = masked_net()
+    assert compress_model(net) is None and net.encoder_in.compressed and net.head.kernel is not None
