@@ -2,12 +2,37 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import jax
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _compilation_cache() -> None:
+    """Many CPU tests compile the same tiny models' steps (the training runs of test_train.py and the CLI tests,
+    several of them in subprocesses): one compilation cache for this pytest run, in a fresh temporary folder removed
+    at exit, shared with subprocesses through the environment. A cache the caller set (JAX_COMPILATION_CACHE_DIR) is
+    used as it is; ``JAXSPARSE_TEST_COMPILE_CACHE=0`` turns it off."""
+    if os.environ.get("JAXSPARSE_TEST_COMPILE_CACHE", "1") == "0":
+        return
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        folder = tempfile.mkdtemp(prefix="jaxsparse-test-xla-cache-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
+    # Cache every compilation, not only those over jax's default thresholds (1 s, small entries excluded).
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+_compilation_cache()
 
 
 def gpu_available() -> bool:
