@@ -2,6 +2,7 @@
 # On the GPU machine: build the extension, run every GPU test, then any extra commands given.
 #   bash scripts/gpu_check.sh                       # build + pytest -m gpu
 #   bash scripts/gpu_check.sh "python3 benchmarks/spmm.py --quick"
+#   GPU_PROCS=8 bash scripts/gpu_check.sh           # the GPU tests in 8 processes at once (JAXSPARSE_TEST_SHARD)
 # Writes logs under $OUT when that is set. Only sm_90a is built here unless JAXSPARSE_CUDA_GENCODE says
 # otherwise (the full sm_80 + sm_90a build is what `pip install .` does).
 set -uo pipefail
@@ -26,8 +27,24 @@ grep -E "warning|spill|error" "$OUT/build.log" | grep -v "xla/ffi" | head -20
 echo "build: $(( $(date +%s) - t0 )) s"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 (cd /tmp && python3 -c "import jax, jaxsparse.ffi as f; print('jax', jax.__version__, jax.devices(), 'targets', f.target_names())")
-cd /tmp && pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-"$repo/tests"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
-status=${PIPESTATUS[0]}
+procs=${GPU_PROCS:-1}
+if [ "$procs" -gt 1 ]; then
+  # n pytest processes share the GPU (JAXSPARSE_TEST_SHARD=i/n; the host's cores compile in parallel, and the
+  # processes allocate GPU memory as they go instead of each taking most of it up front).
+  for i in $(seq 0 $((procs - 1))); do
+    (cd /tmp && JAXSPARSE_TEST_SHARD=$i/$procs XLA_PYTHON_CLIENT_PREALLOCATE=false \
+       pytest -q -rfE -m gpu -p no:cacheprovider ${GPU_TESTS:-"$repo/tests"} > "$OUT/gpu_tests.shard$i.log" 2>&1) &
+  done
+  status=0
+  for job in $(jobs -p); do wait "$job"; rc=$?; [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || status=1; done  # 5: a shard with no test
+  for i in $(seq 0 $((procs - 1))); do
+    echo "shard $i/$procs: $(tail -1 "$OUT/gpu_tests.shard$i.log")"
+  done
+  grep -h "^FAILED\|^ERROR" "$OUT"/gpu_tests.shard*.log | head -40
+else
+  cd /tmp && pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-"$repo/tests"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  status=${PIPESTATUS[0]}
+fi
 cd "$repo"
 for cmd in "$@"; do echo "== $cmd"; bash -c "$cmd" || status=1; done
 exit $status
