@@ -179,11 +179,27 @@ def compress_model(model: nnx.Module, tx: optax.GradientTransformation | None = 
         continues where it was, as :func:`jaxsparse.pruning.to_compressed` does for a linen model.
 
     Returns:
-      The new optimizer, or None without ``tx``. Raises ``ValueError`` if ``opt_state`` is not ``tx``'s state over
-      the master-mode parameters (another structure, or a shape that differs), or if it is given without ``tx``.
+      The new optimizer, or None without ``tx``. Raises ``ValueError`` if ``opt_state`` is given without ``tx``, or
+      is not ``tx``'s state over the master-mode parameters: another structure (found before any layer changes) or
+      an entry whose shape differs.
     """
     if opt_state is not None and tx is None:
         raise ValueError("compress_model: opt_state is carried into the optimizer made from tx; give tx")
+
+    def is_var(x) -> bool:
+        return isinstance(x, nnx.Variable)
+
+    def value(x):
+        return x.get_value() if is_var(x) else x
+
+    hint = "give the state of tx alone over the master-mode parameters (e.g. optimizer.opt_state[0] of a chain)"
+    if opt_state is not None:  # checked before any layer changes: a wrong state leaves the model as it was
+        old = {tuple(path): value(leaf)
+               for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_var)[0]}
+        expected = jax.eval_shape(tx.init, nnx.state(model, nnx.Param))
+        expected_paths = {tuple(path) for path, _ in jax.tree_util.tree_flatten_with_path(expected, is_leaf=is_var)[0]}
+        if set(old) != expected_paths:
+            raise ValueError(f"compress_model: opt_state is not tx's state over the model's parameters: {hint}")
     masked = {tuple(str(p) for p in path): layer for path, layer in nnx.iter_graph(model)
               if isinstance(layer, NMLinear) and not layer.compressed and layer.mask is not None}
     patterns = {path: (layer.mask.get_value(), layer.sparsity) for path, layer in masked.items()}
@@ -194,21 +210,7 @@ def compress_model(model: nnx.Module, tx: optax.GradientTransformation | None = 
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     if opt_state is None:
         return optimizer
-
-    def is_var(x) -> bool:
-        return isinstance(x, nnx.Variable)
-
-    def value(x):
-        return x.get_value() if is_var(x) else x
-
-    old = {tuple(path): value(leaf)
-           for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_var)[0]}
-    new = jax.tree_util.tree_flatten_with_path(optimizer.opt_state, is_leaf=is_var)[0]
-    hint = "give the state of tx alone over the master-mode parameters (e.g. optimizer.opt_state[0] of a chain)"
-    if len(old) != len(new):
-        raise ValueError(f"compress_model: opt_state has {len(old)} leaves, tx's state over the model {len(new)}: "
-                         f"{hint}")
-    for path, leaf in new:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(optimizer.opt_state, is_leaf=is_var)[0]:
         names = _state_names(path)
         source, pattern = tuple(path), None
         if names and names[-1] == "values" and names[:-1] in patterns:
