@@ -180,8 +180,8 @@ def compress_model(model: nnx.Module, tx: optax.GradientTransformation | None = 
 
     Returns:
       The new optimizer, or None without ``tx``. Raises ``ValueError`` if ``opt_state`` is given without ``tx``, or
-      is not ``tx``'s state over the master-mode parameters: another structure (found before any layer changes) or
-      an entry whose shape differs.
+      is not ``tx``'s state over the master-mode parameters (another structure, or an entry whose shape differs);
+      both are found before any layer changes.
     """
     if opt_state is not None and tx is None:
         raise ValueError("compress_model: opt_state is carried into the optimizer made from tx; give tx")
@@ -196,10 +196,14 @@ def compress_model(model: nnx.Module, tx: optax.GradientTransformation | None = 
     if opt_state is not None:  # checked before any layer changes: a wrong state leaves the model as it was
         old = {tuple(path): value(leaf)
                for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_var)[0]}
-        expected = jax.eval_shape(tx.init, nnx.state(model, nnx.Param))
-        expected_paths = {tuple(path) for path, _ in jax.tree_util.tree_flatten_with_path(expected, is_leaf=is_var)[0]}
-        if set(old) != expected_paths:
+        expected = {tuple(path): jnp.shape(value(leaf)) for path, leaf in jax.tree_util.tree_flatten_with_path(
+            jax.eval_shape(tx.init, nnx.state(model, nnx.Param)), is_leaf=is_var)[0]}
+        if set(old) != set(expected):
             raise ValueError(f"compress_model: opt_state is not tx's state over the model's parameters: {hint}")
+        for path, shape in expected.items():
+            if jnp.shape(old[path]) != shape:
+                raise ValueError(f"compress_model: opt_state's entry at {jax.tree_util.keystr(path)} has shape "
+                                 f"{jnp.shape(old[path])}, tx's state over the model {shape}")
     masked = {tuple(str(p) for p in path): layer for path, layer in nnx.iter_graph(model)
               if isinstance(layer, NMLinear) and not layer.compressed and layer.mask is not None}
     patterns = {path: (layer.mask.get_value(), layer.sparsity) for path, layer in masked.items()}
@@ -216,14 +220,9 @@ def compress_model(model: nnx.Module, tx: optax.GradientTransformation | None = 
         if names and names[-1] == "values" and names[:-1] in patterns:
             source = tuple(path[:-1]) + (jax.tree_util.DictKey("kernel"),)
             pattern = patterns[names[:-1]]
-        if source not in old:
-            raise ValueError(f"compress_model: opt_state has no entry at {jax.tree_util.keystr(source)}: {hint}")
-        carried = old[source]
+        carried = old[source]  # present, with the master parameter's shape: checked above
         if pattern is not None:
             carried = fmt.compress(carried, *pattern).values
-        if jnp.shape(carried) != jnp.shape(value(leaf)):
-            raise ValueError(f"compress_model: opt_state's entry at {jax.tree_util.keystr(source)} has shape "
-                             f"{jnp.shape(carried)}, tx's state {jnp.shape(value(leaf))}")
         if is_var(leaf):
             leaf.set_value(jnp.asarray(carried, value(leaf).dtype))
         else:

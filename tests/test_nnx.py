@@ -157,5 +157,9 @@ def test_compress_model_rejects_a_state_that_is_not_tx_s():
     with pytest.raises(ValueError, match=r"opt_state\[0\] of a chain"):
         compress_model(net, optax.adam(1e-2), chain.opt_state)
     assert not net.encoder_in.compressed  # refused before any layer changed
+    wrong = jax.tree_util.tree_map(lambda a: a[..., :1] if a.ndim == 2 else a, chain.opt_state[0])
+    with pytest.raises(ValueError, match="has shape"):
+        compress_model(net, optax.adam(1e-2), wrong)
+    assert not net.encoder_in.compressed
     net = masked_net()
     assert compress_model(net) is None and net.encoder_in.compressed and net.head.kernel is not None
