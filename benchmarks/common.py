@@ -83,7 +83,7 @@ def with_env(fn: Callable, **env: str) -> Callable:
 # Measured on the H100 of this workplace (docs/kernel-notes.md): dense bf16 GEMM and device copy.
 DENSE_TFLOPS = 790.0
 SPARSE_TFLOPS = 2 * DENSE_TFLOPS
-HBM_TBPS = 3.0
+HBM_TBPS = 3.0  # also jaxsparse.profile.HBM_TBPS (this module sets up the import of jaxsparse, so it cannot import it)
 
 # The shapes of the kernel benchmarks (issues 3 and 4): BERT-base and BERT-large linears.
 TOKENS = [16384, 4096]  # the targets (16384 tokens) first, so a cut-short run still has them

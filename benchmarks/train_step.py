@@ -341,10 +341,10 @@ def main(argv=None) -> int:
                          "(BertConfig.diagonal_ffn_out; jaxsparse.ops.diagonal_linear), or each such configuration "
                          "both ways in one run")
     ap.add_argument("--diagonal-all", action="store_true",
-                    help="also run each sparse configuration with M >= 8 and V % 64 == 0 with every encoder kernel as "
+                    help="also run each sparse configuration with M >= 8 and V %% 64 == 0 with every encoder kernel as "
                          "M/4 diagonal 2:4 blocks read through chunk tables (BertConfig.diagonal_all)")
     ap.add_argument("--diagonal-ffn", action="store_true",
-                    help="also run each sparse configuration with M >= 8 and V % 64 == 0 with the FFN's two kernels as "
+                    help="also run each sparse configuration with M >= 8 and V %% 64 == 0 with the FFN's two kernels as "
                          "M/4 diagonal 2:4 blocks read through chunk tables (BertConfig.diagonal_ffn)")
     ap.add_argument("--ffn", default="fused", choices=("fused", "unfused", "both"),
                     help="compressed FFNs as one jaxsparse.ops.sparse_mlp with the activation in the kernels (fused), "

@@ -83,6 +83,8 @@ class OpInfo:
       dot_lhs_contracting: the lhs contracting dimensions of that dot (empty when none or unknown).
       fused_opcodes: the opcodes inside a fusion (the instruction's own opcode otherwise).
       custom_call_target: the target of a custom call ("" otherwise).
+      io_bytes: the bytes of its operands and results as the module declares them (each counted once: the
+        traffic of an instruction that reads each input and writes each output once; 0 when a shape is unknown).
     """
 
     opcode: str
@@ -91,6 +93,7 @@ class OpInfo:
     dot_lhs_contracting: tuple[int, ...] = ()
     fused_opcodes: frozenset = frozenset()
     custom_call_target: str = ""
+    io_bytes: int = 0
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\([^=]*?\)|\S+)\s+(?P<op>[\w\-]+)\((?P<rest>.*)$")
@@ -98,6 +101,36 @@ _COMP = re.compile(r"^\s*(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
 _GEMM_TARGET = re.compile(r"gemm|matmul|cublas|cutlass", re.I)
 _DATA_MOVE = {"transpose", "copy", "bitcast", "reshape", "parameter", "slice", "concatenate", "pad", "dynamic-slice",
               "dynamic-update-slice", "reverse", "tuple", "get-tuple-element", "constant", "copy-start", "copy-done"}
+
+
+_DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
+                "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
+
+
+def _shape_bytes(text: str) -> int:
+    """The bytes of the array shapes written in ``text`` (``bf16[16384,1024]{1,0}``, tuples included)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(text):
+        size = _DTYPE_BYTES.get(dtype)
+        if size is None:
+            continue
+        n = 1
+        for d in dims.split(","):
+            if d:
+                n *= int(d)
+        total += n * size
+    return total
+
+
+def _operands(rest: str) -> str:
+    """The operand list of an instruction: ``rest`` up to the parenthesis that closes it."""
+    depth = 1
+    for i, ch in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            return rest[:i]
+    return rest
 
 
 def _dims(text: str, key: str) -> tuple[int, ...]:
@@ -113,11 +146,13 @@ def _dims(text: str, key: str) -> tuple[int, ...]:
 def parse_hlo(text: str) -> dict[str, OpInfo]:
     """``{instruction name: OpInfo}`` for every instruction of an HLO module's text (``compiled.as_text()``)."""
     comps: dict[str, list[tuple[str, str, str]]] = {}
+    result_bytes: dict[str, int] = {}
     current = None
     for line in text.splitlines():
         m = _INSTR.match(line)
         if m and current is not None:
             comps[current].append((m.group("name"), m.group("op"), m.group("rest")))
+            result_bytes[m.group("name")] = _shape_bytes(m.group("shape"))
             continue
         c = _COMP.match(line)
         if c and "=" not in line.split("{")[0].split("(")[0]:
@@ -161,6 +196,14 @@ def parse_hlo(text: str) -> dict[str, OpInfo]:
             return has, contracting, frozenset(ops)
         return False, (), frozenset({op})
 
+    def io_bytes(name: str, rest: str) -> int:
+        """Result bytes plus each operand's: written beside it (``bf16[8]{0} %p``) or its definition's result."""
+        total = result_bytes.get(name, 0)
+        for operand in _operands(rest).split(", "):
+            ref = re.search(r"%([\w.\-]+)\s*$", operand)
+            total += _shape_bytes(operand) if _ARRAY.search(operand) else result_bytes.get(ref.group(1), 0) if ref else 0
+        return total
+
     out: dict[str, OpInfo] = {}
     for instrs in comps.values():
         for name, op, rest in instrs:
@@ -169,7 +212,7 @@ def parse_hlo(text: str) -> dict[str, OpInfo]:
             target = re.search(r'custom_call_target="([^"]*)"', rest)
             out[name] = OpInfo(op, op_name.group(1) if op_name else "", has, contracting,
                                ops if op in ("fusion", "call") else frozenset({op}),
-                               target.group(1) if target else "")
+                               target.group(1) if target else "", io_bytes(name, rest))
     return out
 
 
@@ -427,6 +470,19 @@ def _split_forward_kernel(events: Sequence[DeviceEvent], infos: Sequence[OpInfo 
             f"transposed dX route")
 
 
+HBM_TBPS = 3.0
+"""The memory bandwidth the floors assume, TB/s: a device copy on this workplace's H100 (docs/kernel-notes.md)."""
+
+
+def _floor(io_bytes: int, count: float, ms: float) -> dict:
+    """A top op's memory floor: its instruction's operand and result bytes (:attr:`OpInfo.io_bytes`, per call) moved
+    once at :data:`HBM_TBPS`, per step, and its time over that floor; empty when the bytes are unknown."""
+    if not io_bytes:
+        return {}
+    floor = count * io_bytes / (HBM_TBPS * 1e12) * 1e3
+    return {"io_bytes": io_bytes, "floor_ms": floor, "over_floor": ms / floor}
+
+
 def summarize(events: Iterable[DeviceEvent], hlo: Mapping[str, OpInfo], steps: int, step_ms: float,
               device: dict | None = None, top: int = 25) -> Profile:
     """Bucket ``events`` (from ``steps`` steps) with :func:`classify`; per-step ms, % of step, counts.
@@ -447,10 +503,15 @@ def summarize(events: Iterable[DeviceEvent], hlo: Mapping[str, OpInfo], steps: i
     sums = {b: 0.0 for b in BUCKETS}
     counts = {b: 0 for b in BUCKETS}
     per_op: dict[tuple[str, str], list] = {}
+    by_kernel_name = {**{n.replace(".", "_"): i for n, i in hlo.items()}, **hlo}  # kernel names have "_" for "."
     for ev, info, b in zip(events, infos, kinds):
         sums[b] += ev.duration_ns
         counts[b] += 1
-        rec = per_op.setdefault((ev.name, b), [0.0, 0, info.op_name if info else "", ev.hlo_op])
+        named = by_kernel_name.get(ev.name)  # an XLA kernel is named after its instruction, in a command buffer too
+        rec = per_op.setdefault((ev.name, b), [0.0, 0, info.op_name if info else "", ev.hlo_op,
+                                               named.io_bytes if named else 0])
+        if named and not rec[2]:
+            rec[2] = named.op_name
         rec[0] += ev.duration_ns
         rec[1] += 1
     busy_ms = sum(sums.values()) / 1e6 / steps
@@ -459,7 +520,7 @@ def summarize(events: Iterable[DeviceEvent], hlo: Mapping[str, OpInfo], steps: i
                    "count": counts[b] / steps} for b in BUCKETS}
     ranked = sorted(per_op.items(), key=lambda kv: -kv[1][0])[:top]
     top_ops = [{"name": n, "bucket": b, "ms": v[0] / 1e6 / steps, "count": v[1] / steps, "op_name": v[2],
-                "hlo_op": v[3]} for (n, b), v in ranked]
+                "hlo_op": v[3], **_floor(v[4], v[1] / steps, v[0] / 1e6 / steps)} for (n, b), v in ranked]
     device["forward_kernel_calls"] = {"hlo_forward": calls[0], "hlo_dx": calls[1]}  # per step, from the compiled HLO
     return Profile(buckets, busy_ms, step_ms, steps, device, top_ops)
 
@@ -485,8 +546,12 @@ def format_table(p: Profile, top: int = 0) -> str:
              + (f" -> at most {p.step_ms / p.amdahl_bound_ms:.2f}x from faster sparse kernels" if p.amdahl_bound_ms > 0 else "")]
     if top:
         lines.append(f"top {min(top, len(p.top))} ops by time:")
+        lines.append(f"  (floor: the instruction's operand and result bytes once at {HBM_TBPS} TB/s, where the HLO "
+                     "names the kernel)")
         for t in p.top[:top]:
-            lines.append(f"  {t['ms']:8.3f} ms  x{t['count']:<4.0f} {t['bucket']:<16} {t['name'][:70]}  {t['op_name'][-70:]}")
+            floor = f"{t['floor_ms']:7.3f} ({t['over_floor']:4.1f}x)" if "floor_ms" in t else " " * 15
+            lines.append(f"  {t['ms']:8.3f} ms  x{t['count']:<4.0f} floor {floor} {t['bucket']:<16} {t['name'][:60]}  "
+                         f"{t['op_name'][-70:]}")
     return "\n".join(lines)
 
 

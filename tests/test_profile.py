@@ -171,6 +171,40 @@ def test_parse_hlo_reads_dots_scopes_and_contracting_dims():
     assert any(i.dot_lhs_contracting == (1,) and "optimizer" not in i.op_name for i in dots), text[-3000:]
 
 
+def test_parse_hlo_counts_each_instructions_operand_and_result_bytes():
+    """The memory floor of a top op rests on these: a fusion reading two [64, 32] float32 arrays and a bfloat16 [32]
+    bias, writing one bfloat16 [64, 32] array, moves 2*8192 + 64 + 4096 bytes (tuple results counted whole)."""
+    def f(a, b, c):
+        return (a * b + c.astype(jnp.float32)).astype(jnp.bfloat16)
+
+    text = jax.jit(f).lower(jnp.ones((64, 32)), jnp.ones((64, 32)), jnp.ones((32,), jnp.bfloat16)).compile().as_text()
+    hlo = profile.parse_hlo(text)
+    fusions = [i for i in hlo.values() if i.opcode == "fusion"]
+    assert [i.io_bytes for i in fusions] == [2 * 64 * 32 * 4 + 32 * 2 + 64 * 32 * 2], text
+    assert profile._shape_bytes("(f32[8]{0}, bf16[2,3]{1,0}, pred[], s32[4])") == 32 + 12 + 1 + 16
+    assert profile._operands("f32[2] %a, (f32[1], s8[3]) %t), kind=kLoop, calls=%c") == "f32[2] %a, (f32[1], s8[3]) %t"
+
+
+def test_top_ops_named_in_the_hlo_get_their_memory_floor():
+    """A GPU kernel that XLA emitted is named after its instruction (``.`` written ``_``) even when its event's hlo_op
+    is the command buffer around it: its op_name and bytes come from that instruction, its floor is the bytes at
+    HBM_TBPS per call."""
+    hlo = {"loop_add_fusion.3": OpInfo("fusion", "jit(step)/encoder/LayerNorm/add", io_bytes=3_000_000),
+           "command_buffer_1": OpInfo("call")}
+    events = [profile.DeviceEvent("loop_add_fusion_3", "command_buffer_1", 2000.0, "s", float(i)) for i in range(4)]
+    events.append(profile.DeviceEvent("void some_library_kernel<int>", "command_buffer_1", 500.0, "s", 9.0))
+    p = profile.summarize(events, hlo, steps=2, step_ms=1.0)
+    top = {t["name"]: t for t in p.top}
+    add = top["loop_add_fusion_3"]
+    assert add["count"] == 2 and add["ms"] == pytest.approx(4e-3)
+    assert add["floor_ms"] == pytest.approx(2 * 3e6 / (profile.HBM_TBPS * 1e12) * 1e3)  # 2 calls a step
+    assert add["over_floor"] == pytest.approx(add["ms"] / add["floor_ms"])
+    assert add["op_name"].endswith("LayerNorm/add") and add["io_bytes"] == 3_000_000
+    assert "floor_ms" not in top["void some_library_kernel<int>"]
+    table = profile.format_table(p, top=5)
+    assert f"floor {add['floor_ms']:7.3f} ({add['over_floor']:4.1f}x)" in table
+
+
 def test_real_cpu_profile_buckets_sum_to_measured_total(tmp_path, capsys):
     out = tmp_path / "prof.json"
     trace = tmp_path / "trace"
