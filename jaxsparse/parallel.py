@@ -23,7 +23,18 @@ True)``) its gradient is ``values``-shaped ``[R, 2K/M]``: the all-reduce carries
 (25 % of the dense kernel at ``*:2:8``), and the pattern never moves (it is replicated and fixed).
 :func:`exchanged_bytes` counts both from the leaves. ``jaxsparse-train --devices N|all`` uses this.
 
-Only one host: the mesh is built from ``jax.local_devices()``; multi-host meshes are not handled here.
+Many hosts: after :func:`jax.distributed.initialize` in every process, :func:`global_mesh` spans every process's
+devices and the same :func:`data_parallel` step runs on it. Each process passes its own rows of the global batch
+(``batch_size / jax.process_count()`` of them, the same number in each); the step assembles the global batch from
+them (:func:`shard_batch`), so no process ever holds another's rows, and returns the replicated outputs, which every
+process reads locally. The replicated arguments (params, optimizer state, key) must be equal in every process, as
+they are when every process starts from the same seed and runs the same steps::
+
+    jax.distributed.initialize()                      # coordinator, process count and id: arguments or environment
+    mesh = global_mesh()
+    dp_step = data_parallel(functools.partial(step, axis="data"), mesh, batch_argnums=(2,))
+    rows = process_rows(batch_size)                   # this process's slice of each global batch
+    params, opt_state, loss = dp_step(params, opt_state, global_batch[rows])
 """
 
 from __future__ import annotations
@@ -39,8 +50,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxsparse import pruning
 
-__all__ = ["DATA_AXIS", "local_mesh", "check_batch", "pmean_grads", "data_parallel", "exchanged_bytes",
-           "bert_exchanged_bytes", "main"]
+__all__ = ["DATA_AXIS", "local_mesh", "global_mesh", "process_rows", "shard_batch", "check_batch", "pmean_grads",
+           "data_parallel", "exchanged_bytes", "bert_exchanged_bytes", "main"]
 
 DATA_AXIS = "data"
 """Default name of the data-parallel mesh axis."""
@@ -73,6 +84,62 @@ def local_mesh(devices: int | str | Sequence[jax.Device] | None = None, axis: st
         if not chosen:
             raise ValueError("local_mesh: empty device list")
     return Mesh(np.asarray(chosen, dtype=object), (axis,))
+
+
+def global_mesh(axis: str = DATA_AXIS) -> Mesh:
+    """A 1-D mesh named ``axis`` over every device of every process (``jax.devices()``, in process order).
+
+    With one process it is :func:`local_mesh`'s mesh over all local devices. With several (after
+    :func:`jax.distributed.initialize`), :func:`data_parallel` over it takes each process's rows of the batch.
+
+    Raises:
+      ValueError: the processes do not hold the same number of devices (each would need a different batch share).
+    """
+    devices = jax.devices()
+    per_process: dict[int, int] = {}
+    for d in devices:
+        per_process[d.process_index] = per_process.get(d.process_index, 0) + 1
+    if len(set(per_process.values())) > 1:
+        raise ValueError(f"global_mesh: the processes hold different numbers of devices {per_process}; data "
+                         "parallelism here splits each batch evenly over processes")
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    return Mesh(np.asarray(ordered, dtype=object), (axis,))
+
+
+def _multi_process(mesh: Mesh) -> bool:
+    """Whether ``mesh`` holds devices of other processes (its batch then comes in per-process rows)."""
+    return any(d.process_index != jax.process_index() for d in mesh.devices.flat)
+
+
+def process_rows(batch_size: int, mesh: Mesh | None = None) -> slice:
+    """This process's rows of a global batch of ``batch_size`` examples on ``mesh`` (default: every process's
+    devices): the ``jax.process_index()``-th of ``jax.process_count()`` equal slices, which :func:`data_parallel`
+    expects each process to pass. ``slice(0, batch_size)`` in a single process.
+
+    Raises:
+      ValueError: ``batch_size`` is not divisible by the mesh's devices.
+    """
+    n_dev = mesh.size if mesh is not None else jax.device_count()
+    if batch_size % n_dev:
+        raise ValueError(f"batch size {batch_size} is not divisible by the {n_dev} devices of the mesh")
+    if mesh is not None and not _multi_process(mesh):
+        return slice(0, batch_size)
+    per = batch_size // jax.process_count()
+    return slice(jax.process_index() * per, (jax.process_index() + 1) * per)
+
+
+def shard_batch(batch: Any, mesh: Mesh, axis: str = DATA_AXIS) -> Any:
+    """The global batch ``jax.Array`` tree, split along its leading axis over ``mesh``, from this process's rows
+    (every leaf of ``batch``; :func:`process_rows`): :func:`jax.make_array_from_process_local_data`, leaf for leaf.
+    :func:`data_parallel` calls it on a mesh that spans processes; other code can call it to place a batch itself.
+
+    Raises:
+      ValueError: a leaf's leading axis is not divisible by this process's devices in ``mesh``.
+    """
+    mine = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+    check_batch(batch, mine)
+    sharding = jax.sharding.NamedSharding(mesh, P(axis))
+    return jax.tree_util.tree_map(lambda a: jax.make_array_from_process_local_data(sharding, np.asarray(a)), batch)
 
 
 def check_batch(batch: Any, n_devices: int) -> None:
@@ -109,14 +176,16 @@ def data_parallel(step_fn: Callable, mesh: Mesh, *, batch_argnums: Sequence[int]
         replicated other arguments, and must make its outputs equal on every device: average the
         gradients with :func:`pmean_grads` (``axis``) before the optimizer update, and the metrics too.
         Per-device randomness (dropout) comes from ``jax.random.fold_in(key, jax.lax.axis_index(axis))``.
-      mesh: a 1-D mesh (:func:`local_mesh`).
-      batch_argnums: positional arguments split along their leading axis (each may be a pytree).
+      mesh: a 1-D mesh (:func:`local_mesh`, or :func:`global_mesh` over several processes).
+      batch_argnums: positional arguments split along their leading axis (each may be a pytree). On a mesh that
+        spans processes, each process passes its own rows (:func:`process_rows`), assembled by :func:`shard_batch`.
       axis: the mesh axis to split over.
       donate_argnums: passed to :func:`jax.jit`.
 
     Returns:
       ``fn(*args)`` with the signature of ``step_fn``; it raises a ``ValueError`` before tracing when a
-      batch argument's leading axis is not divisible by the number of devices. Outputs are replicated.
+      batch argument's leading axis is not divisible by the number of devices (of this process, on a mesh that
+      spans processes). Outputs are replicated.
 
     Replication is not checked by JAX (``check_vma=False``): with the check on, ``jax.grad`` of a replicated
     parameter would already be summed over the axis, and an explicit ``pmean`` on top gives the wrong
@@ -128,6 +197,7 @@ def data_parallel(step_fn: Callable, mesh: Mesh, *, batch_argnums: Sequence[int]
     if not batch_argnums:
         raise ValueError("data_parallel needs at least one batch argument (batch_argnums)")
     n = mesh.shape[axis]
+    multi = _multi_process(mesh)
     jitted: dict[int, Callable] = {}
 
     def build(nargs: int) -> Callable:
@@ -143,13 +213,20 @@ def data_parallel(step_fn: Callable, mesh: Mesh, *, batch_argnums: Sequence[int]
             jitted[nargs] = build(nargs)
         return jitted[nargs]
 
-    def fn(*args):
+    def prepare(args: tuple) -> list:
+        args = list(args)
         for i in batch_argnums:
             if i < len(args):
-                check_batch(args[i], n)
-        return get(len(args))(*args)
+                if multi:  # this process's rows -> the global batch
+                    args[i] = shard_batch(args[i], mesh, axis)
+                else:
+                    check_batch(args[i], n)
+        return args
 
-    fn.lower = lambda *args: get(len(args)).lower(*args)  # type: ignore[attr-defined]
+    def fn(*args):
+        return get(len(args))(*prepare(args))
+
+    fn.lower = lambda *args: get(len(args)).lower(*prepare(args))  # type: ignore[attr-defined]
     fn.mesh = mesh  # type: ignore[attr-defined]
     return fn
 
