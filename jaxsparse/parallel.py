@@ -1,4 +1,5 @@
-"""Data-parallel training over the local devices, with compressed gradient exchange for sparse layers.
+"""Data-parallel training over the local devices or several processes, with compressed gradient exchange for
+sparse layers.
 
 One process, one 1-D mesh over its devices (:func:`local_mesh`). :func:`data_parallel` turns a
 per-device train step ``(params, opt_state, ..., batch, ...) -> (params, opt_state, metrics)`` into a

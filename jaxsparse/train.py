@@ -247,7 +247,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (params stay float32)")
     p.add_argument("--devices", default="1",
-                   help="data parallel over N local devices or 'all' (gradients averaged; the batch is split)")
+                   help="data parallel over N local devices or 'all' (gradients averaged; the batch is split); "
+                        "with --coordinator, 'all' is every device of every process")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="many hosts: run one jaxsparse-train per host with the same options and this one, "
+                        "--num-processes and --process-id (jax.distributed.initialize); each process feeds its "
+                        "rows of every batch, process 0 writes the outputs")
+    p.add_argument("--num-processes", type=int, default=None, help="with --coordinator: the processes in all")
+    p.add_argument("--process-id", type=int, default=None, help="with --coordinator: this process, 0 .. N-1")
     p.add_argument("--out", default="runs/latest", help="output folder (metrics.json, checkpoint/)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -269,6 +276,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error(f"--devices must be an int or 'all', got {args.devices!r}")
         if args.devices < 1:
             p.error("--devices must be >= 1")
+    given = [args.coordinator is not None, args.num_processes is not None, args.process_id is not None]
+    if any(given) and not all(given):
+        p.error("--coordinator, --num-processes and --process-id go together")
+    if args.coordinator is not None:
+        if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
+            p.error(f"need --num-processes >= 1 and 0 <= --process-id < --num-processes, got "
+                    f"{args.num_processes} and {args.process_id}")
+        if args.devices != "all":
+            p.error("--coordinator trains over every process's devices: give --devices all")
     if not 0.0 <= args.prune_begin <= args.prune_end <= 1.0:
         p.error("need 0 <= --prune-begin <= --prune-end <= 1")
     check_recipe_arguments(p, args)
@@ -762,12 +778,19 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         raise ValueError(f"the teacher runs in every step (--distill-hidden {hidden}, --distill-attention {attention}, "
                          f"--distill-augment {augment}): fit needs the teacher's params (teacher_params)")
 
+    devices = getattr(args, "devices", 1)
+    multi = jax.process_count() > 1 and devices == "all"
+    mesh = parallel.global_mesh() if multi else parallel.local_mesh(devices) if devices != 1 else None
+    n_dev = 1 if mesh is None else mesh.size
+    if mesh is not None and args.batch_size % n_dev == 0:
+        rows = parallel.process_rows(args.batch_size, mesh)  # this process's rows of every batch (all of them in one)
+    else:
+        rows = slice(None)
+
     def batch_of(idx):
+        idx = idx[rows]
         return _arrays(train, idx) + ((teacher_logits[idx],) if distill > 0 else ())
 
-    devices = getattr(args, "devices", 1)
-    mesh = parallel.local_mesh(devices) if devices != 1 else None
-    n_dev = 1 if mesh is None else mesh.size
     if args.batch_size % n_dev:
         raise ValueError(f"--batch-size {args.batch_size} is not divisible by the {n_dev} devices (--devices {devices})")
 
@@ -895,7 +918,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency
         tqdm = None
-    bars = tqdm is not None and not args.no_progress and on_step is None
+    bars = tqdm is not None and not args.no_progress and on_step is None and jax.process_index() == 0
     history, compressed, global_step = [], False, 0
     # Dropout masks from the RngBitGenerator: about 3x cheaper than threefry on a CPU, same on a GPU.
     drop_key = jax.random.key(args.seed + 1, impl="rbg")
@@ -980,7 +1003,8 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         "train_examples": len(train), "dev_examples": len(dev), "test_examples": len(test), "steps": global_step,
         "history": history, "dev_accuracy": history[-1]["dev_accuracy"], "test_accuracy": test_metrics["accuracy"],
         "test_loss": test_metrics["loss"], **averaged, "weight_sparsity": achieved,
-        "device": str(jax.devices()[0].device_kind), "devices": n_dev, "seconds": time.time() - t_start,
+        "device": str(jax.devices()[0].device_kind), "devices": n_dev, "processes": jax.process_count(),
+        "seconds": time.time() - t_start,
     }
     return metrics, final
 
@@ -1070,8 +1094,10 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     if teacher is not None:
         metrics["teacher"] = {k: teacher_metrics[k] for k in ("dev_accuracy", "test_accuracy", "steps", "lr")}
     metrics["seconds"] = time.time() - t_start
+    save_checkpoint(out / "checkpoint", final)  # every process takes part; process 0 writes it
+    if jax.process_index() != 0:
+        return metrics
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    save_checkpoint(out / "checkpoint", final)
     print(f"jaxsparse-train: {args.model} {args.task} {args.sparsity} ({args.prune}) | "
           f"dev acc {metrics['dev_accuracy']:.4f} | test acc {metrics['test_accuracy']:.4f} | "
           f"sparsity {metrics['weight_sparsity']:.3f} | {metrics['steps']} steps | {metrics['seconds']:.0f} s | {out}")
@@ -1089,10 +1115,14 @@ def save_checkpoint(path: Path, variables: dict) -> None:
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
-    if path.exists():
+    if path.exists() and jax.process_index() == 0:
         import shutil
 
         shutil.rmtree(path)
+    if jax.process_count() > 1:  # several processes (--coordinator) save together, once process 0 has cleared path
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"jaxsparse save_checkpoint {path}")
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path, jax.device_get(variables))
 
@@ -1105,9 +1135,21 @@ def load_checkpoint(path: str | Path) -> dict:
         return ckptr.restore(Path(path).absolute())
 
 
+def init_distributed(args: argparse.Namespace) -> None:
+    """``jax.distributed.initialize`` for ``--coordinator`` (nothing without it); on a CPU the processes' collectives
+    run on gloo. Call it before anything else touches JAX's devices."""
+    if getattr(args, "coordinator", None) is None:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
+                               process_id=args.process_id)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point ``jaxsparse-train``."""
-    run(parse_args(argv))
+    args = parse_args(argv)
+    init_distributed(args)
+    run(args)
     return 0
 
 

@@ -3,7 +3,8 @@
 Two processes with two host devices each, joined by ``jax.distributed`` (gloo collectives on the CPU), run the
 ``data_parallel`` step of a model of compressed ``NMDense`` layers, each passing only its own rows of every batch
 (``process_rows``). The parameters after a few steps must match the single-device step on the whole batch, and be
-the same in both processes. The processes run this file as a script; each prints one JSON report.
+the same in both processes; then the same processes run ``jaxsparse-train``'s training loop over both. The
+processes run this file as a script; each prints one JSON report.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ BATCH, STEPS = 16, 3
 
 
 # --------------------------------------------------------------------------------------------- worker
-def _worker(process_id: int, processes: int, port: int) -> dict:
+def _worker(process_id: int, processes: int, port: int, out: str) -> dict:
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -87,7 +88,15 @@ def _worker(process_id: int, processes: int, port: int) -> dict:
             call()
         except ValueError as e:
             errors[name] = str(e)
+    # the CLI's training loop on the same processes (jax.distributed is up: --devices all spans both)
+    from jaxsparse import train
+
+    cli = train.run(train.parse_args(["--model", "tiny", "--task", "trec", "--max-train", "256", "--max-eval", "32",
+                                      "--max-len", "16", "--batch-size", "32", "--lr", "2e-3", "--warmup", "0",
+                                      "--no-progress", "--sparsity", "16:2:8", "--compress", "on", "--devices", "all",
+                                      "--out", out]))
     return {"process": jax.process_index(), "processes": jax.process_count(), "devices": jax.device_count(),
+            "cli": {k: cli[k] for k in ("devices", "processes", "history", "test_accuracy", "compressed_training")},
             "local_devices": jax.local_device_count(), "mesh": mesh.size, "rows": [rows.start, rows.stop],
             "max_rel": err / upd, "dp_losses": dp_losses, "single_losses": single_losses,
             "param_sum": float(sum(np.sum(np.abs(a)) for a in leaves(dp_params))),
@@ -102,12 +111,17 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def reports() -> list[dict]:
+def out_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("multihost_run")
+
+
+@pytest.fixture(scope="module")
+def reports(out_dir) -> list[dict]:
     root = Path(__file__).resolve().parents[1]
     path = os.pathsep.join([str(root)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu", PYTHONPATH=path)
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, __file__, str(i), "2", str(port)], env=env, cwd=root,
+    procs = [subprocess.Popen([sys.executable, __file__, str(i), "2", str(port), str(out_dir)], env=env, cwd=root,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     out = []
     for p in procs:
@@ -147,5 +161,31 @@ def test_uneven_batches_are_clear_errors(reports):
     assert "not divisible by the 2 devices" in errors["shard"]
 
 
+def test_the_training_cli_runs_across_processes(reports, out_dir):
+    """``jaxsparse-train --devices all`` on two processes: one data-parallel run over their four devices, the same
+    steps in both (replicated), the outputs written once, by process 0."""
+    a, b = reports[0]["cli"], reports[1]["cli"]
+    assert (a["devices"], a["processes"]) == (4, 2) and a["compressed_training"]
+    assert a["history"][0]["train_loss"] == b["history"][0]["train_loss"] and a["test_accuracy"] == b["test_accuracy"]
+    assert a["history"][-1]["train_loss"] < a["history"][0]["first_loss"]
+    written = json.loads((out_dir / "metrics.json").read_text())
+    assert (written["processes"], written["devices"]) == (2, 4)
+    from jaxsparse import train
+
+    layer = train.load_checkpoint(out_dir / "checkpoint")["params"]["bert"]["encoder_layer_0"]["intermediate"]
+    assert "values" in layer and "kernel" not in layer
+
+
+def test_cli_distributed_options_go_together():
+    from jaxsparse import train
+
+    for bad in (["--coordinator", "h:1"], ["--coordinator", "h:1", "--num-processes", "2", "--process-id", "0"],
+                ["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2", "--devices", "all"]):
+        with pytest.raises(SystemExit):
+            train.parse_args(bad)
+    args = train.parse_args(["--coordinator", "h:1", "--num-processes", "2", "--process-id", "1", "--devices", "all"])
+    assert (args.coordinator, args.num_processes, args.process_id, args.devices) == ("h:1", 2, 1, "all")
+
+
 if __name__ == "__main__":
-    print(json.dumps(_worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))))
+    print(json.dumps(_worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))
