@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -31,14 +32,24 @@ inline ffi::Error LastLaunchError(const char* kernel) {
   return ffi::Error::Success();
 }
 
-// Sets a kernel's dynamic shared-memory limit once per instantiation (benign race: idempotent).
+// Sets a kernel's dynamic shared-memory limit once per instantiation and device: cudaFuncSetAttribute applies to
+// the current device only, and one process may drive several GPUs (XLA runs each device's program on its own
+// thread, with that device current). Set only on the first device, a launch on another asks for more shared memory
+// than its default limit and fails there while the others wait in their first collective (session 35: a
+// single-process data-parallel step on two GPUs hung). Concurrent first calls on one device both set it: idempotent.
 template <auto Kernel>
 ffi::Error RaiseSmemLimit(int bytes, const char* name) {
-  static bool done = false;
-  if (!done) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<bool> done[kMaxDevices] = {};
+  int device = -1;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
+    cudaGetLastError();
+    device = -1;  // unknown: set it every call
+  }
+  if (device < 0 || !done[device].load(std::memory_order_acquire)) {
     cudaError_t st = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (st != cudaSuccess) return CudaError(st, name);
-    done = true;
+    if (device >= 0) done[device].store(true, std::memory_order_release);
   }
   return ffi::Error::Success();
 }

@@ -31,6 +31,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -76,15 +77,25 @@ __host__ __device__ constexpr uint32_t Sw128MnOffset(int mn, int k, uint32_t col
 
 // Whether an sm_90a-only kernel's sm_90a image is what this device would run (an sm_80-only build, or
 // another GPU, does not).
+// Asked once per device (one process may drive GPUs of different kinds); a benign race: every thread computes the
+// same value.
 template <auto Kernel>
 bool Sm90aImageLoaded() {
-  static int ok = -1;  // benign race: every thread computes the same value
-  if (ok < 0) {
-    cudaFuncAttributes attr;
-    ok = cudaFuncGetAttributes(&attr, Kernel) == cudaSuccess && attr.binaryVersion == 90;
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> ok[kMaxDevices] = {};  // 0 unknown, 1 yes, 2 no
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
     cudaGetLastError();
+    device = 0;
   }
-  return ok == 1;
+  int known = ok[device].load(std::memory_order_relaxed);
+  if (known == 0) {
+    cudaFuncAttributes attr;
+    known = cudaFuncGetAttributes(&attr, Kernel) == cudaSuccess && attr.binaryVersion == 90 ? 1 : 2;
+    cudaGetLastError();
+    ok[device].store(known, std::memory_order_relaxed);
+  }
+  return known == 1;
 }
 
 // A TMA map over a row-major [rows, cols] matrix of 16-bit values (cols contiguous, cols % 8 == 0, base
