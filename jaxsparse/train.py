@@ -782,17 +782,14 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
     multi = jax.process_count() > 1 and devices == "all"
     mesh = parallel.global_mesh() if multi else parallel.local_mesh(devices) if devices != 1 else None
     n_dev = 1 if mesh is None else mesh.size
-    if mesh is not None and args.batch_size % n_dev == 0:
-        rows = parallel.process_rows(args.batch_size, mesh)  # this process's rows of every batch (all of them in one)
-    else:
-        rows = slice(None)
+    if args.batch_size % n_dev:
+        raise ValueError(f"--batch-size {args.batch_size} is not divisible by the {n_dev} devices (--devices {devices})")
+    # this process's rows of every batch: all of them in a single process
+    rows = parallel.process_rows(args.batch_size, mesh) if mesh is not None else slice(None)
 
     def batch_of(idx):
         idx = idx[rows]
         return _arrays(train, idx) + ((teacher_logits[idx],) if distill > 0 else ())
-
-    if args.batch_size % n_dev:
-        raise ValueError(f"--batch-size {args.batch_size} is not divisible by the {n_dev} devices (--devices {devices})")
 
     dtype = jnp.dtype(args.dtype)
     sparse = args.sparsity != "dense"
