@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 import warnings
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 __all__ = [
     "BUCKETS",
