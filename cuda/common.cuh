@@ -32,6 +32,18 @@ inline ffi::Error LastLaunchError(const char* kernel) {
   return ffi::Error::Success();
 }
 
+// Per-device caches of host-side facts (a process may drive several GPUs): the current device's ordinal as an index
+// into arrays of kMaxCachedDevices entries, or -1 when it cannot be read or lies past them.
+constexpr int kMaxCachedDevices = 64;
+inline int CurrentDeviceSlot() {
+  int device = -1;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxCachedDevices) {
+    cudaGetLastError();
+    return -1;
+  }
+  return device;
+}
+
 // Sets a kernel's dynamic shared-memory limit once per instantiation and device: cudaFuncSetAttribute applies to
 // the current device only, and one process may drive several GPUs (XLA runs each device's program on its own
 // thread, with that device current). Set only on the first device, a launch on another asks for more shared memory
@@ -39,13 +51,8 @@ inline ffi::Error LastLaunchError(const char* kernel) {
 // single-process data-parallel step on two GPUs hung). Concurrent first calls on one device both set it: idempotent.
 template <auto Kernel>
 ffi::Error RaiseSmemLimit(int bytes, const char* name) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<bool> done[kMaxDevices] = {};
-  int device = -1;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
-    cudaGetLastError();
-    device = -1;  // unknown: set it every call
-  }
+  static std::atomic<bool> done[kMaxCachedDevices] = {};
+  const int device = CurrentDeviceSlot();  // -1: set it every call
   if (device < 0 || !done[device].load(std::memory_order_acquire)) {
     cudaError_t st = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (st != cudaSuccess) return CudaError(st, name);

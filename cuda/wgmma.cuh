@@ -31,8 +31,11 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+
+#include "common.cuh"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define JAXSPARSE_WGMMA 1
@@ -81,13 +84,8 @@ __host__ __device__ constexpr uint32_t Sw128MnOffset(int mn, int k, uint32_t col
 // same value.
 template <auto Kernel>
 bool Sm90aImageLoaded() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> ok[kMaxDevices] = {};  // 0 unknown, 1 yes, 2 no
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
-    cudaGetLastError();
-    device = 0;
-  }
+  static std::atomic<int> ok[kMaxCachedDevices] = {};  // 0 unknown, 1 yes, 2 no
+  const int device = std::max(CurrentDeviceSlot(), 0);   // unreadable: the first slot's answer
   int known = ok[device].load(std::memory_order_relaxed);
   if (known == 0) {
     cudaFuncAttributes attr;
