@@ -41,6 +41,7 @@ they are when every process starts from the same seed and runs the same steps::
 from __future__ import annotations
 
 import argparse
+import collections
 import sys
 from typing import Any, Callable, Sequence
 
@@ -97,19 +98,12 @@ def global_mesh(axis: str = DATA_AXIS) -> Mesh:
       ValueError: the processes do not hold the same number of devices (each would need a different batch share).
     """
     devices = jax.devices()
-    per_process: dict[int, int] = {}
-    for d in devices:
-        per_process[d.process_index] = per_process.get(d.process_index, 0) + 1
+    per_process = collections.Counter(d.process_index for d in devices)
     if len(set(per_process.values())) > 1:
-        raise ValueError(f"global_mesh: the processes hold different numbers of devices {per_process}; data "
+        raise ValueError(f"global_mesh: the processes hold different numbers of devices {dict(per_process)}; data "
                          "parallelism here splits each batch evenly over processes")
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
     return Mesh(np.asarray(ordered, dtype=object), (axis,))
-
-
-def _multi_process(mesh: Mesh) -> bool:
-    """Whether ``mesh`` holds devices of other processes (its batch then comes in per-process rows)."""
-    return any(d.process_index != jax.process_index() for d in mesh.devices.flat)
 
 
 def process_rows(batch_size: int, mesh: Mesh | None = None) -> slice:
@@ -123,7 +117,7 @@ def process_rows(batch_size: int, mesh: Mesh | None = None) -> slice:
     n_dev = mesh.size if mesh is not None else jax.device_count()
     if batch_size % n_dev:
         raise ValueError(f"batch size {batch_size} is not divisible by the {n_dev} devices of the mesh")
-    if mesh is not None and not _multi_process(mesh):
+    if mesh is not None and not mesh.is_multi_process:
         return slice(0, batch_size)
     per = batch_size // jax.process_count()
     return slice(jax.process_index() * per, (jax.process_index() + 1) * per)
@@ -137,8 +131,7 @@ def shard_batch(batch: Any, mesh: Mesh, axis: str = DATA_AXIS) -> Any:
     Raises:
       ValueError: a leaf's leading axis is not divisible by this process's devices in ``mesh``.
     """
-    mine = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
-    check_batch(batch, mine)
+    check_batch(batch, len(mesh.local_devices))
     sharding = jax.sharding.NamedSharding(mesh, P(axis))
     return jax.tree_util.tree_map(lambda a: jax.make_array_from_process_local_data(sharding, np.asarray(a)), batch)
 
@@ -198,7 +191,7 @@ def data_parallel(step_fn: Callable, mesh: Mesh, *, batch_argnums: Sequence[int]
     if not batch_argnums:
         raise ValueError("data_parallel needs at least one batch argument (batch_argnums)")
     n = mesh.shape[axis]
-    multi = _multi_process(mesh)
+    multi = mesh.is_multi_process  # then each process passes its own rows of the batch
     jitted: dict[int, Callable] = {}
 
     def build(nargs: int) -> Callable:

@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import glob
 import json
+import math
 import os
 import re
 import statistics
@@ -110,17 +111,8 @@ _ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
 
 def _shape_bytes(text: str) -> int:
     """The bytes of the array shapes written in ``text`` (``bf16[16384,1024]{1,0}``, tuples included)."""
-    total = 0
-    for dtype, dims in _ARRAY.findall(text):
-        size = _DTYPE_BYTES.get(dtype)
-        if size is None:
-            continue
-        n = 1
-        for d in dims.split(","):
-            if d:
-                n *= int(d)
-        total += n * size
-    return total
+    return sum(_DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+               for dtype, dims in _ARRAY.findall(text) if dtype in _DTYPE_BYTES)
 
 
 def _operands(rest: str) -> str:
@@ -200,8 +192,10 @@ def parse_hlo(text: str) -> dict[str, OpInfo]:
         """Result bytes plus each operand's: written beside it (``bf16[8]{0} %p``) or its definition's result."""
         total = result_bytes.get(name, 0)
         for operand in _operands(rest).split(", "):
-            ref = re.search(r"%([\w.\-]+)\s*$", operand)
-            total += _shape_bytes(operand) if _ARRAY.search(operand) else result_bytes.get(ref.group(1), 0) if ref else 0
+            if _ARRAY.search(operand):
+                total += _shape_bytes(operand)
+            elif ref := re.search(r"%([\w.\-]+)\s*$", operand):
+                total += result_bytes.get(ref.group(1), 0)
         return total
 
     out: dict[str, OpInfo] = {}
