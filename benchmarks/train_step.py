@@ -13,6 +13,10 @@ reported with tokens/s, peak memory and the speedup and memory relative to dense
 three per-step averages (the host enqueues the next step while the GPU runs this one, so the per-step dispatch and
 sync gaps that the synced time includes drop out), with its own speedup (``speedup_vs_dense_pipelined``).
 
+With ``--devices 1,2`` each configuration also runs data parallel over 2 local devices at the same batch per
+device (the global batch doubles); such a row's ``data_parallel_overhead_ms`` is its step time over the one-device
+row's: the gradient all-reduce (dense kernels against compressed values) and what of it the step does not hide.
+
     python benchmarks/train_step.py                  # the full table (GPU); results/<gpu>/train_step.json
     python benchmarks/train_step.py --quick          # tiny BERT, few steps: a smoke test (CPU < 2 min)
 
@@ -82,7 +86,7 @@ def run_config(cfg: dict, turn: dict | None = None) -> dict:
                           exclusive_columns=bool(cfg.get("exclusive_columns")) and sparse,
                           diagonal_ffn_out=bool(cfg.get("diagonal_ffn_out")) and sparse,
                           diagonal_all=bool(cfg.get("diagonal_all")) and sparse,
-                          diagonal_ffn=bool(cfg.get("diagonal_ffn")) and sparse)
+                          diagonal_ffn=bool(cfg.get("diagonal_ffn")) and sparse, devices=cfg.get("devices", 1))
     # An in-process run's other configurations keep their own dX route; a JAXSPARSE_DX set by the user wins.
     # How sparse_mlp hands h over (ops.mlp_hidden_layout); None: as the environment says.
     with ops.mlp_hidden_scope(cfg.get("mlp_hidden")), ops.dx_route_scope(step_cfg.dx_route(), keep_set=True):
@@ -216,12 +220,35 @@ def _concurrent(configs: list[dict], timeout: float) -> list[dict]:
 def _same_problem(a: dict, b: dict) -> bool:
     keys = ("model", "seq_len", "batch_size")
     return (all(a[k] == b[k] for k in keys)
-            and a.get("attention", "softmax") == b.get("attention", "softmax"))
+            and a.get("attention", "softmax") == b.get("attention", "softmax")
+            and a.get("devices", 1) == b.get("devices", 1))
+
+
+_CONFIG_KEYS = ("model", "seq_len", "batch_size", "sparsity", "dtype", "attention", "steps", "warmup",
+                "fuse_feed_forward", "mlp_hidden", "transposable", "exclusive_columns", "diagonal_ffn_out",
+                "diagonal_all", "diagonal_ffn", "devices")
+"""The keys of a configuration (a result row holds them and its measurements)."""
+_TIMING = ("devices", "batch_size", "steps", "warmup")
+
+
+def _one_device_twin(r: dict, rows: list[dict]) -> dict | None:
+    """The row that ran ``r``'s configuration on one device with the same per-device batch, if any."""
+    want = {k: v for k, v in r.items() if k in _CONFIG_KEYS and k not in _TIMING}
+    return next((o for o in rows if o.get("devices", 1) == 1 and "error" not in o
+                  and {k: v for k, v in o.items() if k in _CONFIG_KEYS and k not in _TIMING} == want
+                  and o["batch_size"] * r.get("devices", 1) == r["batch_size"]), None)
 
 
 def add_relative(rows: list[dict]) -> None:
-    """Speedup and memory against the dense row of the same model, sequence and batch."""
+    """Speedup and memory against the dense row of the same model, sequence, batch and device count; with
+    several devices, the time over the same configuration on one device at the same per-device batch
+    (``data_parallel_overhead_ms``: the gradient all-reduce and whatever it does not overlap)."""
     for r in rows:
+        one = _one_device_twin(r, rows) if r.get("devices", 1) > 1 and "error" not in r else None
+        r["data_parallel_overhead_ms"] = r["step_ms"] - one["step_ms"] if one else None
+        r["data_parallel_overhead_ms_pipelined"] = (r["step_ms_pipelined"] - one["step_ms_pipelined"]
+                                                    if one and r.get("step_ms_pipelined") and one.get("step_ms_pipelined")
+                                                    else None)
         dense = next((d for d in rows if d["sparsity"] == "dense" and "error" not in d
                       and _same_problem(d, r)), None)
         ok = dense is not None and "error" not in r
@@ -247,21 +274,23 @@ def print_table(rows: list[dict]) -> None:
     out = []
     for r in rows:
         if "error" in r:
-            out.append({"model": r["model"], "seq": r["seq_len"], "batch": r["batch_size"], "sparsity": r["sparsity"],
-                        "mode": "error", "step ms": r["error"][:60]})
+            out.append({"model": r["model"], "seq": r["seq_len"], "batch": r["batch_size"], "gpus": r.get("devices", 1),
+                        "sparsity": r["sparsity"], "mode": "error", "step ms": r["error"][:60]})
             continue
         out.append({
-            "model": r["model"], "seq": r["seq_len"], "batch": r["batch_size"], "sparsity": r["sparsity"],
-            "attention": r.get("attention", "softmax"), "ffn": _ffn(r), "mode": r["mode"], "step ms": f"{r['step_ms']:.2f}", "tokens/s": f"{r['tokens_per_s']:.0f}",
+            "model": r["model"], "seq": r["seq_len"], "batch": r["batch_size"], "gpus": r.get("devices", 1),
+            "sparsity": r["sparsity"], "attention": r.get("attention", "softmax"), "ffn": _ffn(r), "mode": r["mode"], "step ms": f"{r['step_ms']:.2f}", "tokens/s": f"{r['tokens_per_s']:.0f}",
             "peak GiB": f"{r['peak_bytes'] / 2**30:.2f}" if r.get("peak_bytes") else "n/a",
             "speedup": f"{r['speedup_vs_dense']:.3f}x" if r.get("speedup_vs_dense") else "-",
             "pipelined ms": f"{r['step_ms_pipelined']:.2f}" if r.get("step_ms_pipelined") else "n/a",
             "speedup pipelined": (f"{r['speedup_vs_dense_pipelined']:.3f}x" if r.get("speedup_vs_dense_pipelined")
                                   else "-"),
             "memory": f"{r['memory_vs_dense']:.3f}x" if r.get("memory_vs_dense") else "-",
+            "dp overhead ms": (f"{r['data_parallel_overhead_ms_pipelined']:.2f}"
+                               if r.get("data_parallel_overhead_ms_pipelined") is not None else "-"),
         })
-    print(common.table(out, ["model", "seq", "batch", "sparsity", "attention", "ffn", "mode", "step ms", "tokens/s", "peak GiB",
-                             "speedup", "pipelined ms", "speedup pipelined", "memory"]))
+    print(common.table(out, ["model", "seq", "batch", "gpus", "sparsity", "attention", "ffn", "mode", "step ms", "tokens/s",
+                             "peak GiB", "speedup", "pipelined ms", "speedup pipelined", "memory", "dp overhead ms"]))
     for r in rows:
         if r.get("mode") == "masked":
             print(f"note: {r['model']} {r['sparsity']} ran masked-dense: {r['mode_reason']}")
@@ -277,12 +306,12 @@ def plot(rows: list[dict], path: str) -> str | None:
     except ImportError:
         return None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    groups = sorted({(r["model"], r["seq_len"], r["batch_size"]) for r in rows})
+    groups = sorted({(r["model"], r["seq_len"], r["batch_size"], r.get("devices", 1)) for r in rows})
     for g in groups:
-        sel = [r for r in rows if (r["model"], r["seq_len"], r["batch_size"]) == g and "error" not in r
-               and r.get("fuse_feed_forward", True) and r.get("mlp_hidden") != "row"]
+        sel = [r for r in rows if (r["model"], r["seq_len"], r["batch_size"], r.get("devices", 1)) == g
+               and "error" not in r and r.get("fuse_feed_forward", True) and r.get("mlp_hidden") != "row"]
         xs = [SPARSITIES.index(r["sparsity"]) if r["sparsity"] in SPARSITIES else i for i, r in enumerate(sel)]
-        label = f"{g[0]} seq {g[1]} batch {g[2]}"
+        label = f"{g[0]} seq {g[1]} batch {g[2]}" + (f" on {g[3]} GPUs" if g[3] > 1 else "")
         ax1.plot(xs, [r["speedup_vs_dense"] or float("nan") for r in sel], "o-", label=f"{label}, synced")
         if any(r.get("speedup_vs_dense_pipelined") for r in sel):  # steps dispatched back to back, as training runs
             ax1.plot(xs, [r.get("speedup_vs_dense_pipelined") or float("nan") for r in sel], "s--",
@@ -318,7 +347,11 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="base,large")
     ap.add_argument("--seqs", default="512,128")
     ap.add_argument("--sparsities", default=",".join(SPARSITIES))
-    ap.add_argument("--batch-size", type=int, default=None, help="override the BATCH table")
+    ap.add_argument("--batch-size", type=int, default=None, help="override the BATCH table (per device)")
+    ap.add_argument("--devices", default="1",
+                    help="comma-separated device counts: each configuration runs data parallel over this many local "
+                         "devices (jaxsparse.parallel.data_parallel), the batch per device fixed (weak scaling); rows "
+                         "with n > 1 report the time over the same configuration on one device")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per configuration (30; --quick: 6)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (5; --quick: 2)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -379,6 +412,12 @@ def main(argv=None) -> int:
         models, seqs = a.models.split(","), [int(s) for s in a.seqs.split(",")]
         steps, warmup = a.steps or 30, a.warmup if a.warmup is not None else 5
     sparsities = a.sparsities.split(",")
+    try:
+        device_counts = [int(n) for n in a.devices.split(",")]
+    except ValueError:
+        ap.error(f"--devices takes comma-separated integers, got {a.devices!r}")
+    if any(n < 1 for n in device_counts):
+        ap.error(f"--devices must be >= 1, got {a.devices!r}")
     configs = []
     for model in models:
         for seq in seqs:
@@ -394,10 +433,12 @@ def main(argv=None) -> int:
                              if s != "dense" and fmt.takes_diagonal_blocks(s) else [False])
                 if s != "dense" and fmt.takes_chunked_diagonal_blocks(s):
                     diagonals = diagonals + ["ffn"] * a.diagonal_ffn + ["all"] * a.diagonal_all
-                for (fuse, hidden), diagonal in [(v, d) for v in variants for d in diagonals]:
-                    configs.append({"model": model, "seq_len": seq, "batch_size": batch, "sparsity": s,
+                for (fuse, hidden), diagonal, n in [(v, d, n) for v in variants for d in diagonals
+                                                    for n in device_counts]:
+                    configs.append({"model": model, "seq_len": seq, "batch_size": batch * n, "sparsity": s,
                                     "dtype": a.dtype, "attention": a.attention, "steps": steps, "warmup": warmup,
                                     "fuse_feed_forward": fuse, **({"mlp_hidden": hidden} if hidden else {}),
+                                    **({"devices": n} if n > 1 else {}),
                                     **({"transposable": True} if a.transposable and s != "dense" else {}),
                                     **({"exclusive_columns": True} if a.exclusive_columns and s != "dense" else {}),
                                     **({"diagonal_all": True} if diagonal == "all"
@@ -410,7 +451,8 @@ def main(argv=None) -> int:
         rows = [run_config(cfg) if a.in_process else _worker(cfg, a.worker_timeout) for cfg in configs]
     for r in rows:
         status = r.get("error") or f"{r['mode']}: {r['step_ms']:.2f} ms/step"
-        print(f"[{time.time() - t0:6.1f} s] {r['model']} seq {r['seq_len']} batch {r['batch_size']} "
+        gpus = f" on {r['devices']} devices" if r.get("devices", 1) > 1 else ""
+        print(f"[{time.time() - t0:6.1f} s] {r['model']} seq {r['seq_len']} batch {r['batch_size']}{gpus} "
               f"{r['sparsity']}: {status}", flush=True)
     add_relative(rows)
     print_table(rows)

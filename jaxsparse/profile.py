@@ -338,10 +338,12 @@ _DERIVED_LINES = ("xla ops", "xla modules", "steps", "framework", "source", "lau
                   "host threads", "sparsecore")
 
 
-def device_events(xspace_path: str, module: str | None = None) -> tuple[list[DeviceEvent], dict]:
+def device_events(xspace_path: str, module: str | None = None,
+                  first_gpu_only: bool = False) -> tuple[list[DeviceEvent], dict]:
     """Device events of an ``.xplane.pb`` and a description of what was read.
 
-    On a GPU: the events of the ``/device:GPU:*`` planes' stream lines (kernels, memcpy). Without a GPU
+    On a GPU: the events of the ``/device:GPU:*`` planes' stream lines (kernels, memcpy); with
+    ``first_gpu_only``, of the first GPU's plane alone (one replica of a data-parallel step). Without a GPU
     plane: the XLA op events on the ``/host:CPU`` plane (those with an ``hlo_op`` stat). With ``module``,
     only events whose ``hlo_module`` stat names it (events without that stat are kept).
     """
@@ -349,7 +351,9 @@ def device_events(xspace_path: str, module: str | None = None) -> tuple[list[Dev
 
     data = ProfileData.from_file(xspace_path)
     planes = list(data.planes)
-    gpu = [p for p in planes if p.name.startswith("/device:GPU")]
+    gpu = sorted((p for p in planes if p.name.startswith("/device:GPU")), key=lambda p: p.name)
+    if first_gpu_only:
+        gpu = gpu[:1]
     out: list[DeviceEvent] = []
     lines_read: list[str] = []
 
@@ -516,6 +520,9 @@ def summarize(events: Iterable[DeviceEvent], hlo: Mapping[str, OpInfo], steps: i
     top_ops = [{"name": n, "bucket": b, "ms": v[0] / 1e6 / steps, "count": v[1] / steps, "op_name": v[2],
                 "hlo_op": v[3], **_floor(v[4], v[1] / steps, v[0] / 1e6 / steps)} for (n, b), v in ranked]
     device["forward_kernel_calls"] = {"hlo_forward": calls[0], "hlo_dx": calls[1]}  # per step, from the compiled HLO
+    # kernels XLA launched from a CUDA graph (a command buffer) against one by one: launch gaps live in the second
+    device["events_in_command_buffers"] = (sum(ev.hlo_op.startswith("command_buffer") for ev in events) / len(events)
+                                           if events else 0.0)
     return Profile(buckets, busy_ms, step_ms, steps, device, top_ops)
 
 
@@ -534,7 +541,8 @@ def format_table(p: Profile, top: int = 0) -> str:
     lines = [f"device: {dev.get('device', '?')}; plane read: {dev.get('plane', '?')} ({dev.get('note', '')})",
              *([f"note: {dev['split']}"] if dev.get("split") else []),
              *rows,
-             f"step time (median wall, synced): {p.step_ms:.3f} ms; busy - step = {p.busy_ms - p.step_ms:+.3f} ms",
+             f"step time (median wall, synced): {p.step_ms:.3f} ms; busy - step = {p.busy_ms - p.step_ms:+.3f} ms; "
+             f"{100 * dev.get('events_in_command_buffers', 0.0):.0f} % of the kernels launched from CUDA graphs",
              f"sparse kernels (SpMM + SDDMM + dX): {p.sparse_ms:.3f} ms = {100 * p.sparse_ms / p.step_ms if p.step_ms else 0:.1f} % of step",
              f"Amdahl bound (step - sparse): {p.amdahl_bound_ms:.3f} ms"
              + (f" -> at most {p.step_ms / p.amdahl_bound_ms:.2f}x from faster sparse kernels" if p.amdahl_bound_ms > 0 else "")]
@@ -597,7 +605,7 @@ def profile_step(config, steps: int = 5, warmup: int = 2, trace_dir: str | None 
     files = sorted(glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
     if not files:
         raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {tmp}")
-    events, desc = device_events(files[-1], module.group(1) if module else None)
+    events, desc = device_events(files[-1], module.group(1) if module else None, first_gpu_only=config.devices > 1)
     if not events:
         raise RuntimeError(f"no device events of module {module.group(1) if module else '?'} in {files[-1]}")
     dev = jax.devices()[0]
@@ -605,7 +613,8 @@ def profile_step(config, steps: int = 5, warmup: int = 2, trace_dir: str | None 
     prof = summarize(events, hlo, steps, step_ms, desc, top)
     prof.meta = {"model": config.model, "sparsity": config.sparsity, "mode": ts.mode, "mode_reason": ts.reason,
                  "batch_size": config.batch_size, "seq_len": config.seq_len, "tokens": ts.tokens,
-                 "dtype": config.dtype, "attention": config.attention, "jax": jax.__version__, "hlo_module": module.group(1) if module else None}
+                 "dtype": config.dtype, "attention": config.attention, "devices": config.devices, "jax": jax.__version__,
+                 "hlo_module": module.group(1) if module else None}
     return prof
 
 
@@ -624,8 +633,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="tiny", choices=MODELS)
     p.add_argument("--sparsity", default="64:2:8", help="'dense' or a V:N:M pattern (2:4, 64:2:8, 128:2:16, ...)")
     p.add_argument("--batch-size", type=int, default=None,
-                   help="default: the headline benchmark's batch for --model and --seq-len (32 for large at 512), "
-                        "else 8")
+                   help="per device; default: the headline benchmark's batch for --model and --seq-len (32 for large "
+                        "at 512), else 8")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=5, help="steps traced (and timed)")
     p.add_argument("--warmup", type=int, default=2)
@@ -652,6 +661,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--diagonal-ffn-out", action="store_true",
                    help="the FFN out kernels as M/4 diagonal 2:4 blocks (V:2:M with M >= 8; "
                         "jaxsparse.trainstep.StepConfig.diagonal_ffn_out)")
+    p.add_argument("--devices", type=int, default=1,
+                   help="data parallel over this many local devices (the batch is per device; the breakdown is the "
+                        "first GPU's, collectives included)")
     p.add_argument("--top", type=int, default=10, help="list the N most expensive ops (0: none)")
     p.add_argument("--trace-dir", default=None, help="keep the trace here (TensorBoard/xprof can open it)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the breakdown as JSON")
@@ -667,7 +679,8 @@ def step_config(args: argparse.Namespace):
     from jaxsparse.trainstep import StepConfig, default_batch_size
 
     batch = args.batch_size if args.batch_size is not None else default_batch_size(args.model, args.seq_len)
-    return StepConfig(args.model, args.sparsity, batch, args.seq_len, args.dtype, args.compressed,
+    return StepConfig(args.model, args.sparsity, batch * args.devices, args.seq_len, args.dtype, args.compressed,
+                      devices=args.devices,
                       attention=args.attention, transposable=args.transposable_masks,
                       exclusive_columns=args.exclusive_columns, diagonal_ffn_out=args.diagonal_ffn_out,
                       diagonal_all=args.diagonal_all, diagonal_ffn=args.diagonal_ffn)
@@ -688,6 +701,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"jaxsparse-profile: BERT-{m['model']} {m['sparsity']} ({m['mode']}{': ' + m['mode_reason'] if m['mode_reason'] else ''}), "
           f"batch {m['batch_size']} x seq {m['seq_len']} = {m['tokens']} tokens, {m['dtype']} compute, "
           f"{m['attention']} attention, AdamW, {prof.steps} steps traced"
+          + (f", data parallel over {m['devices']} devices (the first one's kernels)" if m["devices"] > 1 else "")
           + (", transposable masks (dX on W^T)" if args.transposable_masks else "")
           + (", column-exclusive masks (dX by V blocks)" if args.exclusive_columns else "")
           + (", FFN out as diagonal 2:4 blocks" if args.diagonal_ffn_out else "")

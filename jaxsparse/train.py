@@ -901,6 +901,11 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
                                        mask_score=score, straight_through=bool(regrow), **hd))
     logits_fn = cache.get("logits", master_key, lambda: make_logits(master))
     extra: dict = {}
+
+    def placed(tree):  # the step's constant arguments, on every device of the mesh once (not copied every step)
+        return parallel.replicate(tree, mesh) if mesh is not None else tree
+
+    step_extra = placed(teacher_extra)
     evaluate_dev, evaluate_test = _Evaluator(dev, args.batch_size), _Evaluator(test, args.batch_size)
 
     def variables_of(p):
@@ -932,12 +937,13 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
                                                                     opt_state[0], diagonal_fn=diagonal_fn,
                                                                     diagonal_chunks=diagonal_chunks)
                 opt_state, extra, compressed = base_state, {"sparsity": pattern}, True
+                step_extra = placed({**extra, **teacher_extra})
                 model = make_model(True)
                 step = cache.get("step", (model, base_key, False, mesh, kd, hidden, attention, augment),
                                  lambda: make_step(model, base, False, mesh, distill=kd[0], temperature=kd[1], **hd))
                 logits_fn = cache.get("logits", (model,), lambda: make_logits(model))
             drop_key, k_drop = jax.random.split(drop_key)
-            params, opt_state, loss = step(params, opt_state, {**extra, **teacher_extra}, batch_of(idx), k_drop)
+            params, opt_state, loss = step(params, opt_state, step_extra, batch_of(idx), k_drop)
             losses.append(loss)
             global_step += 1
             if average_start is not None and global_step > average_start:

@@ -24,7 +24,7 @@ import numpy as np
 import optax
 
 from jaxsparse import format as fmt
-from jaxsparse import pruning
+from jaxsparse import parallel, pruning
 from jaxsparse.models import bert
 from jaxsparse.train import OPTIMIZER_SCOPE, make_step
 
@@ -76,6 +76,9 @@ class StepConfig:
       diagonal_all: every encoder kernel as ``M / 4`` diagonal 2:4 blocks read through chunk tables (no relabelling;
         ``V`` a multiple of 64; ``BertConfig.diagonal_all``).
       diagonal_ffn: as ``diagonal_all`` for the FFN's two kernels only (``BertConfig.diagonal_ffn``).
+      devices: 1 = the single-device step; ``n > 1`` = data parallel over this process's first ``n`` devices
+        (:func:`jaxsparse.parallel.data_parallel`: ``batch_size`` is the global batch, split evenly, and the
+        gradients, dense kernels or compressed values, are all-reduced once a step).
     """
 
     model: str = "tiny"
@@ -92,6 +95,7 @@ class StepConfig:
     diagonal_ffn_out: bool = False
     diagonal_all: bool = False
     diagonal_ffn: bool = False
+    devices: int = 1
 
     def __post_init__(self) -> None:
         if self.model not in bert.PRESETS:
@@ -100,6 +104,9 @@ class StepConfig:
             fmt.VNM.parse(self.sparsity)  # ValueError naming the format
         if self.batch_size < 1 or self.seq_len < 1:
             raise ValueError(f"batch_size and seq_len must be >= 1, got {self.batch_size}, {self.seq_len}")
+        if self.devices < 1 or self.batch_size % self.devices:
+            raise ValueError(f"devices must be >= 1 and divide batch_size (the global batch), got devices="
+                             f"{self.devices}, batch_size={self.batch_size}")
         jnp.dtype(self.dtype)
         if self.attention not in bert.ATTENTION_IMPLS:
             raise ValueError(f"attention must be one of {bert.ATTENTION_IMPLS}, got {self.attention!r}")
@@ -224,8 +231,12 @@ def build_step(config: StepConfig) -> TrainStep:
         model, tx, extra, with_masks = master, base, {}, False
         opt_state = tx.init(params)
 
-    fn = make_step(model, tx, with_masks, donate=True)
+    mesh = parallel.local_mesh(config.devices) if config.devices > 1 else None
+    fn = make_step(model, tx, with_masks, mesh=mesh, donate=True)
     rng = jax.random.key(config.seed + 1, impl="rbg")
+    if mesh is not None:  # resident on every device once, not copied there at every step
+        params, opt_state, extra, rng = parallel.replicate((params, opt_state, extra, rng), mesh)
+        batch = jax.device_put(batch, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(parallel.DATA_AXIS)))
     if mode == "masked":  # the one-shot mask is set by the first update: take it before timing
         params, opt_state, _ = fn(params, opt_state, extra, batch, rng)
     return TrainStep(fn, (params, opt_state, extra, batch, rng), mode, reason, config, cfg)

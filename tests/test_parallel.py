@@ -106,6 +106,18 @@ def _worker() -> dict:
     out["compressed"] = {"close": close(single[0], dp[0]), "max_rel": max_rel(single[0], dp[0], c_params),
                          "loss_single": single[2], "loss_dp": dp[2]}
 
+    # the constant arguments placed on the mesh once: every leaf on both devices, the same steps
+    placed = parallel.replicate(extra, mesh)
+    leaves = jax.tree_util.tree_leaves(placed)
+    dp_placed = run(dp_step, c_params, c_state0, placed, batch)
+    out["replicate"] = {
+        "leaves": len(leaves),
+        "on_every_device": all(x.sharding.is_fully_replicated and x.sharding.device_set == set(mesh.devices.flat)
+                               for x in leaves),
+        "original_on_one_device": all(len(x.sharding.device_set) == 1 for x in jax.tree_util.tree_leaves(extra)),
+        "same_steps": close(dp[0], dp_placed[0]) and dp[2] == dp_placed[2],
+    }
+
     # the collectives of the compiled step: result shapes of every all-reduce
     def allreduce_shapes(step, *args):
         hlo = step.lower(*args).compile().as_text()
@@ -168,6 +180,12 @@ def test_compressed_mode_matches_the_full_batch_step(report):
     r = report["compressed"]
     assert r["close"] and r["max_rel"] < 1e-3, r
     assert r["loss_dp"] == pytest.approx(r["loss_single"], rel=1e-5)
+
+
+def test_replicate_puts_the_constant_arguments_on_every_device_once(report):
+    r = report["replicate"]
+    assert r["leaves"] > 0 and r["on_every_device"] and r["original_on_one_device"], r
+    assert r["same_steps"], r
 
 
 def _multiset(shapes):

@@ -329,3 +329,20 @@ def test_profile_defaults_to_the_headline_batch():
     cfg = profile.step_config(profile.parse_args(["--model", "large", "--seq-len", "512", "--batch-size", "4"]))
     assert cfg.batch_size == 4
     assert profile.step_config(profile.parse_args([])).batch_size == 8
+
+
+def test_devices_makes_the_batch_per_device_and_a_data_parallel_step():
+    """--devices N profiles the data-parallel step: the batch given (or the headline's) is per device."""
+    from jaxsparse import profile
+
+    cfg = profile.step_config(profile.parse_args(["--model", "large", "--seq-len", "512", "--devices", "2"]))
+    assert (cfg.devices, cfg.batch_size) == (2, 64)
+    cfg = profile.step_config(profile.parse_args(["--batch-size", "3", "--devices", "4"]))
+    assert (cfg.devices, cfg.batch_size) == (4, 12)
+
+
+def test_events_in_command_buffers_is_the_share_launched_from_graphs():
+    events = [profile.DeviceEvent("k", "command_buffer_1", 1.0, "s"), profile.DeviceEvent("k", "fusion_3", 1.0, "s"),
+              profile.DeviceEvent("k", "command_buffer_2", 1.0, "s"), profile.DeviceEvent("k", "", 1.0, "s")]
+    p = profile.summarize(events, {}, steps=1, step_ms=1.0)
+    assert p.device["events_in_command_buffers"] == pytest.approx(0.5)

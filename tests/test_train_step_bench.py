@@ -170,3 +170,36 @@ def test_chunked_diagonal_steps_run_compressed_with_chunk_tables(tmp_path):
                 StepConfig(**{field: True}, **kwargs)
     with pytest.raises(ValueError):
         StepConfig(sparsity="64:2:8", diagonal_all=True, diagonal_ffn=True)
+
+
+def test_devices_runs_data_parallel_rows_beside_their_one_device_twin(tmp_path, monkeypatch):
+    """--devices 1,2: each configuration also runs over 2 devices at the same batch per device, and that row
+    reports its time over the one-device row."""
+    bench = _load()
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")  # the workers' 2 host devices
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    out = tmp_path / "train_step.json"
+    rc = bench.main(["--quick", "--sparsities", "64:2:8", "--devices", "1,2", "--steps", "2", "--warmup", "1",
+                     "--batch-size", "2", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert rc == 0, [r.get("error") for r in rows]
+    one, two = rows
+    assert (one.get("devices", 1), one["batch_size"]) == (1, 2)
+    assert (two["devices"], two["batch_size"], two["tokens"]) == (2, 4, 4 * 128)
+    assert one["mode"] == two["mode"] == "compressed"
+    assert one["data_parallel_overhead_ms"] is None
+    assert two["data_parallel_overhead_ms"] == pytest.approx(two["step_ms"] - one["step_ms"])
+    assert two["data_parallel_overhead_ms_pipelined"] == pytest.approx(two["step_ms_pipelined"] - one["step_ms_pipelined"])
+    assert two["speedup_vs_dense"] is None  # no dense row on 2 devices to compare with
+    assert two["loss_last"] == two["loss_last"]  # not NaN
+
+
+def test_devices_must_divide_the_global_batch():
+    from jaxsparse.trainstep import StepConfig
+
+    with pytest.raises(ValueError, match="divide batch_size"):
+        StepConfig(batch_size=6, devices=4)
+    with pytest.raises(ValueError, match="devices must be >= 1"):
+        StepConfig(devices=0)
+    with pytest.raises(SystemExit):
+        _load().main(["--quick", "--devices", "1,x"])
