@@ -23,7 +23,6 @@ TOL = dict(rtol=2e-5, atol=2e-6)
 # --------------------------------------------------------------------------------------------- worker
 def _worker() -> dict:
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
 
