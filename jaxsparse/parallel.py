@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -57,6 +58,10 @@ __all__ = ["DATA_AXIS", "local_mesh", "global_mesh", "process_rows", "shard_batc
 
 DATA_AXIS = "data"
 """Default name of the data-parallel mesh axis."""
+
+UNPLACED_WARN_LEAVES = 8
+""":func:`data_parallel` warns (once, at its second call) about a non-batch argument with more arrays than this
+that are not on every device of the mesh: the step copies them there at every call (see :func:`replicate`)."""
 
 
 def local_mesh(devices: int | str | Sequence[jax.Device] | None = None, axis: str = DATA_AXIS) -> Mesh:
@@ -196,6 +201,10 @@ def data_parallel(step_fn: Callable, mesh: Mesh, *, batch_argnums: Sequence[int]
       batch argument's leading axis is not divisible by the number of devices (of this process, on a mesh that
       spans processes). Outputs are replicated.
 
+    At its second call (when the first call's params and optimizer state have come back replicated) ``fn`` warns
+    about a non-batch argument that still holds more than :data:`UNPLACED_WARN_LEAVES` arrays off the mesh: the
+    step copies those to every device at every call; :func:`replicate` places them once.
+
     Replication is not checked by JAX (``check_vma=False``): with the check on, ``jax.grad`` of a replicated
     parameter would already be summed over the axis, and an explicit ``pmean`` on top gives the wrong
     scale. Here the gradients are local until :func:`pmean_grads` averages them, as in ``pmap`` code.
@@ -232,7 +241,27 @@ def data_parallel(step_fn: Callable, mesh: Mesh, *, batch_argnums: Sequence[int]
                     check_batch(args[i], n)
         return args
 
+    calls = [0]
+
+    def warn_unplaced(args: tuple) -> None:
+        """On the second call (the first one's params and optimizer state come back replicated): say which
+        arguments still hold many arrays off the mesh, which the step copies to every device at every call."""
+        mesh_devices = set(mesh.devices.flat)
+        for i, arg in enumerate(args):
+            if i in batch_argnums:
+                continue
+            leaves = [x for x in jax.tree_util.tree_leaves(arg)
+                      if isinstance(x, jax.Array) and x.sharding.device_set != mesh_devices]
+            if len(leaves) > UNPLACED_WARN_LEAVES:
+                warnings.warn(f"data_parallel: argument {i} has {len(leaves)} arrays that are not on every device of the "
+                              "mesh; the step copies them there at every call before it can start. Place the arguments "
+                              "that stay the same from step to step once with jaxsparse.parallel.replicate(tree, mesh).",
+                              stacklevel=3)
+
     def fn(*args):
+        calls[0] += 1
+        if calls[0] == 2:
+            warn_unplaced(args)
         return get(len(args))(*prepare(args))
 
     fn.lower = lambda *args: get(len(args)).lower(*prepare(args))  # type: ignore[attr-defined]

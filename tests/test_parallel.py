@@ -109,7 +109,18 @@ def _worker() -> dict:
     placed = parallel.replicate(extra, mesh)
     leaves = jax.tree_util.tree_leaves(placed)
     dp_placed = run(dp_step, c_params, c_state0, placed, batch)
+    import warnings
+
+    def warnings_of(extra_arg):  # a fresh data-parallel step, two calls
+        step = train.make_step(comp, tx_sgd, False, mesh)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run(step, c_params, c_state0, extra_arg, batch)
+        return [str(w.message) for w in caught if "data_parallel" in str(w.message)]
+
     out["replicate"] = {
+        "warned_unplaced": warnings_of(extra),
+        "warned_placed": warnings_of(placed),
         "leaves": len(leaves),
         "on_every_device": all(x.sharding.is_fully_replicated and x.sharding.device_set == set(mesh.devices.flat)
                                for x in leaves),
@@ -185,6 +196,10 @@ def test_replicate_puts_the_constant_arguments_on_every_device_once(report):
     r = report["replicate"]
     assert r["leaves"] > 0 and r["on_every_device"] and r["original_on_one_device"], r
     assert r["same_steps"], r
+    # a step given the pattern off the mesh says so once (argument 2, the "extra" collections), one given it placed not
+    assert len(r["warned_unplaced"]) == 1 and "argument 2 has" in r["warned_unplaced"][0], r["warned_unplaced"]
+    assert "parallel.replicate" in r["warned_unplaced"][0]
+    assert r["warned_placed"] == [], r["warned_placed"]
 
 
 def _multiset(shapes):
