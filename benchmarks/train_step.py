@@ -228,14 +228,15 @@ _CONFIG_KEYS = ("model", "seq_len", "batch_size", "sparsity", "dtype", "attentio
                 "fuse_feed_forward", "mlp_hidden", "transposable", "exclusive_columns", "diagonal_ffn_out",
                 "diagonal_all", "diagonal_ffn", "devices")
 """The keys of a configuration (a result row holds them and its measurements)."""
-_TIMING = ("devices", "batch_size", "steps", "warmup")
+_SCALED = ("devices", "batch_size", "steps", "warmup")
+"""The keys in which a multi-device row and its one-device twin may differ."""
 
 
 def _one_device_twin(r: dict, rows: list[dict]) -> dict | None:
     """The row that ran ``r``'s configuration on one device with the same per-device batch, if any."""
-    want = {k: v for k, v in r.items() if k in _CONFIG_KEYS and k not in _TIMING}
+    want = {k: v for k, v in r.items() if k in _CONFIG_KEYS and k not in _SCALED}
     return next((o for o in rows if o.get("devices", 1) == 1 and "error" not in o
-                  and {k: v for k, v in o.items() if k in _CONFIG_KEYS and k not in _TIMING} == want
+                  and {k: v for k, v in o.items() if k in _CONFIG_KEYS and k not in _SCALED} == want
                   and o["batch_size"] * r.get("devices", 1) == r["batch_size"]), None)
 
 
