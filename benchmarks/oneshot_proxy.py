@@ -20,6 +20,8 @@ Second-order criteria (``jaxsparse.obs``), from each kernel's input second momen
 the calibration tokens (padding excluded), damped by ``--damp * mean(diag H)``:
 
 * ``obs``: the OBS saliency ``W_jr^2 / [H^-1]_jj`` as the ``select_mask`` score;
+* ``sparsegpt``: ``jaxsparse.obs.sparsegpt_mask``, the mask chosen one input group at a time on the weights that the
+  OBS updates of the groups before it left (SparseGPT's order); its rows without refit keep the original weights;
 * ``--refit``: after a layer's mask is chosen, its kept weights are re-solved by least squares
   (``jaxsparse.obs.refit``: per output row, ``w_S = H_SS^-1 H_S: w``; biases are left as they are).
   Refit rows are **sequential** (``jaxsparse.obs.oneshot_refit``, which ``jaxsparse-train --refit`` uses too):
@@ -149,7 +151,7 @@ def main() -> None:
                     q = input_sq(model, p, calib)
                     same, _ = jax.jit(lambda v: model.apply({"params": v}, *evalb))(p)
                     extra["dense_max_abs_change"] = float(jnp.abs(same - dense_h).max())
-                if criterion == "obs":
+                if criterion in ("obs", "sparsegpt"):
                     _, masks = second_order_prune(model, p, pattern, criterion, calib, args.damp, False, False)
                     extra["damp"] = args.damp
                 else:

@@ -13,6 +13,8 @@ Everything here works from ``H`` (:func:`input_hessian`, damped by :func:`damp_h
   ``jaxsparse.format.select_mask`` (higher = keep);
 * :func:`refit` -- given a mask, the kept weights that minimise ``E_r`` for every output:
   ``w'_S = (H_SS)^-1 H_S: w_r`` (zero off the mask);
+* :func:`sparsegpt_mask` -- a mask chosen one input group at a time on the weights that the OBS updates of the
+  groups before it left (SparseGPT's order), instead of on the original weights;
 * :func:`oneshot_refit` -- a whole model: every sparse kernel in forward order gets its mask (and with
   ``refit``, refit kept weights) from its input ``H`` over calibration batches (:func:`input_hessians`),
   measured on the model already pruned and refit before it. ``benchmarks/oneshot_proxy.py`` and
@@ -33,6 +35,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import flax.linen as nn
@@ -51,6 +54,7 @@ __all__ = [
     "hessian_inverse_diag",
     "obs_scores",
     "refit",
+    "sparsegpt_mask",
     "reconstruction_error",
     "CRITERIA",
     "mask_score",
@@ -224,8 +228,62 @@ def refit(w: ArrayLike, mask: ArrayLike, h: ArrayLike, damp: float = 0.01, *, ch
     return jnp.asarray(out.astype(np.float32), dtype=dtype)
 
 
-CRITERIA = ("magnitude", "activation", "obs")
-"""Mask scores of :func:`oneshot_refit` (:func:`mask_score`)."""
+CRITERIA = ("magnitude", "activation", "obs", "sparsegpt")
+"""Mask criteria of :func:`oneshot_refit`: the scores of :func:`mask_score`, or ``sparsegpt``
+(:func:`sparsegpt_mask`, a selection made jointly with the updates it implies)."""
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "transposable", "exclusive_columns"))
+def _select_group(scores: jax.Array, spec: str, transposable: bool, exclusive_columns: bool) -> jax.Array:
+    return F.select_mask(scores, spec, transposable=transposable, exclusive_columns=exclusive_columns)
+
+
+def sparsegpt_mask(w: ArrayLike, h: ArrayLike, spec, damp: float = 0.01, *, transposable: bool = False,
+                   exclusive_columns: bool = False) -> jax.Array:
+    """A V:N:M mask chosen one input group at a time, each on the weights that the Optimal Brain Surgeon updates
+    of the groups before it left (the order of SparseGPT, Frantar and Alistarh 2023).
+
+    With ``H^-1 = U^T U`` (``U`` upper triangular, of the damped ``H``), the ``M`` input features of group ``g`` are
+    masked by ``jaxsparse.format.select_mask`` on the saliencies ``w_jr^2 / U_jj^2`` of the current weights, then
+    pruned one feature ``j`` at a time: its removed weights' error ``e_r = w_jr / U_jj`` moves onto the features
+    after it (``w_{j:} -= U_{j, j:}^T e``), so the later groups are chosen on weights that already make up for the
+    earlier cuts. :func:`score <mask_score>` + ``select_mask`` chooses every group on the original weights instead.
+    Only the mask is returned; :func:`refit` then gives the kept weights that are optimal for it.
+
+    Args:
+      w: ``[K, R]`` kernel.
+      h: ``[K, K]`` input second moment (:func:`input_hessian`).
+      spec: the V:N:M pattern (``K % M == 0``, ``R % V == 0``).
+      damp: relative damping of ``H`` (:func:`damp_hessian`).
+      transposable, exclusive_columns: ``select_mask``'s options (both decided within a group).
+
+    Returns:
+      ``[K, R]`` boolean mask of pattern ``spec``.
+    """
+    spec = F.VNM.parse(spec)
+    wn = _as_np(w, "w").astype(np.float64)
+    if wn.ndim != 2:
+        raise ValueError(f"sparsegpt_mask needs a 2-D kernel [K, R], got shape {wn.shape}")
+    F.validate_shape(wn.shape, spec)
+    k, r = wn.shape
+    hd = np.asarray(damp_hessian(h, damp) if damp else jnp.asarray(h, jnp.float32), np.float64)
+    _check_hessian(hd, k)
+    try:
+        h_inv = np.linalg.inv(np.linalg.cholesky(hd))
+        u = np.linalg.cholesky(h_inv.T @ h_inv).T  # H^-1 = U^T U
+    except np.linalg.LinAlgError:
+        raise ValueError("H must be positive definite: damp it (damp > 0)") from None
+    diag = np.diag(u)
+    mask = np.zeros((k, r), bool)
+    for g0 in range(0, k, spec.m):
+        sl = slice(g0, g0 + spec.m)
+        sal = wn[sl] ** 2 / diag[sl, None] ** 2
+        mask[sl] = np.asarray(_select_group(jnp.asarray(sal, jnp.float32), str(spec), bool(transposable),
+                                            bool(exclusive_columns)))
+        for j in range(g0, g0 + spec.m):
+            err = np.where(mask[j], 0.0, wn[j]) / u[j, j]
+            wn[j:] -= np.outer(u[j, j:], err)
+    return jnp.asarray(mask)
 
 
 def mask_score(criterion: str, w: ArrayLike, h: ArrayLike, damp: float = 0.01) -> jax.Array:
@@ -233,13 +291,16 @@ def mask_score(criterion: str, w: ArrayLike, h: ArrayLike, damp: float = 0.01) -
 
     ``magnitude``: ``w`` itself (``|W|``); ``activation``: ``|W_jr| * sqrt(H_jj)`` (Wanda's ``|W_jr| * ||X_j||``
     up to a constant, the ``score="activation"`` of :func:`jaxsparse.pruning.gmp_prune`); ``obs``:
-    :func:`obs_scores` with ``H`` damped by ``damp``.
+    :func:`obs_scores` with ``H`` damped by ``damp``; ``sparsegpt``: the ``obs`` score too (what
+    :func:`oneshot_refit` selects by where :func:`sparsegpt_mask` does not apply: diagonal blocks).
     """
     if criterion == "magnitude":
         return w
     if criterion == "activation":
         return jnp.abs(w) * jnp.sqrt(jnp.maximum(jnp.asarray(np.diag(np.asarray(h))), 0.0))[:, None]
     if criterion == "obs":
+        return obs_scores(w, hessian_inverse_diag(h, damp))
+    if criterion == "sparsegpt":  # a selection, not a score: the diagonal layout takes the OBS score instead
         return obs_scores(w, hessian_inverse_diag(h, damp))
     raise ValueError(f"criterion must be one of {CRITERIA}, got {criterion!r}")
 
@@ -334,7 +395,8 @@ def oneshot_refit(model: nn.Module, params, batches: Sequence[tuple], spec, scor
     each stage's input ``H`` (:func:`input_hessians` over the calibration ``batches``) is measured on the
     model whose earlier kernels are already pruned (and refit), so later layers are fit to the inputs
     they will see; otherwise every ``H`` comes from the dense model. Each kernel's mask is
-    ``select_mask(mask_score(score, W, H, damp), spec)`` and, with ``refit``, its kernel becomes
+    ``select_mask(mask_score(score, W, H, damp), spec)`` (``score="sparsegpt"``: :func:`sparsegpt_mask`) and, with
+    ``refit``, its kernel becomes
     ``refit(W, mask, H, damp)`` (exactly zero off the mask; biases are left as they are).
 
     Args:
@@ -380,6 +442,8 @@ def oneshot_refit(model: nn.Module, params, batches: Sequence[tuple], spec, scor
             s = mask_score(score, w, h, damp)
             if diagonal_fn is not None and diagonal_fn(tuple(map(str, kp)), w):
                 m = pruning.diagonal_mask(s, spec)
+            elif score == "sparsegpt":
+                m = sparsegpt_mask(w, h, spec, damp, transposable=transposable, exclusive_columns=exclusive_columns)
             else:
                 m = F.select_mask(s, spec, transposable=transposable, exclusive_columns=exclusive_columns)
             masks_flat[kp] = m

@@ -192,3 +192,45 @@ def test_oneshot_refit_masks_survive_reselection(score="activation"):
                                            for k, m in traverse_util.flatten_dict(masks).items()})
     again = traverse_util.flatten_dict(pruning.oneshot_masks(new, "16:2:8", input_sq=sq))
     assert all(bool((np.asarray(again[k]) == np.asarray(m)).all()) for k, m in flat_m.items())
+
+
+@pytest.mark.parametrize("pattern, transposable", [("2:4", False), ("16:2:8", False), ("16:2:8", True)])
+def test_sparsegpt_mask_with_uncorrelated_inputs_is_the_magnitude_mask(pattern, transposable):
+    """With H = I no removed weight has anywhere to go (U = I): every group is chosen on the original weights,
+    as select_mask on the squared magnitudes chooses them."""
+    _, w = _data(k=32, r=64)
+    m = obs.sparsegpt_mask(w, np.eye(32, dtype=np.float32), pattern, damp=0.0, transposable=transposable)
+    want = fmt.select_mask(w.astype(np.float32) ** 2, pattern, transposable=transposable)
+    np.testing.assert_array_equal(np.asarray(m), np.asarray(want))
+    assert fmt.check_mask(np.asarray(m), pattern)
+
+
+def test_sparsegpt_mask_keeps_the_duplicate_that_takes_over_a_pruned_weight():
+    """Input 8 duplicates input 0 (x_8 = x_0). Group 0 of the row keeps its two large weights and prunes w_0; the
+    OBS update moves w_0 onto w_8, which group 1 then keeps. The one-shot OBS score instead sees each duplicate as
+    free to remove alone and prunes both: after the refit its layer error is larger."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4000, 16)).astype(np.float32)
+    x[:, 8] = x[:, 0]
+    w = np.zeros((16, 4), np.float32)
+    w[:8, 0] = [1.0, 3.0, 3.0, 0.1, 0, 0, 0, 0]          # group 0 (inputs 0-3), group 1 (4-7)
+    w[8:, 0] = [0.5, 1.2, 1.2, 0.1, 0, 0, 0, 0]          # group 2 (inputs 8-11) holds the duplicate, group 3
+    w[:, 1:] = rng.normal(size=(16, 3)) * 0.1
+    h = np.asarray(obs.input_hessian(x))
+    damp = 1e-4
+    m_gpt = np.asarray(obs.sparsegpt_mask(w, h, "2:4", damp))
+    m_obs = np.asarray(fmt.select_mask(obs.mask_score("obs", w, h, damp), "2:4"))
+    assert fmt.check_mask(m_gpt, "2:4") and not m_gpt[0, 0] and m_gpt[8, 0]
+    assert not m_obs[0, 0] and not m_obs[8, 0]
+    err = {name: obs.reconstruction_error(w, obs.refit(w, m, h, damp), h) for name, m in (("gpt", m_gpt), ("obs", m_obs))}
+    assert err["gpt"] < 0.8 * err["obs"], err
+
+
+def test_sparsegpt_mask_bad_inputs_raise():
+    _, w = _data(k=32, r=64)
+    with pytest.raises(ValueError, match="2-D"):
+        obs.sparsegpt_mask(w[0], np.eye(32), "2:4")
+    with pytest.raises(ValueError, match=r"\[K, K\]"):
+        obs.sparsegpt_mask(w, np.eye(16), "2:4")
+    with pytest.raises(ValueError):
+        obs.sparsegpt_mask(w, np.eye(32), "16:2:12")  # K = 32 is not a multiple of M = 12
