@@ -182,7 +182,8 @@ def hyperparameters(args: argparse.Namespace) -> dict[str, Any]:
             **({"diagonal_ffn": True} if args.diagonal_ffn else {}),
             **({"diagonal_attention": True} if args.diagonal_attention else {}),
             **({"average_from": args.average_from} if args.average_from else {}),
-            **({"teacher_seeds": args.teacher_seeds} if args.teacher_seeds > 1 else {})}
+            **({"teacher_seeds": args.teacher_seeds} if args.teacher_seeds > 1 else {}),
+            **({"refit_selection": args.refit_selection} if args.refit and args.refit_selection != "score" else {})}
 
 
 def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> argparse.Namespace:
@@ -206,7 +207,7 @@ def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> a
             "--init", args.init if sparsity != "dense" else "pretrained",
             "--average-from", str(args.average_from if sparsity != "dense" else 0.0), "--no-progress"]
     if args.refit and sparsity != "dense":
-        argv += ["--refit", "--refit-batches", str(args.refit_batches)]
+        argv += ["--refit", "--refit-batches", str(args.refit_batches), "--refit-selection", args.refit_selection]
     if sparsity != "dense":  # the mask-rule switches act on sparse runs only
         argv += [flag for flag in ("--transposable-masks", "--exclusive-columns", "--diagonal-ffn-out",
                                    "--diagonal-all", "--diagonal-ffn", "--diagonal-attention")
@@ -374,6 +375,7 @@ def section(payload: dict) -> str:
     else:
         recipe = ", ".join([f"{epochs}, " + ("one-shot" if oneshot else f"GMP to {hp['prune_end']:g}")]
                            + (["least-squares refit"] if hp.get("refit") else [])
+                           + (["SparseGPT-order masks"] if hp.get("refit_selection") == "sparsegpt" else [])
                            + ([f"distillation {hp['distill']:g}"] if hp.get("distill") else [])
                            + ([f"hidden-state distillation {hp['distill_hidden']:g}"] if hp.get("distill_hidden") else [])
                            + ([f"attention distillation {hp['distill_attention']:g}"] if hp.get("distill_attention") else [])
@@ -397,7 +399,10 @@ def section(payload: dict) -> str:
         "; sparse runs "
         + ("are pruned one-shot to their pattern at step 0" + (
             f", after a sequential least-squares refit of the kept weights on {hp.get('refit_batches')} calibration "
-            "batches (`--refit`)" if hp.get("refit") else "") if oneshot else
+            "batches (`--refit`)" + (", the masks chosen group by group on the weights that the OBS updates of the "
+                                     "earlier groups left (`--refit-selection sparsegpt`)"
+                                     if hp.get("refit_selection") == "sparsegpt" else "")
+            if hp.get("refit") else "") if oneshot else
            f"use GMP from step 0 to {hp['prune_end']:g} of training through the kernel-eligible ladder "
            "(2:4 → V:2:8 → V:2:16)")
         + (f"; their masks are then learned (`--regrow-every`): the pruned weights keep training with straight-through "
@@ -675,7 +680,7 @@ SPARSE_ONLY_HYPERPARAMETERS = ("prune", "ladder", "prune_begin", "prune_end", "f
                                "regrow_every", "regrow_until", "regrow_decay", "transposable_masks",
                                "exclusive_columns", "diagonal_ffn_out", "diagonal_all", "diagonal_ffn",
                                "diagonal_attention", "average_from",
-                               "teacher_seeds")
+                               "teacher_seeds", "refit_selection")
 
 
 def _dense_settings(hp: dict) -> dict:

@@ -47,7 +47,7 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
     """The sparse fine-tuning recipe options shared by ``jaxsparse-train`` and ``benchmarks/accuracy.py``:
     ``--fade``, ``--score``, ``--distill``, ``--temperature``, ``--distill-hidden``, ``--distill-attention``,
     ``--distill-augment``, ``--augment-neighbors``, ``--student-epochs``, ``--student-lr``, ``--init``, ``--refit``,
-    ``--refit-batches``, ``--regrow-every``, ``--regrow-until``, ``--regrow-decay``, ``--transposable-masks``,
+    ``--refit-batches``, ``--refit-selection``, ``--regrow-every``, ``--regrow-until``, ``--regrow-decay``, ``--transposable-masks``,
     ``--exclusive-columns``, ``--diagonal-ffn-out``, ``--diagonal-ffn``, ``--diagonal-all``,
     ``--diagonal-attention``."""
     p.add_argument("--fade", type=float, default=0.0,
@@ -89,6 +89,9 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
                         "layer by layer in forward order (jaxsparse.obs.oneshot_refit)")
     p.add_argument("--refit-batches", type=int, default=8,
                    help="--refit calibration: the first N training batches (of --batch-size, --max-len)")
+    p.add_argument("--refit-selection", default="score", choices=("score", "sparsegpt"),
+                   help="how --refit chooses the one-shot masks: by --score, or group by group on the weights that the "
+                        "OBS updates of the groups before left (jaxsparse.obs.sparsegpt_mask)")
     p.add_argument("--regrow-every", type=int, default=0,
                    help="learned masks (SR-STE): once the final pattern is in, keep training the pruned weights with "
                         "straight-through gradients and choose the masks again (same --score) every N steps, until "
@@ -170,6 +173,8 @@ def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
         p.error(REFIT_RULE)
     if args.refit_batches < 1:
         p.error("--refit-batches must be >= 1")
+    if args.refit_selection != "score" and not args.refit:
+        p.error("--refit-selection chooses --refit's masks: give --refit (with --prune oneshot)")
     if args.regrow_every < 0:
         p.error("need --regrow-every >= 0")
     if args.regrow_every > 0:
@@ -834,7 +839,9 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         n_cal = min(getattr(args, "refit_batches", 8), len(train) // args.batch_size)
         calib = [_arrays(train, slice(i * args.batch_size, (i + 1) * args.batch_size))[:3] for i in range(n_cal)]
         t_refit = time.time()
-        params, _ = obs.oneshot_refit(master, params, calib, spec, getattr(args, "score", "magnitude"),
+        selection = getattr(args, "refit_selection", "score")
+        params, _ = obs.oneshot_refit(master, params, calib, spec,
+                                      "sparsegpt" if selection == "sparsegpt" else getattr(args, "score", "magnitude"),
                                       damp=REFIT_DAMP, transposable=transposable, exclusive_columns=exclusive,
                                       diagonal_fn=diagonal_fn)
         # The one-shot prune below selects its masks at step 0 from these params (the warm-up's learning rate
@@ -995,6 +1002,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         "distill": distill, "temperature": temperature if distill > 0 else None, "distill_hidden": hidden,
         "distill_attention": attention, "distill_augment": augment, "augment_neighbors": n_neighbors,
         "refit": refit, "refit_batches": n_cal if refit else None,
+        "refit_selection": getattr(args, "refit_selection", "score") if refit else None,
         **({"regrow_every": regrow_every, "regrow_until": regrow["regrow_until"],
             "regrow_decay": regrow["regrow_decay"], "regrow_mask_change": pruning.mask_change(first_masks, final_masks)}
            if regrow else {}),

@@ -242,6 +242,14 @@ def test_refit_is_passed_through(acc):
     assert "least-squares refit" in acc.section(payload)
     with pytest.raises(SystemExit, match="2"):
         acc.parse_args(["--quick", "--refit"])  # GMP runs cannot be refit
+    # --refit-selection sparsegpt: passed to the sparse runs, recorded only when not the default, described
+    args = acc.parse_args(["--quick", "--prune", "oneshot", "--refit", "--refit-selection", "sparsegpt"])
+    assert acc.run_args(args, "trec", "64:2:8", 0).refit_selection == "sparsegpt"
+    assert acc.hyperparameters(args)["refit_selection"] == "sparsegpt" and "refit_selection" not in hp
+    payload = _payload(acc, "trec", ["dense", "64:2:8"], {"dense": [0.9, 0.9], "64:2:8": [0.8, 0.8]},
+                       prune="oneshot", refit=True, refit_batches=3, refit_selection="sparsegpt")
+    payload["summary"] = []
+    assert "`--refit-selection sparsegpt`" in acc.section(payload)
 
 
 def test_section_describes_fade_only_where_it_applies(acc):

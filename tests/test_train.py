@@ -207,6 +207,26 @@ def test_oneshot_refit_run(tmp_path, monkeypatch, capsys):
     assert step0.keys() == masks.keys() and all((step0[k] == masks[k]).all() for k in masks)
 
 
+def test_refit_selection_sparsegpt_reaches_oneshot_refit(monkeypatch, capsys):
+    """--refit-selection sparsegpt makes --refit choose its masks with jaxsparse.obs.sparsegpt_mask (the criterion
+    oneshot_refit gets), and it needs --refit."""
+    from jaxsparse import obs
+
+    class Seen(Exception):
+        pass
+
+    def record(*a, **k):
+        raise Seen(a[4])
+
+    monkeypatch.setattr(obs, "oneshot_refit", record)
+    with pytest.raises(Seen, match="sparsegpt"):
+        train.run(train.parse_args(TINY + ["--sparsity", "16:2:8", "--prune", "oneshot", "--refit",
+                                            "--refit-selection", "sparsegpt", "--score", "activation"]))
+    with pytest.raises(SystemExit):
+        train.parse_args(["--sparsity", "16:2:8", "--prune", "oneshot", "--refit-selection", "sparsegpt"])
+    assert "--refit-selection chooses --refit's masks" in capsys.readouterr().err
+
+
 def test_refit_needs_oneshot(capsys):
     for argv in (["--sparsity", "2:4", "--prune", "gmp", "--refit"], ["--sparsity", "dense", "--refit"]):
         with pytest.raises(SystemExit):
