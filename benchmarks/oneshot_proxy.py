@@ -78,12 +78,12 @@ def input_sq(model: bert.BertModel, params: dict, batch: tuple) -> dict:
     return pruning.input_norms_tree(traverse_util.unflatten_dict(sums), params)
 
 
-def second_order_prune(model, params, pattern, criterion, calib, damp, refit, sequential):
+def second_order_prune(model, params, pattern, criterion, calib, damp, refit, sequential, transposable=False):
     """Masks (params-shaped, None off the encoder kernels) and params for one criterion, optionally refit:
     :func:`jaxsparse.obs.oneshot_refit` on the one calibration batch ``calib`` (``sequential``: each
     stage's ``H`` is measured on the model pruned and refit so far; else all ``H`` come from the dense model)."""
     return obs.oneshot_refit(model, params, [calib], pattern, criterion, damp=damp, refit=refit,
-                             sequential=sequential)
+                             sequential=sequential, transposable=transposable)
 
 
 def compare(model, params, masks, batch, dense_h) -> dict[str, float]:
@@ -112,6 +112,8 @@ def main() -> None:
     parser.add_argument("--refit-independent", action="store_true",
                         help="also refit rows with every H from the dense model (layer-independent)")
     parser.add_argument("--damp", type=float, default=0.01, help="relative Hessian damping for obs and refit")
+    parser.add_argument("--transposable", action="store_true",
+                        help="transposable masks (select_mask's option, as --transposable-masks trains with)")
     parser.add_argument("--out", default="benchmarks/results/cpu/oneshot_proxy.json")
     args = parser.parse_args()
     t0 = time.time()
@@ -152,10 +154,12 @@ def main() -> None:
                     same, _ = jax.jit(lambda v: model.apply({"params": v}, *evalb))(p)
                     extra["dense_max_abs_change"] = float(jnp.abs(same - dense_h).max())
                 if criterion in ("obs", "sparsegpt"):
-                    _, masks = second_order_prune(model, p, pattern, criterion, calib, args.damp, False, False)
+                    _, masks = second_order_prune(model, p, pattern, criterion, calib, args.damp, False, False,
+                                                  args.transposable)
                     extra["damp"] = args.damp
                 else:
-                    masks = pruning.oneshot_masks(p, pattern, input_sq=q if criterion == "activation" else None)
+                    masks = pruning.oneshot_masks(p, pattern, input_sq=q if criterion == "activation" else None,
+                                                  transposable=args.transposable)
                 assert all(F.check_mask(m, pattern) for m in jax.tree_util.tree_leaves(masks))
                 r = {"pattern": pattern, "criterion": criterion, "permuted": permuted, "refit": False,
                      **compare(model, p, masks, evalb, dense_h), **extra}
@@ -164,7 +168,8 @@ def main() -> None:
                       f"{r['embedding_cosine_mean']:14.4f} ({r['embedding_cosine_min']:.4f})", flush=True)
             for mode, sequential in refit_modes:
                 t1 = time.time()
-                p, masks = second_order_prune(model, params, pattern, criterion, calib, args.damp, True, sequential)
+                p, masks = second_order_prune(model, params, pattern, criterion, calib, args.damp, True, sequential,
+                                              args.transposable)
                 assert all(F.check_mask(m, pattern) for m in jax.tree_util.tree_leaves(masks))
                 r = {"pattern": pattern, "criterion": criterion, "permuted": False, "refit": True, "hessian": mode,
                      "damp": args.damp, **compare(model, p, masks, evalb, dense_h), "seconds": time.time() - t1}
@@ -175,7 +180,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(jax=jax.__version__, python=platform.python_version(), model="all-MiniLM-L6-v2",
                                    calibration_sentences=args.calibration, evaluation_sentences=len(evalb[0]),
-                                   max_len=args.max_len, criteria=criteria, damp=args.damp,
+                                   max_len=args.max_len, criteria=criteria, damp=args.damp, transposable=args.transposable,
                                    permute_iters=args.permute_iters if args.permute else None, rows=rows, seconds=time.time() - t0), indent=1))
     print(f"wrote {out} ({time.time() - t0:.0f} s)")
 
