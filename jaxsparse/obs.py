@@ -298,9 +298,7 @@ def mask_score(criterion: str, w: ArrayLike, h: ArrayLike, damp: float = 0.01) -
         return w
     if criterion == "activation":
         return jnp.abs(w) * jnp.sqrt(jnp.maximum(jnp.asarray(np.diag(np.asarray(h))), 0.0))[:, None]
-    if criterion == "obs":
-        return obs_scores(w, hessian_inverse_diag(h, damp))
-    if criterion == "sparsegpt":  # a selection, not a score: the diagonal layout takes the OBS score instead
+    if criterion in ("obs", "sparsegpt"):  # sparsegpt is a selection; where it does not apply it takes this score
         return obs_scores(w, hessian_inverse_diag(h, damp))
     raise ValueError(f"criterion must be one of {CRITERIA}, got {criterion!r}")
 
@@ -439,13 +437,13 @@ def oneshot_refit(model: nn.Module, params, batches: Sequence[tuple], spec, scor
         for path in stage:
             kp = path + ("kernel",)
             w, h = flat[kp], hs[path]
-            s = mask_score(score, w, h, damp)
             if diagonal_fn is not None and diagonal_fn(tuple(map(str, kp)), w):
-                m = pruning.diagonal_mask(s, spec)
-            elif score == "sparsegpt":
+                m = pruning.diagonal_mask(mask_score(score, w, h, damp), spec)
+            elif score == "sparsegpt":  # chooses its own mask: no score to compute
                 m = sparsegpt_mask(w, h, spec, damp, transposable=transposable, exclusive_columns=exclusive_columns)
             else:
-                m = F.select_mask(s, spec, transposable=transposable, exclusive_columns=exclusive_columns)
+                m = F.select_mask(mask_score(score, w, h, damp), spec, transposable=transposable,
+                                  exclusive_columns=exclusive_columns)
             masks_flat[kp] = m
             if refit:
                 flat[kp] = refit_kernel(w, m, h, damp=damp)
