@@ -16,6 +16,7 @@
 #   machine kept warm between calls keeps /tmp, and an earlier call's runs must not join this one's results
 set -u
 : "${OUT:?set OUT to the folder for the result files}"
+# (the processes run without OUT: accuracy.py would copy its result to $OUT/accuracy.json, each over the last)
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 JAXSPARSE_DATA_DIR=$PWD/.devdata PYTHONPATH=$PWD JAXSPARSE_COMMIT=${COMMIT:-unknown}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 t0=$(date +%s); el() { echo "$(( $(date +%s) - t0 ))s"; }
@@ -30,7 +31,7 @@ for spec in ${SPARSE:-}; do
   sp=${SPARSITY:-64:2:8}
   d=$ACC/sparse_${task}_${sp//:/_}_lr${lr}${tag:+_$tag}_s${seed//+/-}; mkdir -p $d
   g=$(( ${GPU0:-0} + n % ${GPUS:-1} )); n=$(( n + 1 ))
-  CUDA_VISIBLE_DEVICES=$g timeout ${LIMIT:-570} python3 benchmarks/accuracy.py --tasks $task --sparsities $sp --seed-list ${seed//+/,} --epochs 6 \
+  env -u OUT CUDA_VISIBLE_DEVICES=$g timeout ${LIMIT:-570} python3 benchmarks/accuracy.py --tasks $task --sparsities $sp --seed-list ${seed//+/,} --epochs 6 \
     --prune-end 0.33 --fade 0.15 --distill 0.9 --refit-batches 32 --temperature 2 --score activation \
     --init teacher --prune oneshot --refit --distill-hidden 5 --distill-attention 1 --distill-augment 0.3 \
     --augment-neighbors 8 --student-epochs 24 --student-lr $lr ${opts//,/ } --teacher-dir /tmp/teachers/gpu$g \
@@ -41,7 +42,7 @@ for spec in ${DENSE:-}; do
   IFS=: read task lr seeds <<< "$spec"
   d=$ACC/dense_${task}_lr${lr}_s${seeds//,/}; mkdir -p $d
   g=$(( ${GPU0:-0} + n % ${GPUS:-1} )); n=$(( n + 1 ))
-  CUDA_VISIBLE_DEVICES=$g timeout ${LIMIT:-570} python3 benchmarks/accuracy.py --tasks $task --sparsities dense --seed-list $seeds --epochs 6 \
+  env -u OUT CUDA_VISIBLE_DEVICES=$g timeout ${LIMIT:-570} python3 benchmarks/accuracy.py --tasks $task --sparsities dense --seed-list $seeds --epochs 6 \
     --lr $lr --out-dir $d --no-progress > $d/log.txt 2>&1 &
   pids+=($!)
 done
