@@ -34,6 +34,10 @@ def _compilation_cache() -> None:
 
 _compilation_cache()
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `pytest -n N`: N processes share the GPU, so none may take most of its memory at start (jax's default).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 
 def gpu_available() -> bool:
     try:
