@@ -2,7 +2,8 @@
 # On the GPU machine: build the extension, run every GPU test, then any extra commands given.
 #   bash scripts/gpu_check.sh                       # build + pytest -m gpu
 #   bash scripts/gpu_check.sh "python3 benchmarks/spmm.py --quick"
-#   GPU_PROCS=8 bash scripts/gpu_check.sh           # the GPU tests in 8 processes at once (JAXSPARSE_TEST_SHARD)
+#   GPU_PROCS=15 bash scripts/gpu_check.sh          # the GPU tests in 15 processes at once (pytest-xdist where it is
+#                                                   # installed or carried in .whl/, JAXSPARSE_TEST_SHARD otherwise)
 # Writes logs under $OUT when that is set. Only sm_90a is built here unless JAXSPARSE_CUDA_GENCODE says
 # otherwise (the full sm_80 + sm_90a build is what `pip install .` does).
 set -uo pipefail
@@ -28,7 +29,14 @@ echo "build: $(( $(date +%s) - t0 )) s"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 (cd /tmp && python3 -c "import jax, jaxsparse.ffi as f; print('jax', jax.__version__, jax.devices(), 'targets', f.target_names())")
 procs=${GPU_PROCS:-1}
-if [ "$procs" -gt 1 ]; then
+if [ "$procs" -gt 1 ] && (cd /tmp && python3 -c "import xdist" 2>/dev/null); then
+  # pytest-xdist: n workers share the GPU and take tests as they free up (tests/conftest.py turns preallocation off).
+  (cd /tmp && pytest -q -rfE -m gpu -p no:cacheprovider -n "$procs" --dist worksteal ${GPU_TESTS:-"$repo/tests"} \
+     > "$OUT/gpu_tests.log" 2>&1)
+  status=$?
+  grep -h "^FAILED\|^ERROR" "$OUT/gpu_tests.log" | head -40
+  tail -1 "$OUT/gpu_tests.log"
+elif [ "$procs" -gt 1 ]; then
   # n pytest processes share the GPU (JAXSPARSE_TEST_SHARD=i/n; the host's cores compile in parallel, and the
   # processes allocate GPU memory as they go instead of each taking most of it up front).
   for i in $(seq 0 $((procs - 1))); do
