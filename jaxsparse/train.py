@@ -249,8 +249,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-train", type=int, default=2000, help="training examples (0 = all)")
     p.add_argument("--max-eval", type=int, default=0, help="dev/test examples (0 = all)")
     p.add_argument("--max-len", type=int, default=48, help="tokens per example, [CLS] and [SEP] included")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="compute dtype (params stay float32)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="compute dtype (params stay float32); auto: bfloat16 on a GPU, where the sparse kernels take "
+                        "it (float32 runs their pure-JAX references), float32 elsewhere")
     p.add_argument("--devices", default="1",
                    help="data parallel over N local devices or 'all' (gradients averaged; the batch is split); "
                         "with --coordinator, 'all' is every device of every process")
@@ -796,7 +797,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         idx = idx[rows]
         return _arrays(train, idx) + ((teacher_logits[idx],) if distill > 0 else ())
 
-    dtype = jnp.dtype(args.dtype)
+    dtype = jnp.dtype(resolve_dtype(args))
     sparse = args.sparsity != "dense"
     spec = fmt.VNM.parse(args.sparsity) if sparse else None
     diagonal = bool(getattr(args, "diagonal_ffn_out", False)) and sparse
@@ -1071,7 +1072,7 @@ def fit_teacher(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig
     """Fine-tune the dense teacher of ``args`` (:func:`teacher_args`); returns its training-set logits, its
     metrics and its params."""
     metrics, variables = fit(teacher_args(args), data, cfg, pretrained, **fit_kwargs)
-    logits = predict_logits(cfg, variables, data.train, data.task.num_labels, args.dtype, args.batch_size)
+    logits = predict_logits(cfg, variables, data.train, data.task.num_labels, resolve_dtype(args), args.batch_size)
     return logits, metrics, variables["params"]
 
 
@@ -1084,8 +1085,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return _run(args)
 
 
+def resolve_dtype(args: argparse.Namespace) -> str:
+    """``args.dtype``, with ``"auto"`` replaced (in ``args`` too) by ``"bfloat16"`` where JAX's default backend is a
+    GPU and ``"float32"`` elsewhere."""
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
+    return args.dtype
+
+
 def _run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.time()
+    resolve_dtype(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data = load_data(args.task, args.max_train, args.max_eval, args.max_len)

@@ -79,6 +79,19 @@ def test_cli_rejects_inconsistent_options():
     assert (args.model, args.task, args.sparsity, args.prune, args.epochs) == ("minilm", "rt", "2:4", "oneshot", 1)
 
 
+def test_default_dtype_is_bfloat16_on_a_gpu_and_float32_elsewhere(monkeypatch):
+    """The main job's default must run the sparse kernels on a GPU (they take bfloat16, not float32)."""
+    import jax
+
+    assert train.parse_args([]).dtype == "auto"
+    for backend, want in (("cpu", "float32"), ("gpu", "bfloat16")):
+        monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+        args = train.parse_args([])
+        assert train.resolve_dtype(args) == want and args.dtype == want
+    args = train.parse_args(["--dtype", "float16"])
+    assert train.resolve_dtype(args) == "float16"  # a dtype given is kept on any backend
+
+
 def test_distillation_loss():
     import jax
     import jax.numpy as jnp
