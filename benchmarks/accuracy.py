@@ -173,6 +173,7 @@ def hyperparameters(args: argparse.Namespace) -> dict[str, Any]:
             **({"augment_neighbors": args.augment_neighbors} if args.augment_neighbors else {}),
             **({"student_epochs": args.student_epochs} if args.student_epochs else {}),
             **({"student_lr": args.student_lr} if args.student_lr else {}),
+            **({"student_dropout": args.student_dropout} if args.student_dropout >= 0 else {}),
             **({"regrow_every": args.regrow_every, "regrow_until": args.regrow_until, "regrow_decay": args.regrow_decay}
                if args.regrow_every else {}),
             **({"transposable_masks": True} if args.transposable_masks else {}),
@@ -201,6 +202,7 @@ def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> a
             "--augment-neighbors", str(args.augment_neighbors if sparsity != "dense" else 0),
             "--student-epochs", str(args.student_epochs if sparsity != "dense" else 0),
             "--student-lr", str(args.student_lr if sparsity != "dense" else 0.0),
+            "--student-dropout", str(args.student_dropout if sparsity != "dense" else -1.0),
             "--fade", str(args.fade), "--score", args.score,
             "--regrow-every", str(args.regrow_every if sparsity != "dense" else 0),
             "--regrow-until", str(args.regrow_until), "--regrow-decay", str(args.regrow_decay if sparsity != "dense" else 0.0),
@@ -385,6 +387,7 @@ def section(payload: dict) -> str:
                            + ([f"fade {hp['fade']:g}"] if fades else [])
                            + ([f"{hp['score']} score"] if hp.get("score", "magnitude") != "magnitude" else [])
                            + ([f"student lr {hp['student_lr']:g}"] if hp.get("student_lr") else [])
+                           + ([f"student dropout {hp['student_dropout']:g}"] if "student_dropout" in hp else [])
                            + ([f"learned masks (every {hp['regrow_every']} steps to {hp['regrow_until']:g}, decay "
                                f"{hp['regrow_decay']:g})"] if hp.get("regrow_every") else [])
                            + (["transposable masks"] if hp.get("transposable_masks") else [])
@@ -676,7 +679,7 @@ def study(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
 # Hyper-parameters that change only sparse runs: dense baselines measured under another pruning recipe are
 # the same experiment, so --dense-from may take them into a study that differs only in these.
 SPARSE_ONLY_HYPERPARAMETERS = ("prune", "ladder", "prune_begin", "prune_end", "fade", "score", "distill",
-                               "temperature", "distill_hidden", "distill_attention", "distill_augment", "augment_neighbors", "student_epochs", "student_lr", "compress", "init", "refit", "refit_batches",
+                               "temperature", "distill_hidden", "distill_attention", "distill_augment", "augment_neighbors", "student_epochs", "student_lr", "student_dropout", "compress", "init", "refit", "refit_batches",
                                "regrow_every", "regrow_until", "regrow_decay", "transposable_masks",
                                "exclusive_columns", "diagonal_ffn_out", "diagonal_all", "diagonal_ffn",
                                "diagonal_attention", "average_from",

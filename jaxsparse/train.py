@@ -80,6 +80,10 @@ def add_recipe_arguments(p: argparse.ArgumentParser) -> None:
                    help="sparse runs train this many epochs (0 = --epochs); the dense teacher keeps --epochs")
     p.add_argument("--student-lr", type=float, default=0.0,
                    help="sparse runs' peak learning rate (0 = --lr); the dense teacher keeps --lr")
+    p.add_argument("--student-dropout", type=float, default=-1.0,
+                   help="sparse runs' dropout probability, on the hidden states and (where the model has it) the "
+                        "attention probabilities; -1 = the model config's (0.1 for MiniLM); the dense teacher keeps "
+                        "the config's")
     p.add_argument("--init", default="pretrained", choices=INITS,
                    help="where sparse runs start: the pretrained weights, or the dense teacher fine-tuned with the "
                         "same settings (prune a fine-tuned model, as oBERT's downstream pruning does)")
@@ -167,6 +171,11 @@ def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
         p.error("need --student-lr >= 0")
     if args.student_lr > 0 and getattr(args, "sparsity", None) == "dense":
         p.error("--student-lr sets a sparse run's learning rate: give a --sparsity pattern (dense runs take --lr)")
+    if not (args.student_dropout == -1.0 or 0.0 <= args.student_dropout < 1.0):
+        p.error(f"need --student-dropout in [0, 1), or -1 for the model config's; got {args.student_dropout}")
+    if args.student_dropout >= 0 and getattr(args, "sparsity", None) == "dense":
+        p.error("--student-dropout sets a sparse run's dropout: give a --sparsity pattern (dense runs keep the "
+                "model config's)")
     if args.init == "teacher" and getattr(args, "sparsity", None) == "dense":
         p.error("--init teacher starts a sparse run from a dense teacher: give a --sparsity pattern")
     if args.refit and args.prune != "oneshot":
@@ -799,6 +808,8 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
 
     dtype = jnp.dtype(resolve_dtype(args))
     sparse = args.sparsity != "dense"
+    if sparse and getattr(args, "student_dropout", -1.0) >= 0:
+        cfg = student_dropout_config(cfg, args.student_dropout)
     spec = fmt.VNM.parse(args.sparsity) if sparse else None
     diagonal = bool(getattr(args, "diagonal_ffn_out", False)) and sparse
     diagonal_all = bool(getattr(args, "diagonal_all", False)) and sparse
@@ -1000,7 +1011,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         "stage_steps": list(prune.schedule.stage_steps) if prune is not None else [],
         "compressed_training": compressed, "seed": args.seed, "epochs": epochs,
         "batch_size": args.batch_size, "lr": peak_lr, "max_len": args.max_len, "dtype": args.dtype,
-        "distill": distill, "temperature": temperature if distill > 0 else None, "distill_hidden": hidden,
+        "dropout": cfg.hidden_dropout_prob, "distill": distill, "temperature": temperature if distill > 0 else None, "distill_hidden": hidden,
         "distill_attention": attention, "distill_augment": augment, "augment_neighbors": n_neighbors,
         "refit": refit, "refit_batches": n_cal if refit else None,
         "refit_selection": getattr(args, "refit_selection", "score") if refit else None,
@@ -1060,10 +1071,17 @@ def predict_logits(cfg: bert.BertConfig, variables: dict, batch: data_lib.Batch,
     return np.concatenate(out)
 
 
+def student_dropout_config(cfg: bert.BertConfig, rate: float) -> bert.BertConfig:
+    """``cfg`` with dropout ``rate`` on the hidden states, and on the attention probabilities where ``cfg`` has
+    dropout there (the fused attention has none)."""
+    return dataclasses.replace(cfg, hidden_dropout_prob=rate,
+                               attention_probs_dropout_prob=rate if cfg.attention_probs_dropout_prob else 0.0)
+
+
 def teacher_args(args: argparse.Namespace) -> argparse.Namespace:
     """The dense teacher's run: ``args`` with no sparsity, no pruning, no distillation."""
     return argparse.Namespace(**{**vars(args), "sparsity": "dense", "prune": "none", "distill": 0.0, "distill_hidden": 0.0,
-                                 "distill_attention": 0.0, "distill_augment": 0.0, "augment_neighbors": 0, "student_epochs": 0, "student_lr": 0.0, "ladder": None,
+                                 "distill_attention": 0.0, "distill_augment": 0.0, "augment_neighbors": 0, "student_epochs": 0, "student_lr": 0.0, "student_dropout": -1.0, "ladder": None,
                                  "init": "pretrained", "regrow_every": 0, "regrow_decay": 0.0})
 
 
@@ -1113,7 +1131,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                          teacher_params=teacher_params if teacher_in_step(args) else None)
     metrics["init"] = init
     if teacher is not None:
-        metrics["teacher"] = {k: teacher_metrics[k] for k in ("dev_accuracy", "test_accuracy", "steps", "lr")}
+        metrics["teacher"] = {k: teacher_metrics[k] for k in ("dev_accuracy", "test_accuracy", "steps", "lr", "dropout")}
     metrics["seconds"] = time.time() - t_start
     save_checkpoint(out / "checkpoint", final)  # every process takes part; process 0 writes it
     if jax.process_index() != 0:

@@ -563,21 +563,36 @@ def test_distill_augment_run(tmp_path):
             train.parse_args(argv)
 
 
-def test_student_epochs_and_lr_set_the_sparse_run_alone(tmp_path):
-    """--student-epochs and --student-lr: the sparse run trains that many epochs at that peak learning rate, its
-    dense teacher keeps --epochs and --lr."""
+def test_student_epochs_lr_and_dropout_set_the_sparse_run_alone(tmp_path):
+    """--student-epochs, --student-lr and --student-dropout: the sparse run trains that many epochs at that peak
+    learning rate and dropout, its dense teacher keeps --epochs, --lr and the model config's dropout."""
     args, data_, cfg = _tiny_sparse_run(tmp_path, "--epochs", "1", "--distill", "0.5", "--student-epochs", "2",
-                                        "--lr", "1e-4", "--student-lr", "3e-4")
+                                        "--lr", "1e-4", "--student-lr", "3e-4", "--student-dropout", "0")
     assert train.run_epochs(args) == 2 and train.run_epochs(train.teacher_args(args)) == 1
     assert train.run_lr(args) == 3e-4 and train.run_lr(train.teacher_args(args)) == 1e-4
+    assert cfg.hidden_dropout_prob == 0.1 and train.teacher_args(args).student_dropout == -1.0
     metrics = train.run(args)
     assert metrics["epochs"] == 2 and len(metrics["history"]) == 2
     assert metrics["steps"] == 2 * metrics["teacher"]["steps"]
     assert metrics["lr"] == 3e-4 and metrics["teacher"]["lr"] == 1e-4
+    assert metrics["dropout"] == 0.0 and metrics["teacher"]["dropout"] == 0.1
     for argv in (["--student-epochs", "-1"], ["--sparsity", "dense", "--student-epochs", "2"],
-                 ["--student-lr", "-1e-4"], ["--sparsity", "dense", "--student-lr", "2e-4"]):
+                 ["--student-lr", "-1e-4"], ["--sparsity", "dense", "--student-lr", "2e-4"],
+                 ["--student-dropout", "1"], ["--student-dropout", "-0.5"], ["--sparsity", "dense", "--student-dropout", "0"]):
         with pytest.raises(SystemExit):
             train.parse_args(argv)
+
+
+def test_student_dropout_config_keeps_the_fused_attention_free_of_dropout():
+    import dataclasses
+
+    from jaxsparse.models import bert
+
+    cfg = bert.BertConfig.preset("tiny")
+    assert train.student_dropout_config(cfg, 0.05).hidden_dropout_prob == 0.05
+    assert train.student_dropout_config(cfg, 0.05).attention_probs_dropout_prob == 0.05
+    fused = dataclasses.replace(cfg, attention_impl="fused", attention_probs_dropout_prob=0.0)
+    assert train.student_dropout_config(fused, 0.05).attention_probs_dropout_prob == 0.0
 
 
 def test_distill_augment_neighbors_run(tmp_path, capsys):
