@@ -1091,7 +1091,7 @@ def fit_teacher(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig
     """Fine-tune the dense teacher of ``args`` (:func:`teacher_args`); returns its training-set logits, its
     metrics and its params."""
     metrics, variables = fit(teacher_args(args), data, cfg, pretrained, **fit_kwargs)
-    logits = predict_logits(cfg, variables, data.train, data.task.num_labels, resolve_dtype(args), args.batch_size)
+    logits = predict_logits(cfg, variables, data.train, data.task.num_labels, metrics["dtype"], args.batch_size)
     return logits, metrics, variables["params"]
 
 
@@ -1114,7 +1114,6 @@ def resolve_dtype(args: argparse.Namespace) -> str:
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.time()
-    resolve_dtype(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data = load_data(args.task, args.max_train, args.max_eval, args.max_len)
