@@ -4,6 +4,7 @@
 #   bash scripts/gpu_check.sh "python3 benchmarks/spmm.py --quick"
 #   GPU_PROCS=15 bash scripts/gpu_check.sh          # the GPU tests in 15 processes at once (pytest-xdist where it is
 #                                                   # installed or carried in .whl/, JAXSPARSE_TEST_SHARD otherwise)
+#   GPU_TESTS="tests/test_ffi_gpu.py" bash scripts/gpu_check.sh   # only these test files (or node ids)
 # Writes logs under $OUT when that is set. Only sm_90a is built here unless JAXSPARSE_CUDA_GENCODE says
 # otherwise (the full sm_80 + sm_90a build is what `pip install .` does).
 set -uo pipefail
@@ -29,9 +30,12 @@ echo "build: $(( $(date +%s) - t0 )) s"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 (cd /tmp && python3 -c "import jax, jaxsparse.ffi as f; print('jax', jax.__version__, jax.devices(), 'targets', f.target_names())")
 procs=${GPU_PROCS:-1}
+# GPU_TESTS="tests/test_ffi_gpu.py ..." selects test files; relative paths are the checkout's (pytest runs from /tmp)
+tests=()
+for t in ${GPU_TESTS:-tests}; do case $t in /*) tests+=("$t") ;; *) tests+=("$repo/$t") ;; esac; done
 if [ "$procs" -gt 1 ] && (cd /tmp && python3 -c "import xdist" 2>/dev/null); then
   # pytest-xdist: n workers share the GPU and take tests as they free up (tests/conftest.py turns preallocation off).
-  (cd /tmp && pytest -q -rfE -m gpu -p no:cacheprovider -n "$procs" --dist worksteal ${GPU_TESTS:-"$repo/tests"} \
+  (cd /tmp && pytest -q -rfE -m gpu -p no:cacheprovider -n "$procs" --dist worksteal "${tests[@]}" \
      > "$OUT/gpu_tests.log" 2>&1)
   status=$?
   grep -h "^FAILED\|^ERROR" "$OUT/gpu_tests.log" | head -40
@@ -41,7 +45,7 @@ elif [ "$procs" -gt 1 ]; then
   # processes allocate GPU memory as they go instead of each taking most of it up front).
   for i in $(seq 0 $((procs - 1))); do
     (cd /tmp && JAXSPARSE_TEST_SHARD=$i/$procs XLA_PYTHON_CLIENT_PREALLOCATE=false \
-       pytest -q -rfE -m gpu -p no:cacheprovider ${GPU_TESTS:-"$repo/tests"} > "$OUT/gpu_tests.shard$i.log" 2>&1) &
+       pytest -q -rfE -m gpu -p no:cacheprovider "${tests[@]}" > "$OUT/gpu_tests.shard$i.log" 2>&1) &
   done
   status=0
   for job in $(jobs -p); do wait "$job"; rc=$?; [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || status=1; done  # 5: a shard with no test
@@ -50,7 +54,7 @@ elif [ "$procs" -gt 1 ]; then
   done
   grep -h "^FAILED\|^ERROR" "$OUT"/gpu_tests.shard*.log | head -40
 else
-  cd /tmp && pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-"$repo/tests"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  cd /tmp && pytest -q -m gpu -p no:cacheprovider "${tests[@]}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
   status=${PIPESTATUS[0]}
 fi
 cd "$repo"
