@@ -2,7 +2,8 @@
 # On a machine with N GPUs: one jaxsparse-train run as one process driving all N GPUs (--devices all) and as N
 # processes of one GPU each (--coordinator, jax.distributed over NCCL, as N hosts would run it). The two must give
 # the same losses: the first step's (before any update) within 1e-4 and each epoch's mean train loss within 1e-3,
-# relative. A wrong split of the batch over the processes would change the first step's loss by far more. Session 38
+# relative. Before any update both runs take the loss of the same batch with the same weights, so the first step's
+# losses differ only by rounding unless the batch is split or gathered wrongly. Session 38
 # (4 x H200, MiniLM, 201 steps): the first step's loss differed by 5e-6 with XLA's GEMM autotuning (each process
 # picks its own kernels) and not at all with XLA_FLAGS=--xla_gpu_autotune_level=0; the epochs' mean losses by up to
 # 2.9e-4 either way, rounding that grows over the steps (likely the gradient all-reduce summing in another order
