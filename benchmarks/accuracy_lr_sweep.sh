@@ -7,7 +7,8 @@
 #   "trec:4e-4:0:--regrow-every=20,--regrow-until=0.5,--regrow-decay=2e-3")
 # DENSE="task:lr:seeds ..."   dense runs at --lr lr, seeds comma-separated, one process each
 # SPARSITY=128:2:16             the sparse runs' pattern (default 64:2:8); a seed may be a comma-free list "0+1"
-#   (one process trains those seeds one after the other, sharing its compilations)
+#   (one process trains those seeds one after the other, sharing its compilations) or a range "0-11" (one process
+#   per seed: "trec:4e-4:0-11:--transposable-masks" is twelve runs)
 # GPUS=3                        spread the processes round-robin over that many GPUs (CUDA_VISIBLE_DEVICES; default 1);
 #   the processes of one GPU share one teacher (--teacher-dir /tmp/teachers/gpuN), as those of one call did before
 # GPU0=3                        the first GPU to use (default 0): two sweeps side by side on disjoint GPUs (with their
@@ -22,10 +23,19 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 t0=$(date +%s); el() { echo "$(( $(date +%s) - t0 ))s"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 ACC=${ACC:-/tmp/acc}/run-$(date +%Y%m%d-%H%M%S)-$$
-mkdir -p /tmp/teachers $ACC
+mkdir -p /tmp/teachers $ACC "$OUT"
 pids=()
 n=0  # processes started (the next one's GPU is n % GPUS)
+specs=()  # a seed range "A-B" becomes one spec per seed
 for spec in ${SPARSE:-}; do
+  IFS=: read task lr seed opts <<< "$spec"
+  if [[ $seed =~ ^([0-9]+)-([0-9]+)$ ]]; then
+    for s in $(seq "${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}"); do specs+=("$task:$lr:$s${opts:+:$opts}"); done
+  else
+    specs+=("$spec")
+  fi
+done
+for spec in "${specs[@]}"; do
   IFS=: read task lr seed opts <<< "$spec"
   tag=$(echo "${opts:-}" | sed 's/--//g; s/,/_/g; s/=/-/g')
   sp=${SPARSITY:-64:2:8}
