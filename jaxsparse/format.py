@@ -946,7 +946,7 @@ def resident_dx_fragments(sw: SparseWeight) -> jax.Array:
     (0, 1), (1, 1)``, each the pair of elements ``(c, r) = (16w + gid + 8h, 16s + 8q + 2 tig + e)``, ``e = 0, 1`` (the
     mma.m16n8k16 A layout). Returned flat, ``[R * 4G]`` in the values' dtype, ordered
     ``[j, b, w, s, gid, tig, q, h, e]``: per warp and k16 step its 32 lanes' words are 512 contiguous bytes, so one
-    warp load is 4 cache lines. Needs ``M > 4`` and ``G % 16 == 0``."""
+    warp load is 4 cache lines. Needs ``M > 4``, ``G % 16 == 0`` and ``V % 16 == 0``."""
     k, r = sw.shape
     spec = sw.spec
     if sw.columns is None or spec.n != 2:
@@ -954,6 +954,8 @@ def resident_dx_fragments(sw: SparseWeight) -> jax.Array:
     g = k // spec.m
     if g % RESIDENT_DX_GROUPS:
         raise ValueError(f"resident_dx_fragments needs G = K/M divisible by {RESIDENT_DX_GROUPS}, got G = {g}")
+    if spec.v % 16:
+        raise ValueError(f"resident_dx_fragments needs V % 16 == 0 (k16 steps over a block's rows), got {spec}")
     wc = _kept_column_values(sw)  # [R, 4G]; r = b V + 16 s + 8 q + 2 tig + e, c = 64 j + 16 w + 8 h + gid
     blocks, steps, chunks = r // spec.v, spec.v // 16, g // RESIDENT_DX_GROUPS
     a = wc.reshape(blocks, steps, 2, 4, 2, chunks, 4, 2, 8)  # [b, s, q, tig, e, j, w, h, gid]

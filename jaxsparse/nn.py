@@ -62,9 +62,10 @@ class NMDense(nn.Module):
         (:func:`jaxsparse.ops.sparse_mlp`); ``x`` then only gives ``K`` and the dtype (an array or a
         ``jax.ShapeDtypeStruct``). The parameters are those of the plain layer.
       diagonal_blocks: in compressed mode, above 1 the kernel is that many diagonal 2:4 blocks
-        (``jaxsparse.ops.diagonal_linear``; the density of a V:2:M ``sparsity`` with ``M = 4 diagonal_blocks``):
-        ``values`` and ``metadata`` are the stacked blocks' (``[R, K / (2 diagonal_blocks)]``), the input features
-        in the relabelled order ``jaxsparse.pruning.to_compressed`` gives. Master mode ignores it (the mask says).
+        (``jaxsparse.ops.diagonal_linear``; the density of a V:2:M ``sparsity`` with ``M = 4 diagonal_blocks``,
+        ``ValueError`` otherwise): ``values [R, K / (2 diagonal_blocks)]`` and ``metadata
+        [R, K / (32 diagonal_blocks)]`` are the stacked blocks', the input features in the relabelled order
+        ``jaxsparse.pruning.to_compressed`` gives. Master mode ignores it (the mask says).
       diagonal_chunks: with ``diagonal_blocks > 1``, the blocks read x through a chunk table (the ``"sparsity"``
         entry ``chunks``, int32 ``[blocks, K / (64 blocks)]``, ``jaxsparse.format.diagonal_chunks``) instead of
         relabelled inputs; ``return_operands`` then returns ``(SparseWeight, bias, chunks)``.
@@ -96,6 +97,9 @@ class NMDense(nn.Module):
         if self.diagonal_chunks and self.diagonal_blocks < 2:
             raise ValueError(f"{self.name}: diagonal_chunks needs diagonal_blocks > 1, got {self.diagonal_blocks}")
         if spec is not None and self.compressed and self.diagonal_blocks > 1:
+            if fmt.diagonal_blocks(spec) != self.diagonal_blocks:  # (raises for a spec without diagonal blocks)
+                raise ValueError(f"{self.name}: {spec} stands for M / 4 = {fmt.diagonal_blocks(spec)} diagonal "
+                                 f"2:4 blocks, got diagonal_blocks={self.diagonal_blocks}")
             fmt.check_diagonal_shape((k, r), self.diagonal_blocks, transposable=True,
                                      chunk=fmt.DIAGONAL_CHUNK if self.diagonal_chunks else 1)
         elif spec is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import numbers
 import os
 from typing import Iterator, Optional
 
@@ -341,12 +342,15 @@ def sparse_linear(x: jax.Array, sw: SparseWeight, bias: Optional[jax.Array] = No
 # ----------------------------------------------------------------------------- diagonal 2:4 blocks
 
 
-def _check_blocks(sw: SparseWeight, blocks: int) -> None:
+def _check_blocks(sw: SparseWeight, blocks: int) -> int:
+    """``blocks`` as a Python int (a NumPy integer is fine), after checking it against ``sw``."""
     if sw.spec.m != 4:
         raise ValueError(f"diagonal blocks are 2:4 weights, got {sw.spec}")
-    if not isinstance(blocks, int) or isinstance(blocks, bool):
-        raise ValueError(f"blocks must be an int, got {blocks!r}")
+    if not isinstance(blocks, numbers.Integral) or isinstance(blocks, (bool, np.bool_)):
+        raise ValueError(f"blocks must be an integer, got {blocks!r}")
+    blocks = int(blocks)
     check_blocks_shape(sw.shape, blocks)
+    return blocks
 
 
 def transpose_blocks(sw: SparseWeight, blocks: int) -> SparseWeight:
@@ -354,7 +358,7 @@ def transpose_blocks(sw: SparseWeight, blocks: int) -> SparseWeight:
     :func:`jaxsparse.format.stack_transposed_blocks` of :func:`transpose_2_4`, which the CUDA handler builds on a
     GPU). NaN values where a block's mask is not transposable, as :func:`transpose_2_4`."""
     _check_weight(sw)
-    _check_blocks(sw, blocks)
+    blocks = _check_blocks(sw, blocks)
     return stack_transposed_blocks(transpose_2_4(sw), blocks)
 
 
@@ -442,7 +446,7 @@ def diagonal_linear(x: jax.Array, sw: SparseWeight, blocks: int, bias: Optional[
       ``[..., R]``.
     """
     _check_weight(sw)
-    _check_blocks(sw, blocks)
+    blocks = _check_blocks(sw, blocks)
     if x.ndim < 1 or x.shape[-1] != blocks * sw.shape[0]:
         raise ValueError(f"x's last dimension must be {blocks} * {sw.shape[0]} for {blocks} diagonal blocks of a "
                          f"weight {sw.shape}, got {x.shape}")
@@ -583,7 +587,7 @@ def diagonal_mlp(x: jax.Array, sw1: SparseWeight, b1: Optional[jax.Array], chunk
     """
     for sw, b, c, width in ((sw1, b1, chunks1, x.shape[-1]), (sw2, b2, chunks2, sw1.shape[1])):
         _check_weight(sw)
-        _check_blocks(sw, blocks)
+        blocks = _check_blocks(sw, blocks)
         _check_bias(b, sw)
         check_chunks(c, blocks, sw.shape[0], width)
     if jnp.dtype(x.dtype) != jnp.dtype(sw1.values.dtype) or sw2.values.dtype != sw1.values.dtype:
@@ -625,7 +629,7 @@ def sparse_mlp(x: jax.Array, sw1: SparseWeight, b1: Optional[jax.Array], sw2: Sp
     _check_bias(b1, sw1)
     _check_bias(b2, sw2)
     if blocks > 1:
-        _check_blocks(sw2, blocks)
+        blocks = _check_blocks(sw2, blocks)
     if blocks * sw2.shape[0] != sw1.shape[1]:
         k2 = f"{blocks} x {sw2.shape[0]}" if blocks > 1 else f"{sw2.shape[0]}"
         raise ValueError(f"the second weight's K ({k2}) must equal the first's output features ({sw1.shape[1]}), got "

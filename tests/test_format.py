@@ -464,6 +464,22 @@ def test_resident_dx_fragments_rejects():
         F.resident_dx_fragments(F.compress(w, F.select_mask(w, "2:4"), "2:4"))
     with pytest.raises(ValueError, match="divisible by 16"):
         F.resident_dx_fragments(F.compress(w, F.select_mask(w, "64:2:32"), "64:2:32"))  # G = 8
+    with pytest.raises(ValueError, match="V % 16"):  # a block's rows are whole k16 steps
+        F.resident_dx_fragments(F.compress(w, F.select_mask(w, "8:2:16"), "8:2:16"))
+
+
+def test_compress_pads_a_group_that_keeps_fewer_than_two():
+    """docs/format.md: a group keeping one value stores it first, then the lowest free position with a zero value
+    (so the pair may descend, (3, 0)); a group keeping none stores (0, 1); both decompress to the masked weight."""
+    w = jax.random.normal(jax.random.PRNGKey(1), (32, 4))
+    mask = np.zeros((32, 4), bool)
+    mask[3] = True  # group 0 keeps position 3 only; group 1 keeps nothing
+    mask[8::4] = mask[10::4] = True  # the other groups keep (0, 2)
+    sw = F.compress(w, jnp.asarray(mask), "2:4")
+    word = np.asarray(sw.metadata)[:, 0]
+    assert np.all(word & 0xFF == 0x43) and np.all(word >> 8 == 0x888888)
+    np.testing.assert_array_equal(np.asarray(sw.values)[:, :4], np.c_[np.asarray(w)[3], np.zeros((4, 3))])
+    np.testing.assert_array_equal(F.decompress(sw), np.where(mask, w, 0))
 
 
 @pytest.mark.parametrize("spec, k, r", [("64:2:8", 256, 512), ("128:2:16", 384, 384), ("128:2:16", 384, 1536),

@@ -200,6 +200,16 @@ def test_precision_and_spec_free_layers_apply_the_mask():
         np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_diagonal_blocks_must_match_the_pattern():
+    """A compressed layer of diagonal 2:4 blocks stands for V:2:M with ``M = 4 * diagonal_blocks``: another count, or
+    a pattern without diagonal blocks, is a ``ValueError`` at init."""
+    x = jnp.ones((2, 256), jnp.float32)
+    NMDense(128, sparsity="64:2:8", compressed=True, diagonal_blocks=2).init(jax.random.key(0), x)
+    for spec, blocks in (("64:2:8", 4), ("64:4:8", 2), ("2:4", 2)):
+        with pytest.raises(ValueError):
+            NMDense(128, sparsity=spec, compressed=True, diagonal_blocks=blocks).init(jax.random.key(0), x)
+
+
 def test_return_operands_gives_the_compressed_weight_and_bias():
     """``return_operands``: the layer's ``(SparseWeight, bias)`` over the same parameters as the plain layer, whose
     product they give; a master-mode layer has none to give."""

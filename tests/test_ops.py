@@ -675,6 +675,18 @@ def test_diagonal_linear_is_the_block_diagonal_layer(blocks):
     assert rel_err(dv, F.compress_like(F.stack_diagonal_blocks(rw, blocks), sw)) < 1e-5
 
 
+def test_diagonal_blocks_count_may_be_any_integer_but_not_a_bool_or_float():
+    """``blocks`` as a NumPy integer (as a config array might hold it) gives the layer of the int; a bool, a float or
+    a count the weight does not split into is a ``ValueError``."""
+    x, sw, bias, dense = _diagonal_operands(2)
+    np.testing.assert_array_equal(ops.diagonal_linear(x, sw, np.int64(2), bias), ops.diagonal_linear(x, sw, 2, bias))
+    for bad in (True, 2.0, np.float32(2)):
+        with pytest.raises(ValueError, match="blocks must be an integer"):
+            ops.diagonal_linear(x, sw, bad, bias)
+    with pytest.raises(ValueError):
+        ops.diagonal_linear(x, sw, 3, bias)
+
+
 def _chunked_layer(key, k: int, r: int, blocks: int):
     """A kernel masked to diagonal blocks in 64-feature chunks: (masked dense [k, r], stacked 2:4 weight, table)."""
     w = jax.random.normal(key, (k, r), jnp.float32) / np.sqrt(k / 4)
