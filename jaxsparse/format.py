@@ -153,6 +153,29 @@ class SparseWeight:
         return dataclasses.replace(self, **kwargs)
 
 
+def check_weight_arrays(sw: SparseWeight) -> None:
+    """Raises ``ValueError`` unless ``sw``'s arrays have the shapes and dtypes its ``shape`` and ``spec`` give
+    (``docs/format.md``): values ``[R, 2 K/M]``, metadata uint32 ``[R, K/(8M)]``, columns uint8 ``[R/V, K/M, 4]``
+    (None exactly when ``M = 4``). Shapes are static, so this works on traced arrays too."""
+    k, r = sw.shape
+    spec = sw.spec
+    g = k // spec.m
+    want = {"values": (r, 2 * g), "metadata": (r, g // 8)}
+    if spec.m != 4:
+        want["columns"] = (r // spec.v, g, 4)
+    for name, shape in want.items():
+        got = getattr(sw, name)
+        if got is None or tuple(got.shape) != shape:
+            raise ValueError(f"a {spec} SparseWeight of shape {sw.shape} needs {name} of shape {shape}, got "
+                             f"{None if got is None else tuple(got.shape)}")
+    if spec.m == 4 and sw.columns is not None:
+        raise ValueError(f"a 2:4 SparseWeight has no columns (None), got an array of shape {tuple(sw.columns.shape)}")
+    if jnp.dtype(sw.metadata.dtype) != jnp.uint32:
+        raise ValueError(f"SparseWeight metadata must be uint32, got {sw.metadata.dtype}")
+    if sw.columns is not None and jnp.dtype(sw.columns.dtype) != jnp.uint8:
+        raise ValueError(f"SparseWeight columns must be uint8, got {sw.columns.dtype}")
+
+
 # ----------------------------------------------------------------------------- mask selection
 
 
@@ -268,7 +291,7 @@ def select_mask(scores: jax.Array, spec: Union[str, VNM], *, method: str = "auto
     if method not in ("auto", "exact", "greedy"):
         raise ValueError(f"column search method must be 'auto', 'exact' or 'greedy', got {method!r}")
     if transposable:
-        _check_transposable_spec(scores.shape, spec)
+        check_transposable_spec(scores.shape, spec)
     if exclusive_columns:
         check_exclusive_spec(spec)
     return _select_mask(scores, spec, method, bool(transposable), bool(exclusive_columns))
@@ -487,7 +510,8 @@ def _capped_columns(blocks: jax.Array, n: int, cap: int) -> jax.Array:
     return jnp.sort(top, axis=-1).transpose(1, 0, 2).astype(jnp.int32)
 
 
-def _check_transposable_spec(shape: tuple[int, int], spec: VNM) -> None:
+def check_transposable_spec(shape: tuple[int, int], spec: VNM) -> None:
+    """Raises ``ValueError`` unless a ``[K, R]`` kernel can take a transposable ``spec`` mask (``select_mask``)."""
     if spec.n != 2:
         raise ValueError(f"a transposable mask keeps 2 per group: N must be 2, got {spec}")
     if shape[1] % 4:
@@ -547,7 +571,8 @@ def _select_mask(scores: jax.Array, spec: VNM, method: str, transposable: bool =
 
 
 def mask_is_valid(mask: jax.Array, spec: Union[str, VNM]) -> jax.Array:
-    """A boolean scalar: does ``mask`` (``[K, R]``) obey ``spec``? Jit-able."""
+    """A boolean scalar: does ``mask`` (``[K, R]``; a nonzero entry is kept, as :func:`compress` reads it) obey
+    ``spec``? Jit-able."""
     spec = VNM.parse(spec)
     validate_shape(mask.shape, spec)
     return _mask_is_valid(mask, spec)
@@ -557,7 +582,7 @@ def mask_is_valid(mask: jax.Array, spec: Union[str, VNM]) -> jax.Array:
 def _mask_is_valid(mask: jax.Array, spec: VNM) -> jax.Array:
     k, r = mask.shape
     g = k // spec.m
-    rows = mask.astype(jnp.int32).T.reshape(r, g, spec.m)
+    rows = (mask != 0).astype(jnp.int32).T.reshape(r, g, spec.m)  # nonzero is kept, as compress reads it
     ok = (rows.sum(axis=-1) <= spec.n).all()
     if spec.structured:
         used = rows.reshape(r // spec.v, spec.v, g, spec.m).max(axis=1)

@@ -92,6 +92,12 @@ class NMDense(nn.Module):
     @nn.compact
     def __call__(self, x: Array) -> Array:
         """Apply the layer to ``x [..., K]``; returns ``[..., features]``."""
+        if x.ndim < 1:
+            raise ValueError(f"{self.name}: x needs a feature axis, got shape {x.shape}")
+        if self.features < 1:
+            raise ValueError(f"{self.name}: features must be >= 1, got {self.features}")
+        if self.diagonal_blocks < 1:
+            raise ValueError(f"{self.name}: diagonal_blocks must be >= 1, got {self.diagonal_blocks}")
         k, r = x.shape[-1], self.features
         spec = self.spec
         if self.diagonal_chunks and self.diagonal_blocks < 2:

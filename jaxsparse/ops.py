@@ -20,7 +20,8 @@ import numpy as np
 from jaxsparse import dispatch, reference
 from jaxsparse.ffi import calls as cuda_calls
 from jaxsparse.ffi.calls import spmm_unsupported
-from jaxsparse.format import SparseWeight, check_transpose_2_4_shape, decompress as _reference_decompress
+from jaxsparse.format import SparseWeight, check_transpose_2_4_shape, check_weight_arrays
+from jaxsparse.format import decompress as _reference_decompress
 from jaxsparse.format import transpose_2_4 as format_transpose_2_4
 from jaxsparse.format import block_dx_operands, check_blocks_shape, check_chunks, stack_transposed_blocks
 
@@ -40,6 +41,7 @@ def _check_weight(sw: SparseWeight) -> None:
         raise ValueError(f"expected a jaxsparse.format.SparseWeight, got {type(sw).__name__}")
     if jnp.dtype(sw.values.dtype) not in FLOAT_DTYPES:
         raise ValueError(f"sparse values must be bfloat16, float16 or float32, got {sw.values.dtype}")
+    check_weight_arrays(sw)
 
 
 def _check_activation(x: jax.Array, sw: SparseWeight, name: str, features: int) -> None:
@@ -646,8 +648,10 @@ def masked_linear(x: jax.Array, w: jax.Array, mask: jax.Array, bias: Optional[ja
     """``x @ (w * mask) + bias`` as a dense product (for N != 2 stages and before compression)."""
     if w.ndim != 2 or mask.shape != w.shape:
         raise ValueError(f"w must be 2-D and mask of the same shape, got {w.shape} and {mask.shape}")
-    if x.shape[-1] != w.shape[0]:
+    if x.ndim < 1 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"x's last dimension must be {w.shape[0]}, got {x.shape}")
+    if bias is not None and bias.shape != (w.shape[1],):
+        raise ValueError(f"bias must have shape ({w.shape[1]},), got {bias.shape}")
     y = jnp.dot(x, jnp.where(mask, w, jnp.zeros((), w.dtype)), preferred_element_type=jnp.float32)
     if bias is not None:
         y = y + bias

@@ -309,6 +309,7 @@ def classify(name: str, info: OpInfo | None = None) -> str:
     return "other"
 
 
+from jaxsparse.format import VNM  # noqa: E402
 from jaxsparse.train import OPTIMIZER_SCOPE as OPTIMIZER_SCOPE_NAME  # noqa: E402 - the step names it
 
 # ----------------------------------------------------------------------------- reading the trace
@@ -669,7 +670,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, metavar="PATH", help="also write the breakdown as JSON")
     p.add_argument("--hlo", default=None, metavar="PATH",
                    help="also write the compiled step's HLO text (where the top ops' fusions are defined)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.sparsity != "dense":
+        try:
+            VNM.parse(args.sparsity)
+        except ValueError as e:
+            p.error(f"--sparsity: {e}")
+    for name, low in (("batch_size", 1), ("seq_len", 1), ("steps", 1), ("warmup", 0), ("devices", 1), ("top", 0)):
+        value = getattr(args, name)
+        if value is not None and value < low:
+            p.error(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+    return args
 
 
 def step_config(args: argparse.Namespace):

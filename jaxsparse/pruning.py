@@ -377,6 +377,8 @@ def gmp_prune(
             for spec in schedule.ladder:
                 try:
                     fmt.validate_shape(x.shape, spec)
+                    if transposable and spec.structured and spec.n == 2:  # the stages _select_all makes transposable
+                        fmt.check_transposable_spec(x.shape, spec)
                     if (diagonal_fn is not None and diagonal_fn(_path_names(path), x)
                             and fmt.takes_diagonal_blocks(spec)):
                         fmt.check_diagonal_shape(x.shape, fmt.diagonal_blocks(spec), True, spec.v)
@@ -526,7 +528,10 @@ def oneshot_masks(params, spec: str | fmt.VNM, filter_fn: FilterFn = encoder_ker
     ``|W_jr| * ||X_j||`` with ``input_sq`` (see :func:`gmp_prune`'s ``score="activation"``); ``transposable``,
     ``exclusive_columns`` and ``diagonal_fn`` as in :func:`gmp_prune`."""
     spec = fmt.VNM.parse(spec)
-    return _select_all(params, _selected(params, filter_fn), spec, input_sq, transposable, exclusive_columns,
+    selected = _selected(params, filter_fn)
+    if all(s is None for s in jax.tree_util.tree_leaves(selected, is_leaf=lambda x: x is None)):
+        raise ValueError("oneshot_masks: filter_fn selected no 2-D kernel to prune")
+    return _select_all(params, selected, spec, input_sq, transposable, exclusive_columns,
                        diagonal_fn)
 
 

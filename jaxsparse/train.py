@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -273,17 +274,37 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/latest", help="output folder (metrics.json, checkpoint/)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    if args.sparsity != "dense":
-        fmt.VNM.parse(args.sparsity)  # ValueError naming the format
+    patterns = [("--sparsity", args.sparsity)] if args.sparsity != "dense" else []
+    patterns += [("--ladder", stage) for stage in (args.ladder.split(",") if args.ladder else [])]
+    for flag, pattern in patterns:
+        try:
+            fmt.VNM.parse(pattern)
+        except ValueError as e:
+            p.error(f"{flag}: {e}")
+    if args.ladder and args.sparsity == "dense":
+        p.error("--ladder is a GMP ladder: give a --sparsity pattern")
     if args.prune is None:
         args.prune = "none" if args.sparsity == "dense" else "oneshot"
     if args.sparsity == "dense" and args.prune != "none":
         p.error(f"--prune {args.prune} needs a --sparsity pattern, not dense")
     if args.sparsity != "dense" and args.prune == "none":
         p.error("--prune none trains dense: use --sparsity dense")
-    for name in ("epochs", "batch_size", "max_len"):
+    for name in ("epochs", "batch_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_len < 2:
+        p.error(f"--max-len must be >= 2 ([CLS] and [SEP] take two tokens), got {args.max_len}")
+    for name in ("max_train", "max_eval"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0 (0 = all), got {getattr(args, name)}")
+    if not args.lr > 0:
+        p.error(f"--lr must be > 0, got {args.lr}")
+    if not args.weight_decay >= 0:
+        p.error(f"--weight-decay must be >= 0, got {args.weight_decay}")
+    if not 0.0 <= args.warmup < 1.0:
+        p.error(f"--warmup is a fraction of all steps: need 0 <= --warmup < 1, got {args.warmup}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        p.error(f"--out {args.out} exists and is not a folder")
     if args.devices != "all":
         try:
             args.devices = int(args.devices)

@@ -163,6 +163,11 @@ def test_compress_rejects_broken_masks():
         F.compress(w, jnp.asarray(mask), "64:2:8")
     with pytest.raises(ValueError, match="mask shape"):
         F.compress(w, jnp.ones((64, 32), bool), "2:4")
+    # a non-boolean mask keeps its nonzero entries (as compress reads it): 0.5 everywhere is 4 of 4 kept
+    assert not F.check_mask(jnp.full((64, 64), 0.5), "2:4")
+    with pytest.raises(ValueError, match="does not obey"):
+        F.compress(w, jnp.full((64, 64), 0.5), "2:4")
+    assert F.check_mask(F.select_mask(w, "2:4").astype(jnp.float32), "2:4")
 
 
 def test_bad_method():

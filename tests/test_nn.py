@@ -118,6 +118,12 @@ def test_bad_input_raises_naming_the_constraint():
         layer.apply({**variables, "sparsity": {"mask": jnp.ones((R, K), bool)}}, _x())
     with pytest.raises(ValueError, match="compressed mode needs"):
         NMDense(R, sparsity="2:4", compressed=True).apply({"params": {"bias": jnp.zeros(R)}}, _x())
+    with pytest.raises(ValueError, match="feature axis"):
+        NMDense(R, sparsity="2:4").init(jax.random.key(0), jnp.ones(()))
+    with pytest.raises(ValueError, match="features must be >= 1"):
+        NMDense(0).init(jax.random.key(0), _x())
+    with pytest.raises(ValueError, match="diagonal_blocks must be >= 1"):
+        NMDense(R, sparsity="64:2:8", compressed=True, diagonal_blocks=0).init(jax.random.key(0), _x())
 
 
 def test_mask_is_an_input_under_jit():

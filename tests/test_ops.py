@@ -147,6 +147,16 @@ def test_bad_operands():
         ops.spmm(x.astype(jnp.int32), sw.replace(values=sw.values.astype(jnp.int32)))
     with pytest.raises(ValueError, match="leading dimensions"):
         ops.sddmm(x, jnp.ones((2, 2, 128)), sw)
+    for name, bad in (("values", sw.values[:, :8]), ("metadata", sw.metadata[:4]), ("columns", None)):
+        with pytest.raises(ValueError, match=f"needs {name} of shape"):  # arrays that disagree with the shape
+            ops.sparse_linear(x, sw.replace(**{name: bad}), bias)
+    with pytest.raises(ValueError, match="metadata must be uint32"):
+        ops.sparse_linear(x, sw.replace(metadata=sw.metadata.astype(jnp.int32)), bias)
+    dense_w = jnp.ones((256, 128))
+    with pytest.raises(ValueError, match="bias must have shape"):
+        ops.masked_linear(x, dense_w, dense_w != 0, bias[:1])
+    with pytest.raises(ValueError, match="last dimension"):
+        ops.masked_linear(jnp.ones(()), dense_w, dense_w != 0)
 
 
 def test_kernel_constraints_are_named():

@@ -331,6 +331,19 @@ def test_profile_defaults_to_the_headline_batch():
     assert profile.step_config(profile.parse_args([])).batch_size == 8
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--sparsity", "garbage"], "--sparsity: "), (["--steps", "0"], "--steps must be >= 1"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"), (["--devices", "0"], "--devices must be >= 1"),
+    (["--seq-len", "0"], "--seq-len must be >= 1"), (["--warmup", "-1"], "--warmup must be >= 0"),
+])
+def test_cli_rejects_bad_values_naming_the_flag(argv, message, capsys):
+    from jaxsparse import profile
+
+    with pytest.raises(SystemExit):
+        profile.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
 def test_devices_makes_the_batch_per_device_and_a_data_parallel_step():
     """--devices N profiles the data-parallel step: the batch given (or the headline's) is per device."""
     from jaxsparse import profile

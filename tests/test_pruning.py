@@ -84,6 +84,11 @@ def test_init_rejects_incompatible_layers_and_empty_filter():
         pruning.gmp_prune("64:2:8").init(params)
     with pytest.raises(ValueError, match="selected no"):
         pruning.gmp_prune("2:4", filter_fn=lambda path, x: False).init(params)
+    with pytest.raises(ValueError, match="selected no"):
+        pruning.oneshot_masks(params, "2:4", filter_fn=lambda path, x: False)
+    # a transposable V:2:M mask needs V % 4 == 0 (4 rows sharing their columns): said at init, with the layer's name
+    with pytest.raises(ValueError, match="encoder_layer_0/output/kernel.*V to be a multiple of 4"):
+        pruning.gmp_prune("2:2:8", transposable=True).init(params)
     tx = pruning.gmp_prune("2:4")
     state = tx.init(params)
     with pytest.raises(ValueError, match="needs params"):

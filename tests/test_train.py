@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 
 import jax
@@ -73,10 +74,38 @@ def test_cli_rejects_inconsistent_options():
         train.parse_args(["--sparsity", "2:4", "--prune", "none"])
     with pytest.raises(SystemExit):
         train.parse_args(["--sparsity", "dense", "--prune", "gmp"])
-    with pytest.raises(ValueError, match="V:N:M"):
-        train.parse_args(["--sparsity", "two:four"])
     args = train.parse_args([])
     assert (args.model, args.task, args.sparsity, args.prune, args.epochs) == ("minilm", "rt", "2:4", "oneshot", 1)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sparsity", "two:four"], "--sparsity: .*V:N:M"),
+    (["--ladder", "2:4,garbage"], "--ladder: .*V:N:M"),
+    (["--sparsity", "dense", "--ladder", "2:4"], "--ladder is a GMP ladder"),
+    (["--lr", "-1"], "--lr must be > 0"),
+    (["--lr", "0"], "--lr must be > 0"),
+    (["--weight-decay", "-0.1"], "--weight-decay must be >= 0"),
+    (["--warmup", "1"], "need 0 <= --warmup < 1"),
+    (["--warmup", "-0.5"], "need 0 <= --warmup < 1"),
+    (["--max-len", "1"], "--max-len must be >= 2"),
+    (["--max-train", "-1"], "--max-train must be >= 0"),
+    (["--max-eval", "-3"], "--max-eval must be >= 0"),
+])
+def test_cli_rejects_bad_values_naming_the_flag(argv, message, capsys):
+    """A value the run cannot take is an argparse error naming its flag, before any data is read, not a traceback
+    from deep in the run (or, for a negative learning rate, a run that trains to rc 0 on a diverging loss)."""
+    with pytest.raises(SystemExit):
+        train.parse_args(argv)
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_cli_rejects_an_out_path_that_is_a_file(tmp_path, capsys):
+    path = tmp_path / "file"
+    path.write_text("")
+    with pytest.raises(SystemExit):
+        train.parse_args(["--out", str(path)])
+    assert "is not a folder" in capsys.readouterr().err
+    assert train.parse_args(["--out", str(tmp_path)]).out == str(tmp_path)  # an existing folder is fine
 
 
 def test_default_dtype_is_bfloat16_on_a_gpu_and_float32_elsewhere(monkeypatch):
