@@ -1135,6 +1135,9 @@ def resolve_dtype(args: argparse.Namespace) -> str:
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.time()
+    devices = getattr(args, "devices", 1)
+    if devices != "all" and devices > jax.local_device_count():  # said before any data is read
+        raise ValueError(f"--devices {devices}: this process has {jax.local_device_count()} local device(s)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data = load_data(args.task, args.max_train, args.max_eval, args.max_len)

@@ -99,6 +99,15 @@ def test_cli_rejects_bad_values_naming_the_flag(argv, message, capsys):
     assert re.search(message, capsys.readouterr().err)
 
 
+def test_more_devices_than_the_process_has_is_an_error_before_any_data(tmp_path, monkeypatch):
+    def no_data(*args, **kwargs):
+        raise AssertionError("data loaded before the device count was checked")
+
+    monkeypatch.setattr(train, "load_data", no_data)
+    with pytest.raises(ValueError, match="--devices 4096: this process has"):
+        train.run(train.parse_args(TINY + ["--devices", "4096", "--out", str(tmp_path / "run")]))
+
+
 def test_cli_rejects_an_out_path_that_is_a_file(tmp_path, capsys):
     path = tmp_path / "file"
     path.write_text("")
