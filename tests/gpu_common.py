@@ -19,10 +19,10 @@ DTYPES = [jnp.bfloat16, jnp.float16]
 TOL = {jnp.bfloat16: 1e-2, jnp.float16: 3e-3}  # relative error against the float32 reference
 
 # (K, R, spec, dtype, what is wrong) of weights every kernel wrapper must refuse with a ValueError.
-REJECT_CASES = [
-    (512, 96, "2:4", jnp.bfloat16, "R % 64"),
-    (512, 128, "2:4", jnp.float32, "dtype"),
-    (512, 128, "2:2:8", jnp.bfloat16, "V"),
+REJECT_CASES = [  # (K, R, spec, dtype, what the ValueError must say)
+    (512, 96, "2:4", jnp.bfloat16, "multiple of 64"),
+    (512, 128, "2:4", jnp.float32, "bfloat16 or float16"),
+    (512, 128, "2:2:8", jnp.bfloat16, "V in"),
 ]
 
 select_mask = jax.jit(F.select_mask, static_argnums=1)

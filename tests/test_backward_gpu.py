@@ -295,9 +295,9 @@ def test_backward_rejects(k, r, spec, dtype, what):
     w = jax.random.normal(key("rej", what), (k, r), jnp.float32).astype(dtype)
     sw = F.compress(w, F.select_mask(w, spec), spec)
     x, dy = jnp.ones((4, k), dtype), jnp.ones((4, r), dtype)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=what):
         calls.sddmm(x, dy, sw)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=what):
         calls.spmm_t(dy, sw)
 
 

@@ -39,6 +39,13 @@ needs_hopper = pytest.mark.skipif(not (cuda_ready("jaxsparse_spmm_xt") and _hopp
                                   reason="diagonal blocks run on the Hopper kernels")
 
 
+def _assert_on_kernels(f) -> None:
+    """The compiled ``f`` (no arguments) calls the blocks' forward and SDDMM kernels."""
+    text = f.lower().compile().as_text()
+    for target in ("jaxsparse_spmm_xt", "jaxsparse_sddmm"):
+        assert f'custom_call_target="{target}"' in text, target
+
+
 def _make(rng, t: int, blocks: int, k: int, r: int, dtype):
     """x [t, blocks k], dy [t, r], the stacked weight (transposable 2:4 masks) and its dense block-diagonal form."""
     kx, kd, kw, kb = jax.random.split(rng, 4)
@@ -152,6 +159,8 @@ def test_sparse_mlp_with_diagonal_out_on_kernels(monkeypatch, spec, blocks):
         return (y, *vjp(dy))
 
     with ops.dx_route_scope("transposed"):
+        _assert_on_kernels(jax.jit(run))  # not the reference, which `auto` would fall back to with a warning
+        poison((t, r), jnp.bfloat16)
         got = jax.jit(run)()
     monkeypatch.setenv("JAXSPARSE_BACKEND", "reference")
     with ops.dx_route_scope("transposed"):
@@ -243,6 +252,8 @@ def test_diagonal_mlp_on_kernels(monkeypatch, blocks):
         y, vjp = jax.vjp(g, x, sw1.values, b1, sw2.values, b2)
         return (y, *vjp(dy))
 
+    _assert_on_kernels(jax.jit(run))  # not the reference, which `auto` would fall back to with a warning
+    poison((t, r), jnp.bfloat16)
     got = jax.jit(run)()
     monkeypatch.setenv("JAXSPARSE_BACKEND", "reference")
     want = jax.jit(run)()

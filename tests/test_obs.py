@@ -171,7 +171,8 @@ def test_kernel_stages_and_multi_batch_hessians():
         obs.kernel_stages({"encoder": {"odd": {"kernel": jnp.zeros((4, 4))}}}, encoder_kernels)
 
 
-def test_oneshot_refit_masks_survive_reselection(score="activation"):
+@pytest.mark.parametrize("score", ["activation", "magnitude"])
+def test_oneshot_refit_masks_survive_reselection(score):
     """oneshot_refit's kernels obey their masks, and one-shot selection on them picks the same masks."""
 
     from jaxsparse import pruning
