@@ -827,11 +827,21 @@ def test_running_mean_is_the_mean_of_the_snapshots():
     assert mean["a"].dtype == np.float32
 
 
-def test_average_from_evaluates_the_averaged_model_beside_the_last_step(tmp_path):
+def test_average_from_evaluates_the_averaged_model_beside_the_last_step(tmp_path, monkeypatch):
     """--average-from: the run's result is the mean of its last steps' params (compressed values here: the one-shot
     masks are final from step 1), the last step's accuracies stay beside it; averaging only the last step gives the
     last step's model exactly."""
     base = TINY + ["--sparsity", "16:2:8", "--compress", "on"]  # 512 / 32 = 16 steps
+    values = lambda params: np.array(params["bert"]["encoder_layer_1"]["intermediate"]["values"], np.float32)
+    snapshots, real_mean = [], train.running_mean
+
+    def spy(mean, params, count):  # records each averaged step's params (copies: the step may donate them)
+        if not snapshots:
+            snapshots.append(values(mean))  # the first snapshot is taken as it is
+        snapshots.append(values(params))
+        return real_mean(mean, params, count)
+
+    monkeypatch.setattr(train, "running_mean", spy)
     metrics = train.run(train.parse_args(base + ["--average-from", "0.5", "--out", str(tmp_path / "half")]))
     assert metrics["average_start_step"] == 8 and metrics["averaged_steps"] == 8 and metrics["compressed_training"]
     for k in ("test_accuracy", "last_test_accuracy", "dev_accuracy", "last_dev_accuracy"):
@@ -839,6 +849,10 @@ def test_average_from_evaluates_the_averaged_model_beside_the_last_step(tmp_path
     assert metrics["last_dev_accuracy"] == metrics["history"][-1]["dev_accuracy"]
     layer = train.load_checkpoint(tmp_path / "half" / "checkpoint")["params"]["bert"]["encoder_layer_1"]["intermediate"]
     assert "kernel" not in layer and np.isfinite(np.asarray(layer["values"])).all()
+    assert len(snapshots) == 8  # the checkpoint is their mean, not the last step's values
+    mean = np.mean(snapshots, axis=0)
+    np.testing.assert_allclose(np.asarray(layer["values"], np.float32), mean, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(mean, snapshots[-1], rtol=1e-5, atol=1e-6)
 
     last = train.run(train.parse_args(base + ["--average-from", "0.9375", "--out", str(tmp_path / "last")]))
     assert last["averaged_steps"] == 1
