@@ -311,6 +311,7 @@ def classify(name: str, info: OpInfo | None = None) -> str:
 
 from jaxsparse.format import VNM  # noqa: E402
 from jaxsparse.train import OPTIMIZER_SCOPE as OPTIMIZER_SCOPE_NAME  # noqa: E402 - the step names it
+from jaxsparse.train import parser_check  # noqa: E402
 
 # ----------------------------------------------------------------------------- reading the trace
 
@@ -672,10 +673,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="also write the compiled step's HLO text (where the top ops' fusions are defined)")
     args = p.parse_args(argv)
     if args.sparsity != "dense":
-        try:
-            VNM.parse(args.sparsity)
-        except ValueError as e:
-            p.error(f"--sparsity: {e}")
+        parser_check(p, "--sparsity", VNM.parse, args.sparsity)
     for name, low in (("batch_size", 1), ("seq_len", 1), ("steps", 1), ("warmup", 0), ("devices", 1), ("top", 0)):
         value = getattr(args, name)
         if value is not None and value < low:

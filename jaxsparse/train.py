@@ -220,6 +220,14 @@ def check_recipe_arguments(p: argparse.ArgumentParser, args: argparse.Namespace)
         _check_mask_option(p, args, "--exclusive-columns", fmt.check_exclusive_spec)
 
 
+def parser_check(p: argparse.ArgumentParser, flag: str, check, value) -> None:
+    """``check(value)``, its ``ValueError`` (naming the constraint) turned into ``p.error`` naming ``flag``."""
+    try:
+        check(value)
+    except ValueError as e:
+        p.error(f"{flag}: {e}")
+
+
 def _check_mask_option(p: argparse.ArgumentParser, args: argparse.Namespace, flag: str, check_spec) -> None:
     """A mask-rule option (``flag``) needs a sparse run that chooses masks (``--prune gmp`` or ``oneshot``) and a
     pattern ``check_spec`` accepts (it raises ``ValueError`` naming the constraint); ``p.error`` otherwise."""
@@ -227,10 +235,7 @@ def _check_mask_option(p: argparse.ArgumentParser, args: argparse.Namespace, fla
     if sparsity == "dense" or args.prune not in ("gmp", "oneshot"):
         p.error(f"{flag} chooses a sparse run's masks: give a --sparsity pattern and --prune gmp or oneshot")
     if sparsity is not None:
-        try:
-            check_spec(sparsity)
-        except ValueError as e:
-            p.error(f"{flag}: {e}")
+        parser_check(p, flag, check_spec, sparsity)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -277,10 +282,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     patterns = [("--sparsity", args.sparsity)] if args.sparsity != "dense" else []
     patterns += [("--ladder", stage) for stage in (args.ladder.split(",") if args.ladder else [])]
     for flag, pattern in patterns:
-        try:
-            fmt.VNM.parse(pattern)
-        except ValueError as e:
-            p.error(f"{flag}: {e}")
+        parser_check(p, flag, fmt.VNM.parse, pattern)
     if args.ladder and args.sparsity == "dense":
         p.error("--ladder is a GMP ladder: give a --sparsity pattern")
     if args.prune is None:

@@ -33,9 +33,9 @@ def key(*parts) -> jax.Array:
     return jax.random.PRNGKey(zlib.crc32(repr(parts).encode()))
 
 
-def poison(shape, dtype) -> None:
-    """Fill and free a NaN buffer of the output's size, so a kernel that skips elements reads NaN."""
-    junk = jnp.full(shape, jnp.nan, dtype)
+def poison(shape, dtype, value=jnp.nan) -> None:
+    """Fill and free a buffer of the output's size with ``value`` (NaN), so a kernel that skips elements reads it."""
+    junk = jnp.full(shape, value, dtype)
     junk.block_until_ready()
     junk.delete()
 

@@ -80,9 +80,7 @@ def test_transpose_2_4_kernel(spec, k, r, dtype, transposable):
     f = jax.jit(ops.transpose_2_4).lower(sw).compile()
     assert 'custom_call_target="jaxsparse_transpose_2_4"' in f.as_text()
     ref = F.transpose_2_4(sw)
-    junk = jnp.full((k, r // 2), jnp.nan if transposable else 12345.0, dtype)  # poison, freed just before the call
-    junk.block_until_ready()
-    junk.delete()
+    poison((k, r // 2), dtype, jnp.nan if transposable else 12345.0)
     out = f(sw)
     assert out.shape == ref.shape == (r, k) and out.spec == ref.spec == F.VNM(1, 2, 4) and out.values.dtype == dtype
     np.testing.assert_array_equal(np.asarray(out.values).view(np.uint16), np.asarray(ref.values).view(np.uint16))
