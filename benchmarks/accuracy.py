@@ -686,8 +686,15 @@ SPARSE_ONLY_HYPERPARAMETERS = ("prune", "ladder", "prune_begin", "prune_end", "f
                                "teacher_seeds", "refit_selection")
 
 
+def _settings(hp: dict) -> dict:
+    """``hp`` without the options written as off (None or False): a file written before an option existed lacks
+    its key, and one written after may hold it switched off (``refit`` is always written), which is the same
+    study. A value of 0 stays: ``student_dropout`` 0 is a setting, not an option left off."""
+    return {k: v for k, v in hp.items() if v is not None and v is not False}
+
+
 def _dense_settings(hp: dict) -> dict:
-    return {k: v for k, v in hp.items() if k not in SPARSE_ONLY_HYPERPARAMETERS}
+    return {k: v for k, v in _settings(hp).items() if k not in SPARSE_ONLY_HYPERPARAMETERS}
 
 
 def _repo_relative(path) -> str:
@@ -731,7 +738,7 @@ def merge(paths: Sequence[Path], out_dir: Path, dense_from: Sequence[Path] = ())
         if p.get("dense_only"):
             if _dense_settings(p["hyperparameters"]) != _dense_settings(payloads[0]["hyperparameters"]):
                 raise ValueError(f"{path}: its dense runs were trained with other settings than {paths[0]}")
-        elif p["hyperparameters"] != payloads[0]["hyperparameters"]:
+        elif _settings(p["hyperparameters"]) != _settings(payloads[0]["hyperparameters"]):
             raise ValueError(f"{path} has other hyper-parameters than {paths[0]}")
     runs, seen = [], set()
     for path, p in zip(paths, payloads):

@@ -112,6 +112,27 @@ def test_merge_joins_side_by_side_runs(acc, tmp_path):
         acc.merge(files, out)
 
 
+def test_merge_takes_an_option_written_off_as_absent(acc, tmp_path):
+    """A file written before an option existed (no key) merges with one that writes it off (None or False), as
+    session 5's 2:4 runs (no ``refit`` key) with session 39's (``refit: False``); a value that is a setting (0 for
+    ``student_dropout``, or the option on) does not."""
+    accs = {"dense": [0.9, 0.92], "2:4": [0.9, 0.9]}
+    old = _payload(acc, "rt", ["2:4"], accs)
+    for key in ("refit", "refit_batches"):
+        old["hyperparameters"].pop(key)
+    new = _payload(acc, "trec", ["2:4"], accs)
+    assert new["hyperparameters"]["refit"] is False and new["hyperparameters"]["refit_batches"] is None
+    files = [tmp_path / "old.json", tmp_path / "new.json"]
+    files[0].write_text(json.dumps(old))
+    files[1].write_text(json.dumps(new))
+    merged = acc.merge(files, tmp_path / "m")
+    assert len(merged["runs"]) == 4
+    for changes in ({"refit": True, "refit_batches": 32}, {"student_dropout": 0.0}):
+        files[1].write_text(json.dumps(_payload(acc, "trec", ["2:4"], accs, **changes)))
+        with pytest.raises(ValueError, match="other hyper-parameters"):
+            acc.merge(files, tmp_path / "m")
+
+
 def test_seed_slices_share_one_teacher_and_merge(acc, tmp_path, monkeypatch):
     """Side-by-side slices (--seed-list) with --teacher-dir: one teacher trained, the other slice loads it."""
     from jaxsparse import train
