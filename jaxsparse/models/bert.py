@@ -267,7 +267,7 @@ def key_lengths_of(attention_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
 ATTENTION_LOGITS = "attention_logits"
 """Flax collection into which :class:`BertAttention` sows its float32 attention logits ``[B, heads, T, T]``
 (scaled scores plus the padding bias, before the softmax and its dropout), for attention distillation
-(``jaxsparse.train.attention_distill_loss``). Only the ``"softmax"`` attention has them (the ``"fused"`` one
+(``jaxsparse.distill.attention_distill_loss``). Only the ``"softmax"`` attention has them (the ``"fused"`` one
 never forms the scores). It is filled only when the collection is mutable in ``apply``; read it in layer
 order with :func:`sown_attention_logits`."""
 
@@ -330,7 +330,7 @@ class BertLayer(_Sparse):
 HIDDEN_STATES = "hidden_states"
 """Flax collection into which :class:`BertModel` sows each encoder layer's output (``"layers"``: a tuple of
 ``[B, T, H]``, first layer first). It is filled only when the collection is mutable in ``apply``, e.g. for
-hidden-state distillation (``jaxsparse.train.hidden_distill_loss``); otherwise sowing is a no-op."""
+hidden-state distillation (``jaxsparse.distill.hidden_distill_loss``); otherwise sowing is a no-op."""
 
 
 class BertModel(_Sparse):
