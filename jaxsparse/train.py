@@ -28,10 +28,10 @@ import optax
 
 from jaxsparse import data as data_lib
 from jaxsparse import parallel
-from jaxsparse.distill import (attention_distill_loss, augment_tokens, hidden_distill_loss, loss_fn, soft_distill_loss,
-                               token_neighbors)
 from jaxsparse import format as fmt
 from jaxsparse import ops, pruning
+from jaxsparse.distill import (attention_distill_loss, augment_tokens, hidden_distill_loss, loss_fn, soft_distill_loss,
+                               token_neighbors)
 from jaxsparse.models import bert
 from jaxsparse.nn import INPUT_STATS, SPARSITY
 
