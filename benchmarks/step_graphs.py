@@ -14,7 +14,6 @@ that cuDNN's attention issues 32 MiB memsets outside command buffers, and what m
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import re
@@ -27,7 +26,7 @@ import jax
 from jax.profiler import ProfileData
 
 from jaxsparse import trainstep
-from jaxsparse.profile import _DERIVED_LINES  # the trace lines that repeat the stream lines' events
+from jaxsparse.profile import _DERIVED_LINES, latest_xplane  # _DERIVED_LINES: trace lines repeating the stream lines
 
 
 def device_summary(xplane: str, steps: int) -> dict:
@@ -88,7 +87,7 @@ def main() -> None:
         for _ in range(2):
             params, state, loss = compiled(params, state, *rest)
         jax.block_until_ready(loss)
-    xplane = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
+    xplane = latest_xplane(trace_dir)
     res = {"tag": args.tag, "model": args.model, "sparsity": args.sparsity, "device": jax.devices()[0].device_kind,
            "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "step_ms": round(statistics.median(times[3:]), 2), **device_summary(xplane, 2),

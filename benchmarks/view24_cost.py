@@ -16,7 +16,6 @@ output size the same way: what the build's bytes cost in an XLA kernel.
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import statistics
 import sys
@@ -33,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from jaxsparse import format as F  # noqa: E402
 from jaxsparse.ffi import calls  # noqa: E402
-from jaxsparse.profile import device_events  # noqa: E402
+from jaxsparse.profile import device_events, latest_xplane  # noqa: E402
 
 CALLS = 48
 # (K, R, spec): BERT-large's attention (1024 x 1024) and FFN kernels, and the diagonal FFN out's 2:4 blocks.
@@ -61,8 +60,7 @@ def kernel_us(fn, args: tuple, match: str) -> tuple[float, int]:
         for _ in range(3):
             out = fn(*args)
         jax.block_until_ready(out)
-    files = sorted(glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
-    events, _ = device_events(files[-1])
+    events, _ = device_events(latest_xplane(tmp))
     durations = [e.duration_ns / 1e3 for e in events if match in e.name and "memcpy" not in e.name.lower()]
     if not durations:
         raise RuntimeError(f"no kernel named like {match!r} in the trace: {sorted({e.name for e in events})[:10]}")

@@ -340,6 +340,14 @@ _DERIVED_LINES = ("xla ops", "xla modules", "steps", "framework", "source", "lau
                   "host threads", "sparsecore")
 
 
+def latest_xplane(trace_dir: str) -> str:
+    """The newest ``.xplane.pb`` that ``jax.profiler.trace(trace_dir)`` wrote under ``trace_dir``."""
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+    if not files:
+        raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {trace_dir}")
+    return files[-1]
+
+
 def device_events(xspace_path: str, module: str | None = None,
                   first_gpu_only: bool = False) -> tuple[list[DeviceEvent], dict]:
     """Device events of an ``.xplane.pb`` and a description of what was read.
@@ -604,14 +612,12 @@ def profile_step(config, steps: int = 5, warmup: int = 2, trace_dir: str | None 
             for _ in range(steps):
                 params, state, loss = compiled(params, state, *rest)
             jax.block_until_ready((params, state, loss))
-    files = sorted(glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
-    if not files:
-        raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {tmp}")
-    events, desc = device_events(files[-1], module.group(1) if module else None, first_gpu_only=config.devices > 1)
+    xplane = latest_xplane(tmp)
+    events, desc = device_events(xplane, module.group(1) if module else None, first_gpu_only=config.devices > 1)
     if not events:
-        raise RuntimeError(f"no device events of module {module.group(1) if module else '?'} in {files[-1]}")
+        raise RuntimeError(f"no device events of module {module.group(1) if module else '?'} in {xplane}")
     dev = jax.devices()[0]
-    desc = {"device": f"{dev.platform}:{dev.device_kind}", **desc, "xplane": files[-1]}
+    desc = {"device": f"{dev.platform}:{dev.device_kind}", **desc, "xplane": xplane}
     prof = summarize(events, hlo, steps, step_ms, desc, top)
     prof.meta = {"model": config.model, "sparsity": config.sparsity, "mode": ts.mode, "mode_reason": ts.reason,
                  "batch_size": config.batch_size, "seq_len": config.seq_len, "tokens": ts.tokens,

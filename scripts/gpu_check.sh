@@ -38,25 +38,23 @@ tests=()
 for t in ${GPU_TESTS:-tests}; do case $t in /*) tests+=("$t") ;; *) tests+=("$repo/$t") ;; esac; done
 if [ "$procs" -gt 1 ] && (cd /tmp && python3 -c "import xdist" 2>/dev/null); then
   # pytest-xdist: n workers share the GPU and take tests as they free up (tests/conftest.py turns preallocation off).
+  xdist() { local log=$1; shift; (cd /tmp && pytest -q -rfE -m gpu -p no:cacheprovider -n "$procs" --dist worksteal "$@" > "$log" 2>&1); }
+  report() { grep -h "^FAILED\|^ERROR" "$1" | head -40; echo "$2$(tail -1 "$1")"; }
   ngpu=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
   split_pid=
   if [ "${GPU_SPLIT:-0}" = 1 ] && [ "$ngpu" -gt 1 ] && [ -z "${GPU_TESTS:-}" ]; then
     # The backward file on the last GPU alone, its own n workers; the other files on every GPU (the two-GPU tests).
     tests=()
     for f in "$repo"/tests/test_*.py; do [ "$(basename "$f")" = test_backward_gpu.py ] || tests+=("$f"); done
-    (cd /tmp && CUDA_VISIBLE_DEVICES=$((ngpu - 1)) pytest -q -rfE -m gpu -p no:cacheprovider -n "$procs" \
-       --dist worksteal "$repo/tests/test_backward_gpu.py" > "$OUT/gpu_tests_backward.log" 2>&1) &
+    CUDA_VISIBLE_DEVICES=$((ngpu - 1)) xdist "$OUT/gpu_tests_backward.log" "$repo/tests/test_backward_gpu.py" &
     split_pid=$!
   fi
-  (cd /tmp && pytest -q -rfE -m gpu -p no:cacheprovider -n "$procs" --dist worksteal "${tests[@]}" \
-     > "$OUT/gpu_tests.log" 2>&1)
+  xdist "$OUT/gpu_tests.log" "${tests[@]}"
   status=$?
-  grep -h "^FAILED\|^ERROR" "$OUT/gpu_tests.log" | head -40
-  tail -1 "$OUT/gpu_tests.log"
+  report "$OUT/gpu_tests.log" ""
   if [ -n "$split_pid" ]; then
     wait "$split_pid" || status=1
-    grep -h "^FAILED\|^ERROR" "$OUT/gpu_tests_backward.log" | head -40
-    echo "tests/test_backward_gpu.py on GPU $((ngpu - 1)): $(tail -1 "$OUT/gpu_tests_backward.log")"
+    report "$OUT/gpu_tests_backward.log" "tests/test_backward_gpu.py on GPU $((ngpu - 1)): "
   fi
 elif [ "$procs" -gt 1 ]; then
   # n pytest processes share the GPU (JAXSPARSE_TEST_SHARD=i/n; the host's cores compile in parallel, and the
