@@ -140,76 +140,86 @@ ffi::Error As24Impl(cudaStream_t stream, ffi::AnyBuffer values, ffi::Buffer<ffi:
 // dy @ W^T runs on the 2:4 forward kernel.  It is rebuilt every step (the values change every step); the pure-JAX
 // build took 0.06-0.13 ms per BERT-large layer on the H100 (session 20, ten fusions), about the dense dX itself.
 //
-// One thread per (32 output features r0 .. r0+31, input feature k = g*M + c): adjacent threads take adjacent groups g,
-// so their loads of the 32 rows' metadata nibbles and value pairs of group g coalesce, and each writes W^T's 16 values
-// (32 bytes) and one metadata word for those 32 output features at k.  If the block keeps column c (the q-th of its 4
-// kept columns), the values are the rows' stored values at position q: per quad of 4 output features the stored ones
-// come first, ascending, and a quad with fewer pads with its lowest free positions and zeros (as format._first_two).
-// A quad with more than 2 stored values (the mask is not transposable there) gets NaN in both slots, so the product
-// is NaN exactly where it would otherwise be wrong.  A column the block does not keep is an all-zero stretch of W^T:
-// zeros, positions (0, 1).  (Session 20 ran one thread per (32 output features, group) over all M columns: at
-// 128:2:16 and 1024x4096 that was 8192 threads, 64 per SM, and the build took about 3x its bytes' time; session 21.)
-__global__ void Transpose24Kernel(const uint32_t* __restrict__ value_pairs, const uint8_t* __restrict__ columns,
-                                  const uint32_t* __restrict__ metadata, uint16_t* __restrict__ values_t,
-                                  uint32_t* __restrict__ meta_t, int rows, int groups, int v, int m, uint16_t nan) {
-  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= static_cast<int64_t>(rows / 32) * groups * m) return;
-  const int g = static_cast<int>(idx % groups), c = static_cast<int>((idx / groups) % m);
-  const int chunk = static_cast<int>(idx / groups / m), r0 = 32 * chunk;
+// A CTA of 8 warps takes 32 output features r0 .. r0+31 (one metadata word of W^T) and 8 groups g, one a warp: it
+// stages their value pairs and metadata words in shared memory (each row's 8 pairs one 32-byte sector), then lane =
+// 4 * quad + q builds W^T's two values and metadata nibble of its quad (4 output features) at the input feature k the
+// block keeps as its q-th column (a 2:4 weight keeps every column: k = 4g + q).  Per quad of 4 output features the
+// stored values come first, ascending, and a quad with fewer pads with its lowest free positions and zeros (as
+// format._first_two).  A quad with more than 2 stored values (the mask is not transposable there) gets NaN in both
+// slots, so the product is NaN exactly where it would otherwise be wrong.  The 8 quads' nibbles are OR-ed across the
+// warp into the metadata word; each k's 16 values are 8 lanes' 4-byte stores (one 32-byte sector).  A column the block
+// does not keep is an all-zero stretch of W^T: zeros, positions (0, 1).
+// History (H200 kernel time; docs/kernel-notes.md, session 40): session 21's one thread per (32 output features, k)
+// scanned all 32 rows for its column, M threads loading the same rows: 5.1 us at 1024 x 1024 and 9.2 us at the FFN
+// shapes (64:2:8), 2.2-2.8x an XLA pass of the same bytes.  This kernel: 3.5 and 8.8 us.  Two variants measured and not
+// kept: that thread's rows split over 4 lanes (4.3 and 10.7 us), and this one with 1, 2 or 4 groups a warp chosen at
+// launch to keep the grid within one wave (4.2 and 9.3 us: the runtime tile cost more than the second wave).
+constexpr int kT24Groups = 8;  // groups per CTA, one per warp
+__global__ void __launch_bounds__(32 * kT24Groups) Transpose24Kernel(const uint32_t* __restrict__ value_pairs,
+                                                                     const uint8_t* __restrict__ columns,
+                                                                     const uint32_t* __restrict__ metadata,
+                                                                     uint16_t* __restrict__ values_t,
+                                                                     uint32_t* __restrict__ meta_t, int rows,
+                                                                     int groups, int v, int m, uint16_t nan) {
+  __shared__ uint32_t pairs_s[32][kT24Groups + 1];  // +1: the 8 rows one warp's load reads sit in 8 banks
+  __shared__ uint32_t meta_s[32];                   // the rows' metadata words of these 8 groups
+  const int tiles = groups / kT24Groups;            // G % 8 == 0
+  const int chunk = static_cast<int>(blockIdx.x / tiles), g0 = static_cast<int>(blockIdx.x % tiles) * kT24Groups;
+  const int r0 = 32 * chunk, lane = threadIdx.x % 32, gl = threadIdx.x / 32;
+  {
+    const int row = threadIdx.x / kT24Groups, col = threadIdx.x % kT24Groups;
+    pairs_s[row][col] = value_pairs[static_cast<int64_t>(r0 + row) * groups + g0 + col];
+    if (threadIdx.x < 32)
+      meta_s[threadIdx.x] = metadata[static_cast<int64_t>(r0 + threadIdx.x) * (groups / 8) + g0 / 8];
+  }
+  __syncthreads();
   const int64_t row_t = rows / 2, words_t = rows / 32;  // W^T's values and metadata words per input feature
-  const int64_t k = static_cast<int64_t>(g) * m + c;
-  int q = c;  // M = 4: the group's columns are the kept ones
+  const int quad = lane / 4, q = lane % 4, g = g0 + gl;
+  int c = q;  // M = 4: the group's columns are the kept ones
+  uint32_t kept = 0xF;
   if (m > 4) {
-    const uint8_t* cols = columns + (static_cast<int64_t>(r0 / v) * groups + g) * 4;  // v % 32 == 0: one block
-    q = -1;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) q = cols[j] == c ? j : q;
+    // v % 32 == 0: the 32 output features are in one block
+    const uchar4 cols = *reinterpret_cast<const uchar4*>(columns + (static_cast<int64_t>(r0 / v) * groups + g) * 4);
+    c = q == 0 ? cols.x : q == 1 ? cols.y : q == 2 ? cols.z : cols.w;
+    kept = (1u << cols.x) | (1u << cols.y) | (1u << cols.z) | (1u << cols.w);
   }
-  if (q < 0) {
-    alignas(16) const uint16_t zeros[16] = {};
-    StoreVec<sizeof(zeros)>(values_t + k * row_t + 16 * chunk, zeros);
-    meta_t[k * words_t + chunk] = 0x44444444u;  // positions (0, 1) in each of the 8 quads
-    return;
-  }
-  uint32_t nibbles[4] = {0, 0, 0, 0};  // 4 bits per row: positions (among the block's 4 kept columns) p0 | p1 << 2
-  uint32_t pairs[32];
+  int count = 0, pa = 0, pb = 1;
+  uint16_t va = 0, vb = 0;
 #pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    const int64_t r = r0 + i;
-    nibbles[i / 8] |= ((metadata[r * (groups / 8) + g / 8] >> (4 * (g % 8))) & 0xF) << (4 * (i % 8));
-    pairs[i] = value_pairs[r * groups + g];
-  }
-  alignas(16) uint16_t out[16];
-  uint32_t word = 0;
-#pragma unroll
-  for (int quad = 0; quad < 8; ++quad) {
-    int count = 0, pa = 0, pb = 1;
-    uint16_t va = 0, vb = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int row = 4 * quad + i;
-      const uint32_t nib = (nibbles[row / 8] >> (4 * (row % 8))) & 0xF;
-      const bool first = (nib & 3) == static_cast<uint32_t>(q), second = (nib >> 2) == static_cast<uint32_t>(q);
-      if (first || second) {
-        const uint16_t value = static_cast<uint16_t>(first ? pairs[row] : pairs[row] >> 16);
-        if (count == 0) {
-          pa = i;
-          va = value;
-        } else if (count == 1) {
-          pb = i;
-          vb = value;
-        }
-        ++count;
+  for (int i = 0; i < 4; ++i) {
+    const int row = 4 * quad + i;
+    const uint32_t nib = (meta_s[row] >> (4 * gl)) & 0xF;
+    const uint32_t pair = pairs_s[row][gl];
+    const bool first = (nib & 3) == static_cast<uint32_t>(q), second = (nib >> 2) == static_cast<uint32_t>(q);
+    if (first || second) {
+      const uint16_t value = static_cast<uint16_t>(first ? pair : pair >> 16);
+      if (count == 0) {
+        pa = i;
+        va = value;
+      } else if (count == 1) {
+        pb = i;
+        vb = value;
       }
+      ++count;
     }
-    if (count == 1) pb = pa == 0 ? 1 : 0;  // the lowest free position, with a zero value
-    if (count > 2) va = vb = nan;
-    out[2 * quad] = va;
-    out[2 * quad + 1] = vb;
-    word |= static_cast<uint32_t>(pa | (pb << 2)) << (4 * quad);
   }
-  StoreVec<sizeof(out)>(values_t + k * row_t + 16 * chunk, out);
-  meta_t[k * words_t + chunk] = word;
+  if (count == 1) pb = pa == 0 ? 1 : 0;  // the lowest free position, with a zero value
+  if (count > 2) va = vb = nan;
+  uint32_t word = static_cast<uint32_t>(pa | (pb << 2)) << (4 * quad);
+#pragma unroll
+  for (int offset = 4; offset < 32; offset *= 2) word |= __shfl_xor_sync(0xFFFFFFFFu, word, offset);
+  const int64_t k = static_cast<int64_t>(g) * m + c;
+  *reinterpret_cast<uint32_t*>(values_t + k * row_t + 16 * chunk + 2 * quad) = va | (static_cast<uint32_t>(vb) << 16);
+  if (quad == 0) meta_t[k * words_t + chunk] = word;
+  // The columns the block does not keep (M > 4): 4 of them per pass, 8 lanes each.
+  for (int c0 = 0; c0 < m && m > 4; c0 += 4) {
+    const int cz = c0 + lane / 8;
+    if (!((kept >> cz) & 1)) {
+      const int64_t kz = static_cast<int64_t>(g) * m + cz;
+      *reinterpret_cast<uint32_t*>(values_t + kz * row_t + 16 * chunk + 2 * (lane % 8)) = 0;
+      if (lane % 8 == 0) meta_t[kz * words_t + chunk] = 0x44444444u;  // positions (0, 1) in each of the 8 quads
+    }
+  }
 }
 
 ffi::Error Transpose24Impl(cudaStream_t stream, ffi::AnyBuffer values, ffi::Buffer<ffi::U8> columns,
@@ -233,11 +243,10 @@ ffi::Error Transpose24Impl(cudaStream_t stream, ffi::AnyBuffer values, ffi::Buff
     return ffi::Error::InvalidArgument("jaxsparse_transpose_2_4: values and W^T's values must share bf16 or fp16");
   if (rows >= (int64_t(1) << 30) || k >= (int64_t(1) << 30))
     return ffi::Error::InvalidArgument("jaxsparse_transpose_2_4: shape too large");
-  const int64_t threads = rows / 32 * groups * m;
-  if (threads == 0) return ffi::Error::Success();
+  const int64_t blocks = rows / 32 * (groups / kT24Groups);
+  if (blocks == 0) return ffi::Error::Success();
   const uint16_t nan = values.element_type() == ffi::BF16 ? 0x7FC0 : 0x7E00;
-  const int block = 128;
-  Transpose24Kernel<<<static_cast<unsigned>((threads + block - 1) / block), block, 0, stream>>>(
+  Transpose24Kernel<<<static_cast<unsigned>(blocks), 32 * kT24Groups, 0, stream>>>(
       static_cast<const uint32_t*>(values.untyped_data()), columns.typed_data(), metadata.typed_data(),
       static_cast<uint16_t*>(values_t->untyped_data()), meta_t->typed_data(), static_cast<int>(rows),
       static_cast<int>(groups), v, m, nan);
