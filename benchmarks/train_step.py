@@ -1,10 +1,11 @@
 """The headline benchmark: a full BERT training step (forward, backward, AdamW), dense against sparse.
 
 BERT-base and BERT-large with a 2-label classification head, sequences of 512 and 128 tokens, batches
-from :data:`BATCH` (sized for an 80 GB H100; ``--batch-size`` overrides), bf16 compute with float32
-master weights and AdamW moments (:mod:`jaxsparse.trainstep`). Each sparsity runs in compressed mode
-(the compressed values are the parameters; no dense weight, gradient or moment) where the format takes
-the layer shapes, masked-dense otherwise; the output says which.
+from :data:`BATCH` (chosen for an 80 GB H100; with ``--attention fused`` BERT-large at sequence 512 fills one at
+batch 96, not 32: docs/results.md, session 40; ``--batch-size`` overrides), bf16 compute with float32 master weights
+and AdamW moments (:mod:`jaxsparse.trainstep`). Each sparsity runs in compressed mode (the compressed values are the
+parameters; no dense weight, gradient or moment) where the format takes the layer shapes, masked-dense otherwise; the
+output says which.
 
 Each configuration runs in a fresh subprocess, so the device's ``peak_bytes_in_use`` is its own. The
 step is timed one synced step at a time (``block_until_ready``) after the warm-up; the median is

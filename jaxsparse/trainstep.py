@@ -39,7 +39,10 @@ HEADLINE_BATCH = {  # (model, seq_len): batch size on an 80 GB H100 (f32 master 
     ("large", 512): 32,
     ("large", 128): 128,
 }
-"""The batch sizes of the headline benchmark (``benchmarks/train_step.py``), by ``(model, seq_len)``."""
+"""The batch sizes of the headline benchmark (``benchmarks/train_step.py``), by ``(model, seq_len)``, chosen with the
+benchmark's first version (BERT's softmax attention). With cuDNN attention (``attention="fused"``) BERT-large at
+sequence 512 peaks at 23.4 GiB at batch 32 and fills an 80 GB H100 at batch 96 (61.3 GiB; docs/results.md,
+session 40)."""
 
 
 def default_batch_size(model: str, seq_len: int) -> int:
