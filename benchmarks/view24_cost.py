@@ -8,7 +8,8 @@ pass of the same bytes, against 6.8 us a build in the step's profile). Here one 
 builds of ``CALLS`` different weights under ``jax.profiler.trace``, and each row is the median kernel duration read
 from the trace (``jaxsparse.profile.device_events``): the GPU's time for one build, launch excluded, as the step's
 profile counts it. The XLA row (``xla_pass_us``) reads an array of the build's input size and writes one of its
-output size the same way: what the build's bytes cost in an XLA kernel.
+output size the same way: what the build's bytes cost in an XLA kernel. ``step`` adds them up over one BERT-large
+step's builds (:data:`STEP_LAYER`).
 
   python3 benchmarks/view24_cost.py     # writes benchmarks/results/<gpu>/view24_cost.json
 """
@@ -35,9 +36,36 @@ from jaxsparse.ffi import calls  # noqa: E402
 from jaxsparse.profile import device_events, latest_xplane  # noqa: E402
 
 CALLS = 48
-# (K, R, spec): BERT-large's attention (1024 x 1024) and FFN kernels, and the diagonal FFN out's 2:4 blocks.
+# (K, R, spec): BERT-large's attention (1024 x 1024) and FFN kernels, and the diagonal FFN out as the stacked 2:4
+# weight its W^T is built from (jaxsparse.ops.diagonal_linear: 2 blocks, 2048 x 1024, at 64:2:8; 4, 1024 x 1024, at
+# 128:2:16).
 CASES = [(1024, 1024, "64:2:8"), (1024, 4096, "64:2:8"), (4096, 1024, "64:2:8"), (2048, 1024, "2:4"),
-         (1024, 1024, "128:2:16"), (1024, 4096, "128:2:16"), (4096, 1024, "128:2:16")]
+         (1024, 1024, "128:2:16"), (1024, 4096, "128:2:16"), (4096, 1024, "128:2:16"), (1024, 1024, "2:4")]
+# One encoder layer of the recommended BERT-large step (transposable masks, FFN out as M/4 diagonal 2:4 blocks):
+# (K, R, spec, count). Each weight builds W^T for the input gradient, and the V:2:M ones their 2:4 view for the forward.
+STEP_LAYER = {"64:2:8": [(1024, 1024, "64:2:8", 4), (1024, 4096, "64:2:8", 1), (2048, 1024, "2:4", 1)],
+              "128:2:16": [(1024, 1024, "128:2:16", 4), (1024, 4096, "128:2:16", 1), (1024, 1024, "2:4", 1)]}
+LAYERS = 24  # BERT-large
+
+
+def step_totals(rows: list[dict], layers: int = LAYERS) -> dict:
+    """Kernel time of the builds a step makes (:data:`STEP_LAYER` times ``layers``), from the per-build rows, by
+    sparsity and build: ``{"64:2:8": {"transpose_2_4": {"us_per_layer": ..., "ms_per_step": ..., "builds_per_step":
+    ...}, ...}}``. A step's shape missing from ``rows`` raises ``KeyError``."""
+    by_case = {(r["K"], r["R"], r["spec"], r["build"]): r["kernel_us"] for r in rows}
+    out = {}
+    for sparsity, layer in STEP_LAYER.items():
+        totals = {}
+        for k, r, spec, count in layer:
+            for build in ("transpose_2_4", "as_2_4") if F.VNM.parse(spec).m > 4 else ("transpose_2_4",):
+                t = totals.setdefault(build, {"us_per_layer": 0.0, "builds_per_step": 0})
+                t["us_per_layer"] += count * by_case[(k, r, spec, build)]
+                t["builds_per_step"] += count * layers
+        for t in totals.values():
+            t["us_per_layer"] = round(t["us_per_layer"], 2)
+            t["ms_per_step"] = round(t["us_per_layer"] * layers / 1e3, 3)
+        out[sparsity] = totals
+    return out
 
 
 def _weights(k: int, r: int, spec: str) -> list[F.SparseWeight]:
@@ -92,10 +120,15 @@ def main() -> None:
             rows.append(row)
             print(f"{k:>5} {r:>5} {spec:>9} {name:>14} {row['kernel_us']:7.2f} us  (XLA pass of the bytes "
                   f"{row['xla_pass_us']:6.2f} us, HBM floor {row['floor_us']:5.2f} us)", flush=True)
+    steps = step_totals(rows)
+    for sparsity, totals in steps.items():
+        print(f"a BERT-large step at {sparsity} (FFN out diagonal): " + ", ".join(
+            f"{name} {t['us_per_layer']:.1f} us a layer, {t['ms_per_step']:.3f} ms ({t['builds_per_step']} builds)"
+            for name, t in totals.items()))
     common.write_json(common.results_path("view24_cost.json", args.out),
                       dict(gpu=common.gpu_name(), versions=common.versions(), calls_per_batch=CALLS,
                            timing="median kernel duration from jax.profiler traces (3 calls of CALLS builds)",
-                           results=rows))
+                           results=rows, step=steps))
 
 
 if __name__ == "__main__":
