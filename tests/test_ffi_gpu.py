@@ -71,7 +71,8 @@ def test_as_2_4_kernel(spec, k, r, dtype):
 @pytest.mark.parametrize("transposable", [True, False], ids=["transposable", "plain"])
 def test_transpose_2_4_kernel(spec, k, r, dtype, transposable):
     """The ``jaxsparse_transpose_2_4`` handler against its reference ``format.transpose_2_4``, bit for bit (values,
-    NaN included, and metadata), on fresh random weights: several V blocks, a thread grid with a tail, every M.
+    NaN included, and metadata), on fresh random weights: several V blocks, every M, grids of 3 to 12 chunks of 32
+    output features by 2 to 8 tiles of 8 groups (the kernel's CTA).
     A plain mask is not transposable: the NaN quads must match too. The memory of a freed array of W^T's size is
     offered to the output first (NaN for transposable masks, whose W^T holds none; a finite value never drawn for
     plain ones), so an element the kernel did not write shows."""
