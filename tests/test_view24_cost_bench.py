@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from devdata_helpers import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("view24_cost_bench", os.path.join(ROOT, "benchmarks", "view24_cost.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("view24_cost", "benchmarks")
 
 
 def _rows(bench, transpose_us: float, view_us: float) -> list[dict]:
