@@ -79,6 +79,8 @@ class StepConfig:
       diagonal_all: every encoder kernel as ``M / 4`` diagonal 2:4 blocks read through chunk tables (no relabelling;
         ``V`` a multiple of 64; ``BertConfig.diagonal_all``).
       diagonal_ffn: as ``diagonal_all`` for the FFN's two kernels only (``BertConfig.diagonal_ffn``).
+      dropout: ``"rng"`` (``flax.linen.Dropout``) or ``"hash"`` (:class:`jaxsparse.dropout.HashDropout`, keep bits
+        hashed inside the kernels that use them); ``BertConfig.dropout_impl``.
       devices: 1 = the single-device step; ``n > 1`` = data parallel over this process's first ``n`` devices
         (:func:`jaxsparse.parallel.data_parallel`: ``batch_size`` is the global batch, split evenly, and the
         gradients, dense kernels or compressed values, are all-reduced once a step).
@@ -98,6 +100,7 @@ class StepConfig:
     diagonal_ffn_out: bool = False
     diagonal_all: bool = False
     diagonal_ffn: bool = False
+    dropout: str = "rng"
     devices: int = 1
 
     def __post_init__(self) -> None:
@@ -113,6 +116,8 @@ class StepConfig:
         jnp.dtype(self.dtype)
         if self.attention not in bert.ATTENTION_IMPLS:
             raise ValueError(f"attention must be one of {bert.ATTENTION_IMPLS}, got {self.attention!r}")
+        if self.dropout not in bert.DROPOUT_IMPLS:
+            raise ValueError(f"dropout must be one of {bert.DROPOUT_IMPLS}, got {self.dropout!r}")
         if self.transposable and self.sparsity == "dense":
             raise ValueError("transposable masks need a sparse pattern, not 'dense'")
         if self.exclusive_columns:
@@ -136,11 +141,11 @@ class StepConfig:
         return "blocks" if self.exclusive_columns else "transposed" if self.transposable else None
 
     def bert_config(self) -> bert.BertConfig:
-        """The preset's :class:`~jaxsparse.models.bert.BertConfig` with this attention."""
+        """The preset's :class:`~jaxsparse.models.bert.BertConfig` with this attention, layout and dropout."""
         fused = dict(attention_probs_dropout_prob=0.0, attention_impl="fused") if self.attention == "fused" else {}
         return bert.BertConfig.preset(self.model, fuse_feed_forward=self.fuse_feed_forward,
                                       diagonal_ffn_out=self.diagonal_ffn_out, diagonal_all=self.diagonal_all,
-                                      diagonal_ffn=self.diagonal_ffn,
+                                      diagonal_ffn=self.diagonal_ffn, dropout_impl=self.dropout,
                                       **fused)
 
 

@@ -204,3 +204,33 @@ def test_devices_must_divide_the_global_batch():
         StepConfig(devices=0)
     with pytest.raises(SystemExit):
         _load().main(["--quick", "--devices", "1,x"])
+
+
+def test_dropout_both_pairs_each_row_with_the_dense_row_of_its_dropout(tmp_path, monkeypatch, capsys):
+    """--dropout both: every configuration with flax's dropout and with HashDropout; a row's speedup is over the
+    dense row with the same dropout (the rows timed by a stand-in: tests/test_dropout.py runs the model with it).
+    StepConfig.dropout reaches BertConfig.dropout_impl; an unknown name is an error."""
+    from jaxsparse.trainstep import StepConfig
+
+    bench = _load()
+    step_ms = {("dense", "rng"): 10.0, ("dense", "hash"): 9.0, ("64:2:8", "rng"): 8.0, ("64:2:8", "hash"): 6.0}
+
+    def fake_run(cfg, turn=None):
+        ms = step_ms[(cfg["sparsity"], cfg.get("dropout", "rng"))]
+        StepConfig(cfg["model"], cfg["sparsity"], dropout=cfg.get("dropout", "rng"))  # the worker's validation
+        return {**cfg, "mode": "dense" if cfg["sparsity"] == "dense" else "compressed", "step_ms": ms,
+                "step_ms_pipelined": ms, "tokens_per_s": 1.0, "platform": "cpu", "device_kind": "cpu"}
+
+    monkeypatch.setattr(bench, "run_config", fake_run)
+    out = tmp_path / "train_step.json"
+    assert bench.main(["--quick", "--sparsities", "dense,64:2:8", "--in-process", "--dropout", "both",
+                       "--out", str(out)]) == 0
+    assert "hash" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["sparsity"], r.get("dropout", "rng")) for r in rows] == list(step_ms)
+    speedups = {(r["sparsity"], r.get("dropout", "rng")): r["speedup_vs_dense"] for r in rows}
+    assert speedups[("64:2:8", "rng")] == pytest.approx(10 / 8) and speedups[("64:2:8", "hash")] == pytest.approx(9 / 6)
+    assert StepConfig(dropout="hash").bert_config().dropout_impl == "hash"
+    assert StepConfig().bert_config().dropout_impl == "rng"
+    with pytest.raises(ValueError, match="dropout must be one of"):
+        StepConfig(dropout="philox")

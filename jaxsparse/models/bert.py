@@ -20,6 +20,7 @@ import numpy as np
 from flax import traverse_util
 
 from jaxsparse import ops
+from jaxsparse.dropout import HashDropout
 from jaxsparse.nn import NMDense
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "mean_pool",
     "fused_attention",
     "ATTENTION_IMPLS",
+    "DROPOUT_IMPLS",
     "params_from_hf",
     "load_minilm",
     "merge_params",
@@ -76,6 +78,10 @@ class BertConfig:
     # Nor this: as diagonal_all for the FFN's two kernels only (jaxsparse.ops.diagonal_mlp; masks in 64-feature chunks,
     # converted with diagonal_fn=ffn_kernels and diagonal_chunks=True); the attention's four kernels stay V:2:M.
     diagonal_ffn: bool = False
+    # Nor this: "rng" is flax.linen.Dropout (random words drawn into memory, then compared); "hash" is
+    # jaxsparse.dropout.HashDropout (keep bits hashed from each element's index inside the kernels that use
+    # them, recomputed in the backward). The same rate, a different random draw.
+    dropout_impl: str = "rng"
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -85,6 +91,8 @@ class BertConfig:
             raise ValueError(f"hidden_act must be one of {sorted(ACTIVATIONS)}, got {self.hidden_act!r}")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        if self.dropout_impl not in DROPOUT_IMPLS:
+            raise ValueError(f"dropout_impl must be one of {DROPOUT_IMPLS}, got {self.dropout_impl!r}")
         if sum((self.diagonal_ffn_out, self.diagonal_ffn, self.diagonal_all)) > 1:
             raise ValueError("diagonal_ffn_out, diagonal_ffn and diagonal_all each include FFN out: set at most one "
                              f"(got {self.diagonal_ffn_out}, {self.diagonal_ffn}, {self.diagonal_all})")
@@ -104,12 +112,13 @@ class BertConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "BertConfig":
-        """A named size: ``tiny``, ``mini``, ``small``, ``medium``, ``minilm``, ``base``, ``large``."""
+        """A named size: ``tiny``, ``mini``, ``small``, ``medium``, ``minilm``, ``base``, ``large``; ``overrides`` set
+        any field, the size's own included (``num_hidden_layers=1``)."""
         if name not in PRESETS:
             raise ValueError(f"BERT preset must be one of {sorted(PRESETS)}, got {name!r}")
         layers, hidden, heads = PRESETS[name]
-        return cls(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                   intermediate_size=4 * hidden, **overrides)
+        return cls(**{"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
+                      "intermediate_size": 4 * hidden, **overrides})
 
     def sparse_kernel_shapes(self) -> tuple[tuple[int, int], ...]:
         """The ``[K, R]`` shapes of the encoder's NMDense kernels (Q/K/V/output, FFN in, FFN out)."""
@@ -159,6 +168,13 @@ PRESETS = {  # name: (layers, hidden, heads); FFN width is 4 x hidden
 }
 
 ATTENTION_IMPLS = ("softmax", "fused")
+
+DROPOUT_IMPLS = ("rng", "hash")
+
+
+def dropout_layer(config: BertConfig, rate: float) -> nn.Module:
+    """The dropout module that ``config.dropout_impl`` names, at ``rate``."""
+    return HashDropout(rate) if config.dropout_impl == "hash" else nn.Dropout(rate)
 
 ACTIVATIONS = {
     "gelu": lambda x: nn.gelu(x, approximate=False),
@@ -307,10 +323,10 @@ class BertAttention(_Sparse):
             logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(d) + padding
             self.sow(ATTENTION_LOGITS, "logits", logits)
             probs = jax.nn.softmax(logits, axis=-1)
-            probs = nn.Dropout(cfg.attention_probs_dropout_prob)(probs, deterministic=deterministic)
+            probs = dropout_layer(cfg, cfg.attention_probs_dropout_prob)(probs, deterministic=deterministic)
             ctx = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v).reshape(h.shape)
         out = self.dense(cfg.hidden_size, "output", chunked_blocks=chunked)(ctx)
-        out = nn.Dropout(cfg.hidden_dropout_prob)(out, deterministic=deterministic)
+        out = dropout_layer(cfg, cfg.hidden_dropout_prob)(out, deterministic=deterministic)
         return self.norm("LayerNorm")(out + h)
 
 
@@ -323,7 +339,7 @@ class BertLayer(_Sparse):
         opts = dict(config=cfg, sparsity=self.sparsity, compressed=self.compressed, dtype=self.dtype)
         h = BertAttention(**opts, name="attention")(h, padding, deterministic)
         out = self.feed_forward(h)
-        out = nn.Dropout(cfg.hidden_dropout_prob)(out, deterministic=deterministic)
+        out = dropout_layer(cfg, cfg.hidden_dropout_prob)(out, deterministic=deterministic)
         return self.norm("LayerNorm")(out + h)
 
 
@@ -362,7 +378,7 @@ class BertModel(_Sparse):
              + embed("position_embeddings", cfg.max_position_embeddings, jnp.arange(t)[None, :])
              + embed("token_type_embeddings", cfg.type_vocab_size, token_type_ids)).astype(self.dtype)
         h = self.norm("embeddings_LayerNorm")(h)
-        h = nn.Dropout(cfg.hidden_dropout_prob)(h, deterministic=deterministic)
+        h = dropout_layer(cfg, cfg.hidden_dropout_prob)(h, deterministic=deterministic)
         if cfg.attention_impl == "fused":
             padding, is_prefix = key_lengths_of(attention_mask)
             # A row whose mask is not right padding cannot be masked by length: its outputs are NaN, never wrong
@@ -402,7 +418,7 @@ class BertForSequenceClassification(_Sparse):
                          add_pooler=self.pooling == "cls", name="bert")
         h, pooled = bert(input_ids, token_type_ids, attention_mask, deterministic=deterministic)
         x = mean_pool(h, attention_mask) if self.pooling == "mean" else pooled
-        x = nn.Dropout(self.config.hidden_dropout_prob)(x, deterministic=deterministic)
+        x = dropout_layer(self.config, self.config.hidden_dropout_prob)(x, deterministic=deterministic)
         init = nn.initializers.normal(self.config.initializer_range)
         return nn.Dense(self.num_labels, dtype=jnp.float32, kernel_init=init, name="classifier")(x)
 
