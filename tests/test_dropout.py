@@ -53,6 +53,23 @@ def test_deterministic_per_key_and_independent_across_keys():
         assert abs(both - expected) < 5 * np.sqrt(expected * (1 - expected) / a.size), both
 
 
+def test_masks_of_consecutive_steps_are_uncorrelated():
+    """The masks of 24 steps' keys (``fold_in(root, step)``, as a training loop makes them): every pair's correlation
+    and every mask's kept fraction within 5 standard deviations of independent draws (276 pairs: a max |z| near 3
+    is what independence gives), and no mask a shifted copy of another for shifts up to 512."""
+    root = jax.random.key(0, impl="rbg")
+    shape, keep = (128, 1024), 0.9
+    draw = jax.jit(lambda k: keep_mask(seed_words(k), shape, keep))
+    ms = np.stack([np.asarray(draw(jax.random.fold_in(root, t))).ravel() for t in range(24)]).astype(np.float64)
+    n, sd = ms.shape[1], np.sqrt(keep * (1 - keep))
+    assert np.abs((ms.mean(1) - keep) / (sd / np.sqrt(n))).max() < 5
+    c = (ms - ms.mean(1, keepdims=True)) / sd
+    z = (c @ c.T / n)[np.triu_indices(len(ms), 1)] * np.sqrt(n)
+    assert np.abs(z).max() < 5, np.abs(z).max()
+    shifted = max(abs(np.dot(c[0, s:], c[1, :n - s])) / (n - s) for s in range(1, 513))
+    assert shifted * np.sqrt(n) < 5.5, shifted
+
+
 @pytest.mark.parametrize("key", [jax.random.PRNGKey(5), jax.random.key(5), jax.random.key(5, impl="rbg"),
                                  jax.random.key(5, impl="unsafe_rbg")], ids=["raw", "threefry", "rbg", "unsafe_rbg"])
 def test_forward_and_gradient_share_the_mask(key):
