@@ -88,7 +88,7 @@ def run_config(cfg: dict, turn: dict | None = None) -> dict:
                           diagonal_ffn_out=bool(cfg.get("diagonal_ffn_out")) and sparse,
                           diagonal_all=bool(cfg.get("diagonal_all")) and sparse,
                           diagonal_ffn=bool(cfg.get("diagonal_ffn")) and sparse, dropout=cfg.get("dropout", "rng"),
-                          devices=cfg.get("devices", 1))
+                          layer_norm=cfg.get("layer_norm", "flax"), devices=cfg.get("devices", 1))
     # An in-process run's other configurations keep their own dX route; a JAXSPARSE_DX set by the user wins.
     # How sparse_mlp hands h over (ops.mlp_hidden_layout); None: as the environment says.
     with ops.mlp_hidden_scope(cfg.get("mlp_hidden")), ops.dx_route_scope(step_cfg.dx_route(), keep_set=True):
@@ -224,12 +224,13 @@ def _same_problem(a: dict, b: dict) -> bool:
     return (all(a[k] == b[k] for k in keys)
             and a.get("attention", "softmax") == b.get("attention", "softmax")
             and a.get("dropout", "rng") == b.get("dropout", "rng")
+            and a.get("layer_norm", "flax") == b.get("layer_norm", "flax")
             and a.get("devices", 1) == b.get("devices", 1))
 
 
 _CONFIG_KEYS = ("model", "seq_len", "batch_size", "sparsity", "dtype", "attention", "steps", "warmup",
                 "fuse_feed_forward", "mlp_hidden", "transposable", "exclusive_columns", "diagonal_ffn_out",
-                "diagonal_all", "diagonal_ffn", "dropout", "devices")
+                "diagonal_all", "diagonal_ffn", "dropout", "layer_norm", "devices")
 """The keys of a configuration (a result row holds them and its measurements)."""
 _SCALED = ("devices", "batch_size", "steps", "warmup")
 """The keys in which a multi-device row and its one-device twin may differ."""
@@ -284,7 +285,7 @@ def print_table(rows: list[dict]) -> None:
         out.append({
             "model": r["model"], "seq": r["seq_len"], "batch": r["batch_size"], "gpus": r.get("devices", 1),
             "sparsity": r["sparsity"], "attention": r.get("attention", "softmax"),
-            "dropout": r.get("dropout", "rng"), "ffn": _ffn(r), "mode": r["mode"], "step ms": f"{r['step_ms']:.2f}", "tokens/s": f"{r['tokens_per_s']:.0f}",
+            "dropout": r.get("dropout", "rng"), "norm": r.get("layer_norm", "flax"), "ffn": _ffn(r), "mode": r["mode"], "step ms": f"{r['step_ms']:.2f}", "tokens/s": f"{r['tokens_per_s']:.0f}",
             "peak GiB": f"{r['peak_bytes'] / 2**30:.2f}" if r.get("peak_bytes") else "n/a",
             "speedup": f"{r['speedup_vs_dense']:.3f}x" if r.get("speedup_vs_dense") else "-",
             "pipelined ms": f"{r['step_ms_pipelined']:.2f}" if r.get("step_ms_pipelined") else "n/a",
@@ -294,7 +295,7 @@ def print_table(rows: list[dict]) -> None:
             "dp overhead ms": (f"{r['data_parallel_overhead_ms_pipelined']:.2f}"
                                if r.get("data_parallel_overhead_ms_pipelined") is not None else "-"),
         })
-    print(common.table(out, ["model", "seq", "batch", "gpus", "sparsity", "attention", "dropout", "ffn", "mode", "step ms", "tokens/s",
+    print(common.table(out, ["model", "seq", "batch", "gpus", "sparsity", "attention", "dropout", "norm", "ffn", "mode", "step ms", "tokens/s",
                              "peak GiB", "speedup", "pipelined ms", "speedup pipelined", "memory", "dp overhead ms"]))
     for r in rows:
         if r.get("mode") == "masked":
@@ -367,6 +368,9 @@ def main(argv=None) -> int:
                     help="flax's dropout (rng: random words drawn into memory, then compared), "
                          "jaxsparse.dropout.HashDropout (hash: keep bits hashed from the element index inside the "
                          "kernels that use them; BertConfig.dropout_impl), or every configuration both ways")
+    ap.add_argument("--layer-norm", default="flax", choices=("flax", "recompute", "both"),
+                    help="flax's LayerNorm, jaxsparse.layernorm.LayerNorm (recompute: a backward from the saved input "
+                         "and per-row statistics; BertConfig.layer_norm_impl), or every configuration both ways")
     ap.add_argument("--in-process", action="store_true",
                     help="run every configuration in this process (peak memory is then cumulative)")
     ap.add_argument("--concurrent", action="store_true",
@@ -443,12 +447,15 @@ def main(argv=None) -> int:
                 if s != "dense" and fmt.takes_chunked_diagonal_blocks(s):
                     diagonals = diagonals + ["ffn"] * a.diagonal_ffn + ["all"] * a.diagonal_all
                 dropouts = ["rng", "hash"] if a.dropout == "both" else [a.dropout]
-                for (fuse, hidden), diagonal, n, drop in [(v, d, n, dr) for v in variants for d in diagonals
-                                                          for n in device_counts for dr in dropouts]:
+                norms = ["flax", "recompute"] if a.layer_norm == "both" else [a.layer_norm]
+                for (fuse, hidden), diagonal, n, drop, norm in [(v, d, n, dr, nm) for v in variants for d in diagonals
+                                                                for n in device_counts for dr in dropouts
+                                                                for nm in norms]:
                     configs.append({"model": model, "seq_len": seq, "batch_size": batch * n, "sparsity": s,
                                     "dtype": a.dtype, "attention": a.attention, "steps": steps, "warmup": warmup,
                                     "fuse_feed_forward": fuse, **({"mlp_hidden": hidden} if hidden else {}),
                                     **({"dropout": drop} if drop != "rng" else {}),
+                                    **({"layer_norm": norm} if norm != "flax" else {}),
                                     **({"devices": n} if n > 1 else {}),
                                     **({"transposable": True} if a.transposable and s != "dense" else {}),
                                     **({"exclusive_columns": True} if a.exclusive_columns and s != "dense" else {}),
