@@ -44,6 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 _SOURCE_FALLBACK = common.import_jaxsparse_from_install_or_checkout()
 from jaxsparse import format as fmt  # noqa: E402
+from jaxsparse.models.bert import DROPOUT_IMPLS, LAYER_NORM_IMPLS  # noqa: E402
 from jaxsparse.trainstep import HEADLINE_BATCH as BATCH  # noqa: E402  (model, seq_len) -> batch size on an 80 GB H100
 
 SPARSITIES = ("dense", "2:4", "64:2:8", "128:2:16", "128:2:32")
@@ -364,11 +365,11 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", default="softmax", choices=("softmax", "fused"),
                     help="BERT's softmax attention with dropout on the probabilities, or cuDNN flash attention "
                          "(jaxsparse.models.bert.fused_attention; no probability dropout) for dense and sparse alike")
-    ap.add_argument("--dropout", default="rng", choices=("rng", "hash", "both"),
+    ap.add_argument("--dropout", default="rng", choices=DROPOUT_IMPLS + ("both",),
                     help="flax's dropout (rng: random words drawn into memory, then compared), "
                          "jaxsparse.dropout.HashDropout (hash: keep bits hashed from the element index inside the "
                          "kernels that use them; BertConfig.dropout_impl), or every configuration both ways")
-    ap.add_argument("--layer-norm", default="flax", choices=("flax", "recompute", "both"),
+    ap.add_argument("--layer-norm", default="flax", choices=LAYER_NORM_IMPLS + ("both",),
                     help="flax's LayerNorm, jaxsparse.layernorm.LayerNorm (recompute: a backward from the saved input "
                          "and per-row statistics; BertConfig.layer_norm_impl), or every configuration both ways")
     ap.add_argument("--in-process", action="store_true",
@@ -446,8 +447,8 @@ def main(argv=None) -> int:
                              if s != "dense" and fmt.takes_diagonal_blocks(s) else [False])
                 if s != "dense" and fmt.takes_chunked_diagonal_blocks(s):
                     diagonals = diagonals + ["ffn"] * a.diagonal_ffn + ["all"] * a.diagonal_all
-                dropouts = ["rng", "hash"] if a.dropout == "both" else [a.dropout]
-                norms = ["flax", "recompute"] if a.layer_norm == "both" else [a.layer_norm]
+                dropouts = DROPOUT_IMPLS if a.dropout == "both" else [a.dropout]
+                norms = LAYER_NORM_IMPLS if a.layer_norm == "both" else [a.layer_norm]
                 for (fuse, hidden), diagonal, n, drop, norm in [(v, d, n, dr, nm) for v in variants for d in diagonals
                                                                 for n in device_counts for dr in dropouts
                                                                 for nm in norms]:

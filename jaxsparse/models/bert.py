@@ -186,6 +186,7 @@ def dropout_layer(config: BertConfig, rate: float) -> nn.Module:
     """The dropout module that ``config.dropout_impl`` names, at ``rate``."""
     return HashDropout(rate) if config.dropout_impl == "hash" else nn.Dropout(rate)
 
+
 ACTIVATIONS = {
     "gelu": lambda x: nn.gelu(x, approximate=False),
     "gelu_new": lambda x: nn.gelu(x, approximate=True),
