@@ -141,18 +141,21 @@ class HashDropout(nn.Module):
 
     Attributes:
       rate: the drop probability, in ``[0, 1]``.
+      deterministic: as flax's: given here or to the call (exactly one of the two).
       rng_collection: the rng stream the key comes from (``"dropout"``, as flax's).
     """
 
     rate: float
+    deterministic: bool | None = None
     rng_collection: str = "dropout"
 
     @nn.compact
-    def __call__(self, inputs: jax.Array, deterministic: bool) -> jax.Array:
-        """``inputs`` unchanged when ``deterministic`` (or at rate 0), else dropped with a key from
-        ``rng_collection``."""
+    def __call__(self, inputs: jax.Array, deterministic: bool | None = None, rng: jax.Array | None = None) -> jax.Array:
+        """``inputs`` unchanged when deterministic (or at rate 0), else dropped with ``rng`` or, without it, a key
+        from ``rng_collection``."""
+        deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
         if not 0.0 <= self.rate <= 1.0:
             raise ValueError(f"dropout rate must be in [0, 1], got {self.rate}")
         if deterministic or self.rate == 0.0:
             return inputs
-        return hash_dropout(self.make_rng(self.rng_collection), inputs, self.rate)
+        return hash_dropout(self.make_rng(self.rng_collection) if rng is None else rng, inputs, self.rate)

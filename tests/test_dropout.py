@@ -132,6 +132,10 @@ def test_module_uses_the_dropout_stream():
                                                          rngs={"dropout": jax.random.key(5)})) != 0)
     with pytest.raises(ValueError, match=r"rate must be in \[0, 1\]"):
         HashDropout(1.5).apply({}, x, deterministic=False, rngs={"dropout": jax.random.key(4)})
+    # the attribute form and an explicit key, as flax's Dropout takes them
+    np.testing.assert_array_equal(HashDropout(0.2, deterministic=True).apply({}, x), x)
+    np.testing.assert_array_equal(HashDropout(0.2).apply({}, x, deterministic=False, rng=jax.random.key(9)),
+                                  hash_dropout(jax.random.key(9), x, 0.2))
 
 
 def test_bert_dropout_impl():
