@@ -19,6 +19,7 @@ the rate.
 from __future__ import annotations
 
 import functools
+import math
 
 import flax.linen as nn
 import jax
@@ -74,17 +75,11 @@ def _threshold(keep_prob: float) -> int:
 def keep_mask(seeds: jax.Array, shape: tuple[int, ...], keep_prob: float) -> jax.Array:
     """The boolean keep mask of ``shape``: element ``i`` (row-major flat index) is kept when
     ``fmix32(fmix32(i * 0x9E3779B9 + seeds[0]) ^ seeds[1]) < keep_prob * 2**32``."""
-    size = 1
-    for n in shape:
-        size *= n
+    size = math.prod(shape)
     if size > MAX_ELEMENTS:
         raise ValueError(f"hash_dropout numbers elements with 32 bits: at most 2**32 elements, got {size} "
                          f"(shape {tuple(shape)})")
-    index = jnp.zeros(shape, jnp.uint32)
-    stride = 1
-    for axis in range(len(shape) - 1, -1, -1):
-        index = index + lax.broadcasted_iota(jnp.uint32, shape, axis) * _u32(stride)
-        stride *= shape[axis]
+    index = lax.iota(jnp.uint32, size).reshape(shape)
     h = _fmix32(_fmix32(index * _u32(_GOLDEN) + seeds[0]) ^ seeds[1])
     return h < _u32(_threshold(keep_prob))
 

@@ -56,7 +56,7 @@ def _layer_norm_bwd(eps, dtype, saved, dy):
     return dx.astype(x.dtype), (dyf * xhat).sum(rows).astype(scale.dtype), dyf.sum(rows).astype(scale.dtype)
 
 
-_layer_norm.defvjp(lambda x, scale, bias, eps, dtype: _forward(x, scale, bias, eps, dtype), _layer_norm_bwd)
+_layer_norm.defvjp(_forward, _layer_norm_bwd)
 
 
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, epsilon: float = 1e-6,
