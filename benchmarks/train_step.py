@@ -44,7 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 _SOURCE_FALLBACK = common.import_jaxsparse_from_install_or_checkout()
 from jaxsparse import format as fmt  # noqa: E402
-from jaxsparse.models.bert import DROPOUT_IMPLS, LAYER_NORM_IMPLS  # noqa: E402
+from jaxsparse.models.bert import DROPOUT_IMPLS  # noqa: E402
 from jaxsparse.trainstep import HEADLINE_BATCH as BATCH  # noqa: E402  (model, seq_len) -> batch size on an 80 GB H100
 
 SPARSITIES = ("dense", "2:4", "64:2:8", "128:2:16", "128:2:32")
@@ -89,7 +89,7 @@ def run_config(cfg: dict, turn: dict | None = None) -> dict:
                           diagonal_ffn_out=bool(cfg.get("diagonal_ffn_out")) and sparse,
                           diagonal_all=bool(cfg.get("diagonal_all")) and sparse,
                           diagonal_ffn=bool(cfg.get("diagonal_ffn")) and sparse, dropout=cfg.get("dropout", "rng"),
-                          layer_norm=cfg.get("layer_norm", "flax"), devices=cfg.get("devices", 1))
+                          devices=cfg.get("devices", 1))
     # An in-process run's other configurations keep their own dX route; a JAXSPARSE_DX set by the user wins.
     # How sparse_mlp hands h over (ops.mlp_hidden_layout); None: as the environment says.
     with ops.mlp_hidden_scope(cfg.get("mlp_hidden")), ops.dx_route_scope(step_cfg.dx_route(), keep_set=True):
@@ -225,13 +225,12 @@ def _same_problem(a: dict, b: dict) -> bool:
     return (all(a[k] == b[k] for k in keys)
             and a.get("attention", "softmax") == b.get("attention", "softmax")
             and a.get("dropout", "rng") == b.get("dropout", "rng")
-            and a.get("layer_norm", "flax") == b.get("layer_norm", "flax")
             and a.get("devices", 1) == b.get("devices", 1))
 
 
 _CONFIG_KEYS = ("model", "seq_len", "batch_size", "sparsity", "dtype", "attention", "steps", "warmup",
                 "fuse_feed_forward", "mlp_hidden", "transposable", "exclusive_columns", "diagonal_ffn_out",
-                "diagonal_all", "diagonal_ffn", "dropout", "layer_norm", "devices")
+                "diagonal_all", "diagonal_ffn", "dropout", "devices")
 """The keys of a configuration (a result row holds them and its measurements)."""
 _SCALED = ("devices", "batch_size", "steps", "warmup")
 """The keys in which a multi-device row and its one-device twin may differ."""
@@ -286,7 +285,8 @@ def print_table(rows: list[dict]) -> None:
         out.append({
             "model": r["model"], "seq": r["seq_len"], "batch": r["batch_size"], "gpus": r.get("devices", 1),
             "sparsity": r["sparsity"], "attention": r.get("attention", "softmax"),
-            "dropout": r.get("dropout", "rng"), "norm": r.get("layer_norm", "flax"), "ffn": _ffn(r), "mode": r["mode"], "step ms": f"{r['step_ms']:.2f}", "tokens/s": f"{r['tokens_per_s']:.0f}",
+            "dropout": r.get("dropout", "rng"), "ffn": _ffn(r), "mode": r["mode"], "step ms": f"{r['step_ms']:.2f}",
+            "tokens/s": f"{r['tokens_per_s']:.0f}",
             "peak GiB": f"{r['peak_bytes'] / 2**30:.2f}" if r.get("peak_bytes") else "n/a",
             "speedup": f"{r['speedup_vs_dense']:.3f}x" if r.get("speedup_vs_dense") else "-",
             "pipelined ms": f"{r['step_ms_pipelined']:.2f}" if r.get("step_ms_pipelined") else "n/a",
@@ -296,7 +296,7 @@ def print_table(rows: list[dict]) -> None:
             "dp overhead ms": (f"{r['data_parallel_overhead_ms_pipelined']:.2f}"
                                if r.get("data_parallel_overhead_ms_pipelined") is not None else "-"),
         })
-    print(common.table(out, ["model", "seq", "batch", "gpus", "sparsity", "attention", "dropout", "norm", "ffn", "mode", "step ms", "tokens/s",
+    print(common.table(out, ["model", "seq", "batch", "gpus", "sparsity", "attention", "dropout", "ffn", "mode", "step ms", "tokens/s",
                              "peak GiB", "speedup", "pipelined ms", "speedup pipelined", "memory", "dp overhead ms"]))
     for r in rows:
         if r.get("mode") == "masked":
@@ -365,13 +365,11 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", default="softmax", choices=("softmax", "fused"),
                     help="BERT's softmax attention with dropout on the probabilities, or cuDNN flash attention "
                          "(jaxsparse.models.bert.fused_attention; no probability dropout) for dense and sparse alike")
-    ap.add_argument("--dropout", default="rng", choices=DROPOUT_IMPLS + ("both",),
-                    help="flax's dropout (rng: random words drawn into memory, then compared), "
-                         "jaxsparse.dropout.HashDropout (hash: keep bits hashed from the element index inside the "
-                         "kernels that use them; BertConfig.dropout_impl), or every configuration both ways")
-    ap.add_argument("--layer-norm", default="flax", choices=LAYER_NORM_IMPLS + ("both",),
-                    help="flax's LayerNorm, jaxsparse.layernorm.LayerNorm (recompute: a backward from the saved input "
-                         "and per-row statistics; BertConfig.layer_norm_impl), or every configuration both ways")
+    ap.add_argument("--dropout", default="hash", choices=DROPOUT_IMPLS + ("both",),
+                    help="jaxsparse.dropout.HashDropout (hash, the default: keep bits hashed from the element index "
+                         "inside the kernels that use them; BertConfig.dropout_impl), flax's dropout (rng: random "
+                         "words drawn into memory, then compared; the results before session 42), or every "
+                         "configuration both ways")
     ap.add_argument("--in-process", action="store_true",
                     help="run every configuration in this process (peak memory is then cumulative)")
     ap.add_argument("--concurrent", action="store_true",
@@ -448,15 +446,12 @@ def main(argv=None) -> int:
                 if s != "dense" and fmt.takes_chunked_diagonal_blocks(s):
                     diagonals = diagonals + ["ffn"] * a.diagonal_ffn + ["all"] * a.diagonal_all
                 dropouts = DROPOUT_IMPLS if a.dropout == "both" else [a.dropout]
-                norms = LAYER_NORM_IMPLS if a.layer_norm == "both" else [a.layer_norm]
-                for (fuse, hidden), diagonal, n, drop, norm in [(v, d, n, dr, nm) for v in variants for d in diagonals
-                                                                for n in device_counts for dr in dropouts
-                                                                for nm in norms]:
+                for (fuse, hidden), diagonal, n, drop in [(v, d, n, dr) for v in variants for d in diagonals
+                                                          for n in device_counts for dr in dropouts]:
                     configs.append({"model": model, "seq_len": seq, "batch_size": batch * n, "sparsity": s,
                                     "dtype": a.dtype, "attention": a.attention, "steps": steps, "warmup": warmup,
                                     "fuse_feed_forward": fuse, **({"mlp_hidden": hidden} if hidden else {}),
                                     **({"dropout": drop} if drop != "rng" else {}),
-                                    **({"layer_norm": norm} if norm != "flax" else {}),
                                     **({"devices": n} if n > 1 else {}),
                                     **({"transposable": True} if a.transposable and s != "dense" else {}),
                                     **({"exclusive_columns": True} if a.exclusive_columns and s != "dense" else {}),

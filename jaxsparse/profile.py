@@ -621,7 +621,7 @@ def profile_step(config, steps: int = 5, warmup: int = 2, trace_dir: str | None 
     prof = summarize(events, hlo, steps, step_ms, desc, top)
     prof.meta = {"model": config.model, "sparsity": config.sparsity, "mode": ts.mode, "mode_reason": ts.reason,
                  "batch_size": config.batch_size, "seq_len": config.seq_len, "tokens": ts.tokens,
-                 "dtype": config.dtype, "attention": config.attention, "dropout": config.dropout, "layer_norm": config.layer_norm,
+                 "dtype": config.dtype, "attention": config.attention, "dropout": config.dropout,
                  "devices": config.devices, "jax": jax.__version__,
                  "hlo_module": module.group(1) if module else None}
     return prof
@@ -655,10 +655,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--attention", default="softmax", choices=("softmax", "fused"),
                    help="BERT's softmax attention, or cuDNN flash attention (no dropout on the probabilities)")
-    p.add_argument("--dropout", default="rng", choices=("rng", "hash"),
-                   help="flax's dropout, or jaxsparse.dropout.HashDropout (jaxsparse.trainstep.StepConfig.dropout)")
-    p.add_argument("--layer-norm", default="flax", choices=("flax", "recompute"),
-                   help="flax's LayerNorm, or jaxsparse.layernorm.LayerNorm (jaxsparse.trainstep.StepConfig.layer_norm)")
+    p.add_argument("--dropout", default="hash", choices=("hash", "rng"),
+                   help="jaxsparse.dropout.HashDropout (the default), or flax's dropout "
+                        "(jaxsparse.trainstep.StepConfig.dropout)")
     p.add_argument("--transposable-masks", action="store_true",
                    help="transposable masks, and the input gradient as the 2:4 forward product of W^T "
                         "(JAXSPARSE_DX=transposed)")
@@ -703,8 +702,7 @@ def step_config(args: argparse.Namespace):
                       devices=args.devices,
                       attention=args.attention, transposable=args.transposable_masks,
                       exclusive_columns=args.exclusive_columns, diagonal_ffn_out=args.diagonal_ffn_out,
-                      diagonal_all=args.diagonal_all, diagonal_ffn=args.diagonal_ffn, dropout=args.dropout,
-                      layer_norm=args.layer_norm)
+                      diagonal_all=args.diagonal_all, diagonal_ffn=args.diagonal_ffn, dropout=args.dropout)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

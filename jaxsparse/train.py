@@ -273,10 +273,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="flax's dropout (rng), or jaxsparse.dropout.HashDropout (hash: keep bits hashed from each "
                         "element's index inside the kernels that use them, no random words in memory; a different "
                         "random draw at the same rate; BertConfig.dropout_impl)")
-    p.add_argument("--layer-norm-impl", default="flax", choices=bert.LAYER_NORM_IMPLS,
-                   help="flax's LayerNorm (flax), or jaxsparse.layernorm.LayerNorm (recompute: the same forward, a "
-                        "backward from the saved input and two float32 numbers a row instead of float32 copies of "
-                        "the activation; BertConfig.layer_norm_impl)")
     p.add_argument("--devices", default="1",
                    help="data parallel over N local devices or 'all' (gradients averaged; the batch is split); "
                         "with --coordinator, 'all' is every device of every process")
@@ -914,7 +910,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
         "compressed_training": compressed, "seed": args.seed, "epochs": epochs,
         "batch_size": args.batch_size, "lr": peak_lr, "max_len": args.max_len, "dtype": args.dtype,
         "dropout": cfg.hidden_dropout_prob, "dropout_impl": cfg.dropout_impl,
-        "layer_norm_impl": cfg.layer_norm_impl, "distill": distill, "temperature": temperature if distill > 0 else None,
+        "distill": distill, "temperature": temperature if distill > 0 else None,
         "distill_hidden": hidden,
         "distill_attention": attention, "distill_augment": augment, "augment_neighbors": n_neighbors,
         "refit": refit, "refit_batches": n_cal if refit else None,
@@ -1024,8 +1020,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     data = load_data(args.task, args.max_train, args.max_eval, args.max_len)
     cfg, pretrained = load_model(args.model)
-    cfg = dataclasses.replace(cfg, dropout_impl=getattr(args, "dropout_impl", "rng"),
-                              layer_norm_impl=getattr(args, "layer_norm_impl", "flax"))
+    cfg = dataclasses.replace(cfg, dropout_impl=getattr(args, "dropout_impl", "rng"))
     teacher = teacher_params = None
     init = getattr(args, "init", "pretrained")
     if (args.distill > 0 or teacher_in_step(args) or init == "teacher") and args.sparsity != "dense":

@@ -206,34 +206,34 @@ def test_devices_must_divide_the_global_batch():
         _load().main(["--quick", "--devices", "1,x"])
 
 
-@pytest.mark.parametrize("flag,key,impls", [("--dropout", "dropout", ("rng", "hash")),
-                                             ("--layer-norm", "layer_norm", ("flax", "recompute"))])
-def test_both_pairs_each_row_with_the_dense_row_of_its_variant(tmp_path, monkeypatch, capsys, flag, key, impls):
-    """--dropout both / --layer-norm both: every configuration both ways; a row's speedup is over the dense row of the
-    same variant (the rows timed by a stand-in: tests/test_dropout.py and tests/test_layernorm.py run the model with
-    them). The StepConfig field reaches BertConfig; an unknown name is an error."""
+def test_both_pairs_each_row_with_the_dense_row_of_its_variant(tmp_path, monkeypatch, capsys):
+    """--dropout both: every configuration with flax's and the hash dropout; a row's speedup is over the dense row of
+    the same dropout (the rows timed by a stand-in: tests/test_dropout.py runs the model with either). A row without
+    a dropout key ran flax's (the results before the hash became the default). The StepConfig field reaches
+    BertConfig; an unknown name is an error."""
     from jaxsparse.trainstep import StepConfig
 
     bench = _load()
-    default, other = impls
-    step_ms = {("dense", default): 10.0, ("dense", other): 9.0, ("64:2:8", default): 8.0, ("64:2:8", other): 6.0}
+    step_ms = {("dense", "rng"): 10.0, ("dense", "hash"): 9.0, ("64:2:8", "rng"): 8.0, ("64:2:8", "hash"): 6.0}
 
     def fake_run(cfg, turn=None):
-        ms = step_ms[(cfg["sparsity"], cfg.get(key, default))]
-        StepConfig(cfg["model"], cfg["sparsity"], **{key: cfg.get(key, default)})  # the worker's validation
+        ms = step_ms[(cfg["sparsity"], cfg.get("dropout", "rng"))]
+        StepConfig(cfg["model"], cfg["sparsity"], dropout=cfg.get("dropout", "rng"))  # the worker's validation
         return {**cfg, "mode": "dense" if cfg["sparsity"] == "dense" else "compressed", "step_ms": ms,
                 "step_ms_pipelined": ms, "tokens_per_s": 1.0, "platform": "cpu", "device_kind": "cpu"}
 
     monkeypatch.setattr(bench, "run_config", fake_run)
     out = tmp_path / "train_step.json"
-    assert bench.main(["--quick", "--sparsities", "dense,64:2:8", "--in-process", flag, "both", "--out", str(out)]) == 0
-    assert other in capsys.readouterr().out
+    assert bench.main(["--quick", "--sparsities", "dense,64:2:8", "--in-process", "--dropout", "both",
+                       "--out", str(out)]) == 0
+    assert "hash" in capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["sparsity"], r.get(key, default)) for r in rows] == list(step_ms)
-    speedups = {(r["sparsity"], r.get(key, default)): r["speedup_vs_dense"] for r in rows}
-    assert speedups[("64:2:8", default)] == pytest.approx(10 / 8) and speedups[("64:2:8", other)] == pytest.approx(9 / 6)
-    field = {"dropout": "dropout_impl", "layer_norm": "layer_norm_impl"}[key]
-    assert getattr(StepConfig(**{key: other}).bert_config(), field) == other
-    assert getattr(StepConfig().bert_config(), field) == default
-    with pytest.raises(ValueError, match=f"{key} must be one of"):
-        StepConfig(**{key: "philox"})
+    assert [(r["sparsity"], r.get("dropout", "rng")) for r in rows] == list(step_ms)
+    speedups = {(r["sparsity"], r.get("dropout", "rng")): r["speedup_vs_dense"] for r in rows}
+    assert speedups[("64:2:8", "rng")] == pytest.approx(10 / 8) and speedups[("64:2:8", "hash")] == pytest.approx(9 / 6)
+    assert bench.main(["--quick", "--sparsities", "dense", "--in-process", "--out", str(out)]) == 0
+    assert [r["dropout"] for r in json.loads(out.read_text())["rows"]] == ["hash"]  # the benchmark's default
+    assert StepConfig(dropout="rng").bert_config().dropout_impl == "rng"
+    assert StepConfig().bert_config().dropout_impl == "hash"
+    with pytest.raises(ValueError, match="dropout must be one of"):
+        StepConfig(dropout="philox")

@@ -21,7 +21,6 @@ from flax import traverse_util
 
 from jaxsparse import ops
 from jaxsparse.dropout import HashDropout
-from jaxsparse.layernorm import LayerNorm
 from jaxsparse.nn import NMDense
 
 __all__ = [
@@ -33,7 +32,6 @@ __all__ = [
     "fused_attention",
     "ATTENTION_IMPLS",
     "DROPOUT_IMPLS",
-    "LAYER_NORM_IMPLS",
     "params_from_hf",
     "load_minilm",
     "merge_params",
@@ -84,10 +82,6 @@ class BertConfig:
     # jaxsparse.dropout.HashDropout (keep bits hashed from each element's index inside the kernels that use
     # them, recomputed in the backward). The same rate, a different random draw.
     dropout_impl: str = "rng"
-    # Nor this: "flax" is flax.linen.LayerNorm, differentiated by JAX (which saves float32 [T, H] intermediates for the
-    # backward); "recompute" is jaxsparse.layernorm.LayerNorm (the same forward, a backward from the saved input and
-    # two float32 numbers a row).
-    layer_norm_impl: str = "flax"
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -97,8 +91,6 @@ class BertConfig:
             raise ValueError(f"hidden_act must be one of {sorted(ACTIVATIONS)}, got {self.hidden_act!r}")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
-        if self.layer_norm_impl not in LAYER_NORM_IMPLS:
-            raise ValueError(f"layer_norm_impl must be one of {LAYER_NORM_IMPLS}, got {self.layer_norm_impl!r}")
         if self.dropout_impl not in DROPOUT_IMPLS:
             raise ValueError(f"dropout_impl must be one of {DROPOUT_IMPLS}, got {self.dropout_impl!r}")
         if sum((self.diagonal_ffn_out, self.diagonal_ffn, self.diagonal_all)) > 1:
@@ -179,8 +171,6 @@ ATTENTION_IMPLS = ("softmax", "fused")
 
 DROPOUT_IMPLS = ("rng", "hash")
 
-LAYER_NORM_IMPLS = ("flax", "recompute")
-
 
 def dropout_layer(config: BertConfig, rate: float) -> nn.Module:
     """The dropout module that ``config.dropout_impl`` names, at ``rate``."""
@@ -258,10 +248,7 @@ class _Sparse(nn.Module):
         return ops.sparse_mlp(h.astype(sw1.values.dtype), sw1, b1, sw2, b2, FUSED_FFN_ACTIVATIONS[cfg.hidden_act],
                               blocks=blocks)
 
-    def norm(self, name: str) -> nn.Module:
-        """The LayerNorm ``config.layer_norm_impl`` names (parameters ``scale`` and ``bias`` either way)."""
-        if self.config.layer_norm_impl == "recompute":
-            return LayerNorm(epsilon=self.config.layer_norm_eps, dtype=self.dtype, name=name)
+    def norm(self, name: str) -> nn.LayerNorm:
         return nn.LayerNorm(epsilon=self.config.layer_norm_eps, dtype=self.dtype, name=name)
 
 
