@@ -94,6 +94,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="keep only the first N MiniLM layers (smoke runs)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="compute dtype; auto = bfloat16 on a GPU, float32 on a CPU")
+    p.add_argument("--dropout-impl", default="rng", choices=("rng", "hash"),
+                   help="as jaxsparse-train --dropout-impl, for dense and sparse runs alike: flax's dropout (rng, "
+                        "every study before session 42) or jaxsparse.dropout.HashDropout (hash)")
     p.add_argument("--compress", default="auto", choices=("auto", "on", "off"),
                    help="as jaxsparse-train --compress: auto trains the compressed values on the CUDA kernels "
                         "after the final mask where they run (off: masked-dense throughout)")
@@ -174,6 +177,7 @@ def hyperparameters(args: argparse.Namespace) -> dict[str, Any]:
             **({"student_epochs": args.student_epochs} if args.student_epochs else {}),
             **({"student_lr": args.student_lr} if args.student_lr else {}),
             **({"student_dropout": args.student_dropout} if args.student_dropout >= 0 else {}),
+            **({"dropout_impl": args.dropout_impl} if args.dropout_impl != "rng" else {}),
             **({"regrow_every": args.regrow_every, "regrow_until": args.regrow_until, "regrow_decay": args.regrow_decay}
                if args.regrow_every else {}),
             **({"transposable_masks": True} if args.transposable_masks else {}),
@@ -203,6 +207,7 @@ def run_args(args: argparse.Namespace, task: str, sparsity: str, seed: int) -> a
             "--student-epochs", str(args.student_epochs if sparsity != "dense" else 0),
             "--student-lr", str(args.student_lr if sparsity != "dense" else 0.0),
             "--student-dropout", str(args.student_dropout if sparsity != "dense" else -1.0),
+            "--dropout-impl", args.dropout_impl,
             "--fade", str(args.fade), "--score", args.score,
             "--regrow-every", str(args.regrow_every if sparsity != "dense" else 0),
             "--regrow-until", str(args.regrow_until), "--regrow-decay", str(args.regrow_decay if sparsity != "dense" else 0.0),
@@ -373,7 +378,7 @@ def section(payload: dict) -> str:
     epochs = f"{hp['epochs']} epochs" + (f" (sparse runs {student})" if student else "")
     dense_only = set(payload["grid"]["sparsities"]) == {"dense"}  # a baseline grid: no recipe applies
     if dense_only:
-        recipe = f"{hp['epochs']} epochs, dense runs only"
+        recipe = f"{hp['epochs']} epochs, dense runs only" + (", hash dropout" if hp.get("dropout_impl") == "hash" else "")
     else:
         recipe = ", ".join([f"{epochs}, " + ("one-shot" if oneshot else f"GMP to {hp['prune_end']:g}")]
                            + (["least-squares refit"] if hp.get("refit") else [])
@@ -388,6 +393,7 @@ def section(payload: dict) -> str:
                            + ([f"{hp['score']} score"] if hp.get("score", "magnitude") != "magnitude" else [])
                            + ([f"student lr {hp['student_lr']:g}"] if hp.get("student_lr") else [])
                            + ([f"student dropout {hp['student_dropout']:g}"] if "student_dropout" in hp else [])
+                           + (["hash dropout"] if hp.get("dropout_impl") == "hash" else [])
                            + ([f"learned masks (every {hp['regrow_every']} steps to {hp['regrow_until']:g}, decay "
                                f"{hp['regrow_decay']:g})"] if hp.get("regrow_every") else [])
                            + (["transposable masks"] if hp.get("transposable_masks") else [])

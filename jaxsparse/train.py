@@ -652,7 +652,8 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
     Args:
       args: hyper-parameters (``sparsity``, ``prune``, ``epochs``, ``batch_size``, ``lr``, ``seed``, ...).
       data: the task's tokenized splits (:func:`load_data`).
-      cfg: the model architecture; ``pretrained``: its BertModel params, or None for a random init.
+      cfg: the model architecture (its ``dropout_impl`` replaced by ``args.dropout_impl`` where ``args`` has one);
+        ``pretrained``: its BertModel params, or None for a random init.
       cache: share jitted functions with other runs (see :class:`JitCache`); a private one by default.
       on_step: called after every optimizer step with ``(global_step, loss)`` (loss not synced); when
         given, no per-epoch progress bars are drawn.
@@ -675,6 +676,7 @@ def fit(args: argparse.Namespace, data: TaskTokens, cfg: bert.BertConfig, pretra
       final ``{"params": ..., "sparsity": ...}``.
     """
     t_start = time.time()
+    cfg = dataclasses.replace(cfg, dropout_impl=getattr(args, "dropout_impl", cfg.dropout_impl))
     cache = cache if cache is not None else JitCache()
     train, dev, test, task = data.train, data.dev, data.test, data.task
     if len(train) < args.batch_size:
@@ -1020,7 +1022,6 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     data = load_data(args.task, args.max_train, args.max_eval, args.max_len)
     cfg, pretrained = load_model(args.model)
-    cfg = dataclasses.replace(cfg, dropout_impl=getattr(args, "dropout_impl", "rng"))
     teacher = teacher_params = None
     init = getattr(args, "init", "pretrained")
     if (args.distill > 0 or teacher_in_step(args) or init == "teacher") and args.sparsity != "dense":
@@ -1034,7 +1035,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                          teacher_params=teacher_params if teacher_in_step(args) else None)
     metrics["init"] = init
     if teacher is not None:
-        metrics["teacher"] = {k: teacher_metrics[k] for k in ("dev_accuracy", "test_accuracy", "steps", "lr", "dropout")}
+        metrics["teacher"] = {k: teacher_metrics[k] for k in ("dev_accuracy", "test_accuracy", "steps", "lr", "dropout",
+                                                                  "dropout_impl")}
     metrics["seconds"] = time.time() - t_start
     save_checkpoint(out / "checkpoint", final)  # every process takes part; process 0 writes it
     if jax.process_index() != 0:

@@ -332,6 +332,24 @@ def test_transposable_masks_are_passed_through(acc):
     assert "transposable masks" in acc.section(payload)
 
 
+def test_dropout_impl_reaches_every_run(acc):
+    """--dropout-impl hash reaches dense and sparse runs alike, is recorded only when set (so earlier studies still
+    --resume and --merge), is not a sparse-only setting (dense baselines must share it) and is named in the section."""
+    args = acc.parse_args(["--quick", "--dropout-impl", "hash"])
+    assert acc.run_args(args, "trec", "64:2:8", 0).dropout_impl == "hash"
+    assert acc.run_args(args, "trec", "dense", 0).dropout_impl == "hash"
+    assert acc.run_args(acc.parse_args(["--quick"]), "trec", "dense", 0).dropout_impl == "rng"
+    hp = acc.hyperparameters(args)
+    assert hp["dropout_impl"] == "hash" and "dropout_impl" not in acc.SPARSE_ONLY_HYPERPARAMETERS
+    assert "dropout_impl" not in acc.hyperparameters(acc.parse_args(["--quick"]))
+    payload = _payload(acc, "trec", ["dense", "64:2:8"], {"dense": [0.9, 0.9], "64:2:8": [0.8, 0.8]}, **hp)
+    payload["summary"] = []
+    assert "hash dropout" in acc.section(payload)
+    dense_only = _payload(acc, "trec", ["dense"], {"dense": [0.9, 0.9]}, **hp)
+    dense_only["summary"] = []
+    assert "hash dropout" in acc.section(dense_only)
+
+
 def test_average_from_reaches_the_sparse_runs_and_reports_the_paired_gain(acc):
     """--average-from reaches the sparse runs only, is recorded only when set, and the section names it and gives the
     averaged-minus-last-step difference, paired per run."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import os
@@ -466,6 +467,18 @@ def test_student_epochs_lr_and_dropout_set_the_sparse_run_alone(tmp_path):
                  ["--student-dropout", "1"], ["--student-dropout", "-0.5"], ["--sparsity", "dense", "--student-dropout", "0"]):
         with pytest.raises(SystemExit):
             train.parse_args(argv)
+
+
+def test_dropout_impl_reaches_the_model_of_every_fit(tmp_path):
+    """--dropout-impl hash: fit builds its model (and the dense teacher's) with HashDropout whatever the config it is
+    handed says, and the metrics record it; without the option the config's own stays."""
+    args, data_, cfg = _tiny_sparse_run(tmp_path, "--epochs", "1", "--distill", "0.5", "--dropout-impl", "hash")
+    assert cfg.dropout_impl == "rng"
+    metrics = train.run(args)
+    assert metrics["dropout_impl"] == "hash" and metrics["teacher"]["dropout_impl"] == "hash"
+    assert train.fit(argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "dropout_impl"}
+                                        | {"distill": 0.0}), data_, cfg, None,
+                     log=lambda line: None)[0]["dropout_impl"] == "rng"
 
 
 def test_student_dropout_config_keeps_the_fused_attention_free_of_dropout():
