@@ -378,7 +378,8 @@ def section(payload: dict) -> str:
     epochs = f"{hp['epochs']} epochs" + (f" (sparse runs {student})" if student else "")
     dense_only = set(payload["grid"]["sparsities"]) == {"dense"}  # a baseline grid: no recipe applies
     if dense_only:
-        recipe = f"{hp['epochs']} epochs, dense runs only" + (", hash dropout" if hp.get("dropout_impl") == "hash" else "")
+        recipe = (f"{hp['epochs']} epochs, dense runs only"
+                  + (", hash dropout" if hp.get("dropout_impl") == "hash" else ""))
     else:
         recipe = ", ".join([f"{epochs}, " + ("one-shot" if oneshot else f"GMP to {hp['prune_end']:g}")]
                            + (["least-squares refit"] if hp.get("refit") else [])

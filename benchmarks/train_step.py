@@ -296,7 +296,8 @@ def print_table(rows: list[dict]) -> None:
             "dp overhead ms": (f"{r['data_parallel_overhead_ms_pipelined']:.2f}"
                                if r.get("data_parallel_overhead_ms_pipelined") is not None else "-"),
         })
-    print(common.table(out, ["model", "seq", "batch", "gpus", "sparsity", "attention", "dropout", "ffn", "mode", "step ms", "tokens/s",
+    print(common.table(out, ["model", "seq", "batch", "gpus", "sparsity", "attention", "dropout", "ffn", "mode",
+                             "step ms", "tokens/s",
                              "peak GiB", "speedup", "pipelined ms", "speedup pipelined", "memory", "dp overhead ms"]))
     for r in rows:
         if r.get("mode") == "masked":

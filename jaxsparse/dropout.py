@@ -10,8 +10,8 @@ key, with a few integer operations (two rounds of MurmurHash3's 32-bit finaliser
 ``custom_vjp`` saves only the two seed words and recomputes the bits in the backward. XLA:GPU writes the bits as a
 boolean array (one byte an element, against flax's four-byte words and its mask); XLA:CPU fuses them into their
 users. On an H200 the BERT-large step at 16384 tokens ran 2.9-3.5 ms faster dense and 1.4-2.1 ms faster sparse,
-with 0.6-0.7 GB less peak memory (session 42). The mask is a different random draw from flax's for the same key (the same
-keep probability, to ``2**-32``); it is a deterministic function of the key, the shape and the rate.
+with 0.6-0.7 GB less peak memory (session 42). The mask is a different random draw from flax's for the same key
+(the same keep probability, to ``2**-32``); it is a deterministic function of the key, the shape and the rate.
 
 :class:`HashDropout` is the Flax module (the ``"dropout"`` rng stream, as ``flax.linen.Dropout``);
 ``jaxsparse.models.bert.BertConfig(dropout_impl="hash")`` puts it in every dropout of the BERT model.
