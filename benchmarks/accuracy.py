@@ -51,6 +51,7 @@ from jaxsparse import dispatch  # noqa: E402
 from jaxsparse import ffi as jsffi  # noqa: E402
 from jaxsparse import format as fmt  # noqa: E402
 from jaxsparse import train  # noqa: E402
+from jaxsparse.models.bert import DROPOUT_IMPLS  # noqa: E402
 
 SCHEMA = 1
 TARGETS = {"2:4": 0.5, "64:2:8": 1.0}
@@ -94,7 +95,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="keep only the first N MiniLM layers (smoke runs)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="compute dtype; auto = bfloat16 on a GPU, float32 on a CPU")
-    p.add_argument("--dropout-impl", default="rng", choices=("rng", "hash"),
+    p.add_argument("--dropout-impl", default="rng", choices=DROPOUT_IMPLS,
                    help="as jaxsparse-train --dropout-impl, for dense and sparse runs alike: flax's dropout (rng, "
                         "every study before session 42) or jaxsparse.dropout.HashDropout (hash)")
     p.add_argument("--compress", default="auto", choices=("auto", "on", "off"),
@@ -377,9 +378,9 @@ def section(payload: dict) -> str:
     student = hp.get("student_epochs")
     epochs = f"{hp['epochs']} epochs" + (f" (sparse runs {student})" if student else "")
     dense_only = set(payload["grid"]["sparsities"]) == {"dense"}  # a baseline grid: no recipe applies
+    dropout = ["hash dropout"] if hp.get("dropout_impl") == "hash" else []  # dense and sparse runs alike
     if dense_only:
-        recipe = (f"{hp['epochs']} epochs, dense runs only"
-                  + (", hash dropout" if hp.get("dropout_impl") == "hash" else ""))
+        recipe = ", ".join([f"{hp['epochs']} epochs, dense runs only"] + dropout)
     else:
         recipe = ", ".join([f"{epochs}, " + ("one-shot" if oneshot else f"GMP to {hp['prune_end']:g}")]
                            + (["least-squares refit"] if hp.get("refit") else [])
@@ -394,7 +395,7 @@ def section(payload: dict) -> str:
                            + ([f"{hp['score']} score"] if hp.get("score", "magnitude") != "magnitude" else [])
                            + ([f"student lr {hp['student_lr']:g}"] if hp.get("student_lr") else [])
                            + ([f"student dropout {hp['student_dropout']:g}"] if "student_dropout" in hp else [])
-                           + (["hash dropout"] if hp.get("dropout_impl") == "hash" else [])
+                           + dropout
                            + ([f"learned masks (every {hp['regrow_every']} steps to {hp['regrow_until']:g}, decay "
                                f"{hp['regrow_decay']:g})"] if hp.get("regrow_every") else [])
                            + (["transposable masks"] if hp.get("transposable_masks") else [])

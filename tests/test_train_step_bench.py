@@ -206,7 +206,7 @@ def test_devices_must_divide_the_global_batch():
         _load().main(["--quick", "--devices", "1,x"])
 
 
-def test_both_pairs_each_row_with_the_dense_row_of_its_variant(tmp_path, monkeypatch, capsys):
+def test_dropout_both_pairs_each_row_with_the_dense_row_of_its_dropout(tmp_path, monkeypatch, capsys):
     """--dropout both: every configuration with flax's and the hash dropout; a row's speedup is over the dense row of
     the same dropout (the rows timed by a stand-in: tests/test_dropout.py runs the model with either). A row without
     a dropout key ran flax's (the results before the hash became the default). The StepConfig field reaches
