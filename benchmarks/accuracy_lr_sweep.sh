@@ -5,7 +5,8 @@
 # SPARSE="task:lr:seed[:options] ..."  64:2:8 runs of session 14's recipe with --student-lr lr (teacher at --lr 1e-4);
 #   options, comma-separated, are added to the run (session 18: learned masks, e.g.
 #   "trec:4e-4:0:--regrow-every=20,--regrow-until=0.5,--regrow-decay=2e-3")
-# DENSE="task:lr:seeds ..."   dense runs at --lr lr, seeds comma-separated, one process each
+# DENSE="task:lr:seeds[:options] ..."   dense runs at --lr lr, seeds comma-separated, one process each; options as
+#   SPARSE's (e.g. "trec:1e-4:0,1,2:--dropout-impl=hash")
 # SPARSITY=128:2:16             the sparse runs' pattern (default 64:2:8); a seed may be a comma-free list "0+1"
 #   (one process trains those seeds one after the other, sharing its compilations) or a range "0-11" (one process
 #   per seed: "trec:4e-4:0-11:--transposable-masks" is twelve runs)
@@ -49,11 +50,12 @@ for spec in "${specs[@]}"; do
   pids+=($!)
 done
 for spec in ${DENSE:-}; do
-  IFS=: read task lr seeds <<< "$spec"
-  d=$ACC/dense_${task}_lr${lr}_s${seeds//,/}; mkdir -p $d
+  IFS=: read task lr seeds opts <<< "$spec"
+  tag=$(echo "${opts:-}" | sed 's/--//g; s/,/_/g; s/=/-/g')
+  d=$ACC/dense_${task}_lr${lr}${tag:+_$tag}_s${seeds//,/}; mkdir -p $d
   g=$(( ${GPU0:-0} + n % ${GPUS:-1} )); n=$(( n + 1 ))
   env -u OUT CUDA_VISIBLE_DEVICES=$g timeout ${LIMIT:-570} python3 benchmarks/accuracy.py --tasks $task --sparsities dense --seed-list $seeds --epochs 6 \
-    --lr $lr --out-dir $d --no-progress > $d/log.txt 2>&1 &
+    --lr $lr ${opts//,/ } --out-dir $d --no-progress > $d/log.txt 2>&1 &
   pids+=($!)
 done
 for p in "${pids[@]}"; do wait $p; st=$?; echo "pid $p rc $st at $(el)"; done
