@@ -95,9 +95,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="keep only the first N MiniLM layers (smoke runs)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="compute dtype; auto = bfloat16 on a GPU, float32 on a CPU")
-    p.add_argument("--dropout-impl", default="rng", choices=DROPOUT_IMPLS,
-                   help="as jaxsparse-train --dropout-impl, for dense and sparse runs alike: flax's dropout (rng, "
-                        "every study before session 42) or jaxsparse.dropout.HashDropout (hash)")
+    p.add_argument("--dropout-impl", default="hash", choices=DROPOUT_IMPLS,
+                   help="as jaxsparse-train --dropout-impl, for dense and sparse runs alike: "
+                        "jaxsparse.dropout.HashDropout (hash, the default) or flax's dropout (rng: every study "
+                        "committed before session 43; give it to --resume or reproduce one)")
     p.add_argument("--compress", default="auto", choices=("auto", "on", "off"),
                    help="as jaxsparse-train --compress: auto trains the compressed values on the CUDA kernels "
                         "after the final mask where they run (off: masked-dense throughout)")

@@ -2,6 +2,8 @@
 # Issue 5: the learning-rate sweep of session 16 (docs/results.md, "Session 16's plan"), run on the GPU machine:
 #   SPARSE="trec:2e-4:0 trec:4e-4:0" DENSE="trec:2e-4:0,1,2" OUT=/tmp/out bash benchmarks/accuracy_lr_sweep.sh
 # copies each process's accuracy.json and log to $OUT and prints dev and test accuracy per run.
+# Every run takes accuracy.py's default dropout, the hash since session 43: add --dropout-impl=rng to a spec's options
+# to repeat a run committed before then (flax's dropout).
 # SPARSE="task:lr:seed[:options] ..."  64:2:8 runs of session 14's recipe with --student-lr lr (teacher at --lr 1e-4);
 #   options, comma-separated, are added to the run (session 18: learned masks, e.g.
 #   "trec:4e-4:0:--regrow-every=20,--regrow-until=0.5,--regrow-decay=2e-3")

@@ -14,7 +14,8 @@ with 0.6-0.7 GB less peak memory (session 42). The mask is a different random dr
 (the same keep probability, to ``2**-32``); it is a deterministic function of the key, the shape and the rate.
 
 :class:`HashDropout` is the Flax module (the ``"dropout"`` rng stream, as ``flax.linen.Dropout``);
-``jaxsparse.models.bert.BertConfig(dropout_impl="hash")`` puts it in every dropout of the BERT model.
+It is every dropout of the BERT model by default (``jaxsparse.models.bert.BertConfig.dropout_impl``, ``"rng"`` for
+flax's); session 43 checked on an H200 that MiniLM's fine-tuned accuracy is unchanged within its seed spread.
 """
 
 from __future__ import annotations

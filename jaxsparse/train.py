@@ -269,10 +269,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="compute dtype (params stay float32); auto: bfloat16 on a GPU, where the sparse kernels take "
                         "it (float32 runs their pure-JAX references), float32 elsewhere")
-    p.add_argument("--dropout-impl", default="rng", choices=bert.DROPOUT_IMPLS,
-                   help="flax's dropout (rng), or jaxsparse.dropout.HashDropout (hash: keep bits hashed from each "
-                        "element's index inside the kernels that use them, no random words in memory; a different "
-                        "random draw at the same rate; BertConfig.dropout_impl)")
+    p.add_argument("--dropout-impl", default="hash", choices=bert.DROPOUT_IMPLS,
+                   help="jaxsparse.dropout.HashDropout (hash, the default: keep bits hashed from each element's index "
+                        "inside the kernels that use them, no random words in memory) or flax's dropout (rng: a "
+                        "different random draw at the same rate, every run before session 43); "
+                        "BertConfig.dropout_impl")
     p.add_argument("--devices", default="1",
                    help="data parallel over N local devices or 'all' (gradients averaged; the batch is split); "
                         "with --coordinator, 'all' is every device of every process")

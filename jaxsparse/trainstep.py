@@ -80,8 +80,8 @@ class StepConfig:
         ``V`` a multiple of 64; ``BertConfig.diagonal_all``).
       diagonal_ffn: as ``diagonal_all`` for the FFN's two kernels only (``BertConfig.diagonal_ffn``).
       dropout: ``"hash"`` (:class:`jaxsparse.dropout.HashDropout`, keep bits hashed inside the kernels that use
-        them; the default here: 2.9-3.5 ms off the dense BERT-large step on an H200, 1.4-2.1 ms off the sparse ones) or
-        ``"rng"`` (``flax.linen.Dropout``, ``BertConfig``'s default); ``BertConfig.dropout_impl``.
+        them; the default, as ``BertConfig``'s: 2.9-3.5 ms off the dense BERT-large step on an H200, 1.4-2.1 ms off
+        the sparse ones) or ``"rng"`` (``flax.linen.Dropout``); ``BertConfig.dropout_impl``.
       devices: 1 = the single-device step; ``n > 1`` = data parallel over this process's first ``n`` devices
         (:func:`jaxsparse.parallel.data_parallel`: ``batch_size`` is the global batch, split evenly, and the
         gradients, dense kernels or compressed values, are all-reduced once a step).

@@ -333,15 +333,18 @@ def test_transposable_masks_are_passed_through(acc):
 
 
 def test_dropout_impl_reaches_every_run(acc):
-    """--dropout-impl hash reaches dense and sparse runs alike, is recorded only when set (so earlier studies still
-    --resume and --merge), is not a sparse-only setting (dense baselines must share it) and is named in the section."""
-    args = acc.parse_args(["--quick", "--dropout-impl", "hash"])
+    """The hash dropout (the default) reaches dense and sparse runs alike and --dropout-impl rng flax's; the dropout is
+    recorded only when it is the hash (so studies written with flax's before the option still --resume and --merge as
+    rng), is not a sparse-only setting (dense baselines must share it) and the hash is named in the section."""
+    args = acc.parse_args(["--quick"])
     assert acc.run_args(args, "trec", "64:2:8", 0).dropout_impl == "hash"
     assert acc.run_args(args, "trec", "dense", 0).dropout_impl == "hash"
-    assert acc.run_args(acc.parse_args(["--quick"]), "trec", "dense", 0).dropout_impl == "rng"
+    rng = acc.parse_args(["--quick", "--dropout-impl", "rng"])
+    assert acc.run_args(rng, "trec", "dense", 0).dropout_impl == "rng"
+    assert acc.run_args(rng, "trec", "64:2:8", 0).dropout_impl == "rng"
     hp = acc.hyperparameters(args)
     assert hp["dropout_impl"] == "hash" and "dropout_impl" not in acc.SPARSE_ONLY_HYPERPARAMETERS
-    assert "dropout_impl" not in acc.hyperparameters(acc.parse_args(["--quick"]))
+    assert "dropout_impl" not in acc.hyperparameters(rng)
     payload = _payload(acc, "trec", ["dense", "64:2:8"], {"dense": [0.9, 0.9], "64:2:8": [0.8, 0.8]}, **hp)
     payload["summary"] = []
     assert "hash dropout" in acc.section(payload)

@@ -139,7 +139,7 @@ def test_module_uses_the_dropout_stream():
 
 
 def test_bert_dropout_impl():
-    """BertConfig(dropout_impl="hash") trains with no random-bit generator in the step's HLO (flax's dropout
+    """BertConfig(dropout_impl="hash"), the default, trains with no random-bit generator in the step's HLO (flax's dropout
     has one per dropout) and keeps the rate; an unknown name is a ValueError."""
     with pytest.raises(ValueError, match="dropout_impl must be one of"):
         bert.BertConfig.preset("tiny", dropout_impl="philox")
@@ -162,8 +162,8 @@ def test_bert_dropout_impl():
         assert not np.allclose(train, test)
     assert "rng_bit_generator" in hlo["rng"]
     assert "rng_bit_generator" not in hlo["hash"]
-    assert isinstance(bert.dropout_layer(bert.BertConfig.preset("tiny", dropout_impl="hash"), 0.1), HashDropout)
-    assert isinstance(bert.dropout_layer(bert.BertConfig.preset("tiny"), 0.1), nn.Dropout)
+    assert isinstance(bert.dropout_layer(bert.BertConfig.preset("tiny"), 0.1), HashDropout)  # the default
+    assert isinstance(bert.dropout_layer(bert.BertConfig.preset("tiny", dropout_impl="rng"), 0.1), nn.Dropout)
 
 
 def _buffer_types(compiled_text: str) -> list[str]:

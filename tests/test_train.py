@@ -13,6 +13,7 @@ import pytest
 from flax import traverse_util
 
 from jaxsparse import data, distill, format as fmt, ops, train
+from jaxsparse.models import bert
 
 
 @pytest.fixture(autouse=True)
@@ -278,8 +279,6 @@ def test_make_step_with_hidden_distillation_runs_the_teacher():
     """distill_hidden > 0: the teacher's layer outputs enter the loss; a teacher equal to the student adds 0."""
     import optax
 
-    from jaxsparse.models import bert
-
     cfg = bert.BertConfig.preset("tiny")
     model = bert.BertForSequenceClassification(cfg, num_labels=3)
     ids = jax.random.randint(jax.random.key(1), (4, 9), 1, cfg.vocab_size)
@@ -470,15 +469,17 @@ def test_student_epochs_lr_and_dropout_set_the_sparse_run_alone(tmp_path):
 
 
 def test_dropout_impl_reaches_the_model_of_every_fit(tmp_path):
-    """--dropout-impl hash: fit builds its model (and the dense teacher's) with HashDropout whatever the config it is
-    handed says, and the metrics record it; without the option the config's own stays."""
-    args, data_, cfg = _tiny_sparse_run(tmp_path, "--epochs", "1", "--distill", "0.5", "--dropout-impl", "hash")
-    assert cfg.dropout_impl == "rng"
+    """--dropout-impl: fit builds its model (and the dense teacher's) with the dropout it names whatever the config it
+    is handed says, and the metrics record it; without the option the config's own stays. The hash is the default of
+    both the option and BertConfig."""
+    assert train.parse_args([]).dropout_impl == "hash" and bert.BertConfig().dropout_impl == "hash"
+    args, data_, cfg = _tiny_sparse_run(tmp_path, "--epochs", "1", "--distill", "0.5", "--dropout-impl", "rng")
+    assert cfg.dropout_impl == "hash"
     metrics = train.run(args)
-    assert metrics["dropout_impl"] == "hash" and metrics["teacher"]["dropout_impl"] == "hash"
+    assert metrics["dropout_impl"] == "rng" and metrics["teacher"]["dropout_impl"] == "rng"
     assert train.fit(argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "dropout_impl"}
                                         | {"distill": 0.0}), data_, cfg, None,
-                     log=lambda line: None)[0]["dropout_impl"] == "rng"
+                     log=lambda line: None)[0]["dropout_impl"] == "hash"
 
 
 def test_student_dropout_config_keeps_the_fused_attention_free_of_dropout():
