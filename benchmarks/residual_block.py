@@ -4,7 +4,8 @@ one encoder layer's activation shape, with each dropout (none, ``flax.linen.Drop
 
 A BERT-large step at 32 x 512 tokens runs 49 of these (two an encoder layer, and the embeddings' LayerNorm with its
 dropout), dense and sparse steps alike; ``per_step_ms`` is 49 times each dropout's time, and
-``saved_per_step_ms`` 49 times what it saves against flax's dropout (``BertConfig``'s default).
+``saved_per_step_ms`` 49 times what it saves against flax's dropout (``BertConfig(dropout_impl="rng")``; the hash is
+the model's default since session 43).
 ``flax_dropout_extra_bytes`` is what flax's random words and mask move (a 4-byte word written and read, a 1-byte mask
 written and read by the forward and the backward: 11 bytes an element), ``flax_dropout_extra_floor_ms`` their time at
 :data:`common.HBM_TBPS`; the hash moves none and adds integer work inside the block's fusions instead.
@@ -35,7 +36,7 @@ BLOCKS_PER_STEP = 49
 """Residual blocks (dropout, residual sum, LayerNorm) on ``[tokens, hidden]`` activations in one BERT-large training
 step: 24 layers x 2, and the embeddings'."""
 DROPOUTS = ("none", "flax", "hash")
-BASELINE = "flax"  # what BertConfig's default runs
+BASELINE = "flax"  # what every step before session 42 ran (BertConfig(dropout_impl="rng"))
 FLAX_DROPOUT_EXTRA_BYTES_PER_ELEMENT = 11  # u32 word written + read, bool mask written + read in fwd and bwd
 EPS = 1e-12  # BERT's layer_norm_eps
 
