@@ -8,7 +8,7 @@
 #   options, comma-separated, are added to the run (session 18: learned masks, e.g.
 #   "trec:4e-4:0:--regrow-every=20,--regrow-until=0.5,--regrow-decay=2e-3")
 # DENSE="task:lr:seeds[:options] ..."   dense runs at --lr lr, seeds comma-separated, one process each; options as
-#   SPARSE's (e.g. "trec:1e-4:0,1,2:--dropout-impl=hash")
+#   SPARSE's (e.g. "trec:1e-4:0,1,2:--dropout-impl=rng")
 # SPARSITY=128:2:16             the sparse runs' pattern (default 64:2:8); a seed may be a comma-free list "0+1"
 #   (one process trains those seeds one after the other, sharing its compilations) or a range "0-11" (one process
 #   per seed: "trec:4e-4:0-11:--transposable-masks" is twelve runs)

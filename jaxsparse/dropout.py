@@ -13,7 +13,7 @@ users. On an H200 the BERT-large step at 16384 tokens ran 2.9-3.5 ms faster dens
 with 0.6-0.7 GB less peak memory (session 42). The mask is a different random draw from flax's for the same key
 (the same keep probability, to ``2**-32``); it is a deterministic function of the key, the shape and the rate.
 
-:class:`HashDropout` is the Flax module (the ``"dropout"`` rng stream, as ``flax.linen.Dropout``);
+:class:`HashDropout` is the Flax module (the ``"dropout"`` rng stream, as ``flax.linen.Dropout``).
 It is every dropout of the BERT model by default (``jaxsparse.models.bert.BertConfig.dropout_impl``, ``"rng"`` for
 flax's); session 43 checked on an H200 that MiniLM's fine-tuned accuracy is unchanged within its seed spread.
 """

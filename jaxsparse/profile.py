@@ -17,6 +17,8 @@ gradient the other). The Amdahl bound is the step time minus the time of every s
 Example::
 
     jaxsparse-profile --model base --sparsity 64:2:8 --batch-size 32 --seq-len 512 --json prof.json
+    jaxsparse-profile --model base --sparsity dense --batch-size 32 --seq-len 512 --json dense.json
+    jaxsparse-profile --compare dense.json prof.json   # the two side by side, class by class
 """
 
 from __future__ import annotations
@@ -567,6 +569,42 @@ def format_table(p: Profile, top: int = 0) -> str:
     return "\n".join(lines)
 
 
+def _describe(saved: Mapping) -> str:
+    """A saved breakdown's step in a few words: model, sparsity and the options that change its kernels."""
+    opts = [name for key, name in (("transposable_masks", "transposable"), ("exclusive_columns", "exclusive"),
+                                   ("diagonal_ffn_out", "FFN out diagonal"), ("diagonal_ffn", "FFN diagonal"),
+                                   ("diagonal_all", "all diagonal")) if saved.get(key)]
+    parts = [f"BERT-{saved.get('model', '?')} {saved.get('sparsity', '?')}", *opts,
+             "hash dropout" if saved.get("dropout") == "hash" else "flax's dropout"]  # no key: before session 42
+    return ", ".join(parts)
+
+
+def compare_table(a: Mapping, b: Mapping) -> str:
+    """Two saved breakdowns (``--json`` files of this tool) side by side: each bucket's ms a step in A and in B and
+    their difference, the busy and step times, and B's speedup over A in busy time. A is the baseline (for example
+    the dense step), B the step compared with it. The steps must have been traced on the same kind of device."""
+    for name, saved in (("A", a), ("B", b)):
+        missing = [key for key in ("buckets", "busy_ms", "step_ms") if key not in saved]
+        if missing or set(saved.get("buckets", {})) != set(BUCKETS):
+            raise ValueError(f"{name} is not a jaxsparse-profile --json breakdown (missing {missing or 'buckets'})")
+    dev_a, dev_b = (saved.get("device", {}).get("device") for saved in (a, b))
+    if dev_a != dev_b:
+        raise ValueError(f"the breakdowns come from different devices ({dev_a} and {dev_b}): not comparable")
+    w = max(len(v) for v in LABELS.values())
+    head = f"{'class':<{w}}  {'A ms':>9}  {'B ms':>9}  {'B - A':>9}"
+    rows = [f"A: {_describe(a)}", f"B: {_describe(b)}", f"device: {dev_a}", head, "-" * len(head)]
+    for bucket in BUCKETS:
+        ma, mb = a["buckets"][bucket]["ms"], b["buckets"][bucket]["ms"]
+        if ma or mb:
+            rows.append(f"{LABELS[bucket]:<{w}}  {ma:9.3f}  {mb:9.3f}  {mb - ma:+9.3f}")
+    rows.append("-" * len(head))
+    for label, key in (("total busy", "busy_ms"), ("step (traced, synced)", "step_ms")):
+        rows.append(f"{label:<{w}}  {a[key]:9.3f}  {b[key]:9.3f}  {b[key] - a[key]:+9.3f}")
+    rows.append(f"B over A in busy time: {a['busy_ms'] / b['busy_ms']:.3f}x" if b["busy_ms"] > 0 else
+                "B has no busy time")
+    return "\n".join(rows)
+
+
 # ----------------------------------------------------------------------------- profiling a step
 
 
@@ -681,6 +719,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, metavar="PATH", help="also write the breakdown as JSON")
     p.add_argument("--hlo", default=None, metavar="PATH",
                    help="also write the compiled step's HLO text (where the top ops' fusions are defined)")
+    p.add_argument("--compare", nargs=2, default=None, metavar=("A.json", "B.json"),
+                   help="profile nothing: print two saved --json breakdowns side by side (A the baseline, e.g. the "
+                        "dense step) with each class's difference and B's speedup over A in busy time")
     args = p.parse_args(argv)
     if args.sparsity != "dense":
         parser_check(p, "--sparsity", VNM.parse, args.sparsity)
@@ -709,6 +750,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point ``jaxsparse-profile``."""
     from jaxsparse import ops
     args = parse_args(argv)
+    if args.compare:
+        saved = []
+        for path in args.compare:
+            try:
+                with open(path) as f:
+                    saved.append(json.load(f))
+            except (OSError, json.JSONDecodeError) as err:
+                raise SystemExit(f"jaxsparse-profile --compare: cannot read {path}: {err}") from err
+        try:
+            print(compare_table(*saved))
+        except ValueError as err:
+            raise SystemExit(f"jaxsparse-profile --compare: {err}") from err
+        return 0
     config = step_config(args)
     with ops.dx_route_scope(config.dx_route(), keep_set=True):  # JAXSPARSE_DX, when set, wins
         prof = profile_step(config, args.steps, args.warmup, args.trace_dir, top=max(args.top, 25), hlo_path=args.hlo)

@@ -368,3 +368,35 @@ def test_events_in_command_buffers_is_the_share_launched_from_graphs():
               profile.DeviceEvent("k", "command_buffer_2", 1.0, "s"), profile.DeviceEvent("k", "", 1.0, "s")]
     p = profile.summarize(events, {}, steps=1, step_ms=1.0)
     assert p.device["events_in_command_buffers"] == pytest.approx(0.5)
+
+
+def _saved(device: str = "gpu:NVIDIA H200", **ms: float) -> dict:
+    """A minimal --json breakdown: every bucket (``ms`` gives some a time), busy the sum, a step time."""
+    buckets = {b: {"ms": ms.get(b, 0.0), "pct_step": 0.0, "pct_busy": 0.0, "count": 1.0} for b in profile.BUCKETS}
+    busy = sum(ms.values())
+    return {"model": "large", "sparsity": "dense", "dropout": "hash", "device": {"device": device},
+            "buckets": buckets, "busy_ms": busy, "step_ms": busy + 5.0}
+
+
+def test_compare_sets_two_breakdowns_side_by_side(tmp_path, capsys):
+    """--compare profiles nothing: it prints each class's ms in A and B with their difference, the totals and B's
+    speedup in busy time; breakdowns from different devices, or a file that is not one, are refused."""
+    a = _saved(dense_gemm=40.0, elementwise_norm=30.0, attention=10.0)
+    b = dict(_saved(sparse_fwd=13.0, sddmm=14.0, sparse_dx=11.0, elementwise_norm=18.0, attention=9.0),
+             sparsity="64:2:8", transposable_masks=True, dropout="rng")
+    text = profile.compare_table(a, b)
+    assert "A: BERT-large dense, hash dropout" in text and "B: BERT-large 64:2:8, transposable, flax's dropout" in text
+    assert "elementwise and norms" in text and "-12.000" in text and "+13.000" in text
+    assert "optimizer" not in text  # a class empty in both is left out
+    assert "B over A in busy time: 1.231x" in text  # 80 / 65
+    with pytest.raises(ValueError, match="different devices"):
+        profile.compare_table(a, _saved(device="gpu:NVIDIA H100 80GB HBM3", dense_gemm=1.0))
+    with pytest.raises(ValueError, match="not a jaxsparse-profile --json breakdown"):
+        profile.compare_table(a, {"buckets": {}})
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    assert profile.main(["--compare", str(pa), str(pb)]) == 0
+    assert capsys.readouterr().out.strip() == text
+    with pytest.raises(SystemExit, match="cannot read"):
+        profile.main(["--compare", str(pa), str(tmp_path / "missing.json")])
