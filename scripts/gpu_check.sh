@@ -19,16 +19,7 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
 fi
-export JAXSPARSE_CUDA_GENCODE=${JAXSPARSE_CUDA_GENCODE:-"-gencode=arch=compute_90a,code=sm_90a"}
-if [ -f .prebuilt/SOURCE_HASH ] && [ "$(cat .prebuilt/SOURCE_HASH)" = "$(bash scripts/source_hash.sh)" ]; then
-  # The extension was built elsewhere from this very source (scripts/prebuild_extension.sh).
-  JAXSPARSE_NO_CUDA=1 python3 -m pip install --no-build-isolation --no-deps -v . >"$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
-  dest=$(cd /tmp && python3 -c "import jaxsparse.ffi, os; print(os.path.dirname(jaxsparse.ffi.__file__))")
-  cp .prebuilt/_jaxsparse_cuda*.so "$dest/" && echo "prebuilt extension $(cat .prebuilt/SOURCE_HASH) -> $dest"
-else
-  python3 -m pip install --no-build-isolation --no-deps -v . >"$OUT/build.log" 2>&1 || { tail -60 "$OUT/build.log"; exit 1; }
-fi
-grep -E "warning|spill|error" "$OUT/build.log" | grep -v "xla/ffi" | head -20
+OUT=$OUT bash scripts/gpu_install.sh || exit 1  # the prebuilt extension when it matches the sources, else a build
 echo "build: $(( $(date +%s) - t0 )) s"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 (cd /tmp && python3 -c "import jax, jaxsparse.ffi as f; print('jax', jax.__version__, jax.devices(), 'targets', f.target_names())")
