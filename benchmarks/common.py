@@ -8,13 +8,14 @@ previous kernel, so for kernels longer than that the number is device time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import re
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,16 +68,25 @@ def layer_operands(tokens: int, k: int, n: int, sets: int = 2) -> tuple[list, li
     return xs, dys, w, normal(kb, (n,))
 
 
+@contextlib.contextmanager
+def env_scope(**env: str | None) -> Iterator[None]:
+    """These environment settings for the block (a value of None leaves that variable as it is), each restored on
+    exit: the layers read their routes from the environment when they are traced."""
+    env = {k: v for k, v in env.items() if v is not None}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
 def with_env(fn: Callable, **env: str) -> Callable:
     """``fn`` traced with these environment settings (the layer reads its routes from them at trace time)."""
     def traced(*a):
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with env_scope(**env):
             return fn(*a)
-        finally:
-            for k, v in old.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     return traced
 
 

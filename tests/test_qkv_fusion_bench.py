@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -30,12 +31,16 @@ def test_the_fused_layer_is_the_three_and_a_wrong_one_is_refused():
         bench.check_fused(three, split, parts[::-1], sw, h)
 
 
-def test_the_file_has_every_variant_with_its_floor(tmp_path, capsys):
+def test_the_file_has_every_variant_with_its_floor(tmp_path, capsys, monkeypatch):
     """Six rows (dense and sparse, three variants each) with times, ratios to the three layers and floors; the fused
-    layer's floor is below the three layers' (x read once)."""
+    layer's floor is below the three layers' (x read once). The routes it sets are its own: the environment is as it
+    was after it (a leaked JAXSPARSE_DX=transposed gave later tests' non-transposable layers NaN gradients)."""
     bench = load_script("qkv_fusion", "benchmarks")
     out = tmp_path / "qkv_fusion.json"
+    monkeypatch.setenv("JAXSPARSE_BACKEND", "auto")
+    monkeypatch.delenv("JAXSPARSE_DX", raising=False)
     assert bench.main(["--tokens", "128", "--hidden", "128", "--out", str(out)]) == 0
+    assert os.environ.get("JAXSPARSE_DX") is None and os.environ["JAXSPARSE_BACKEND"] == "auto"
     assert "over its floor" in capsys.readouterr().out
     d = json.loads(out.read_text())
     assert (d["tokens"], d["hidden"], d["parts"], d["sparsity"]) == (128, 128, 3, "64:2:8")
