@@ -47,50 +47,51 @@ def _rel(a: jax.Array, ref: jax.Array) -> float:
     return float(jnp.linalg.norm((a - ref).ravel()) / jnp.linalg.norm(ref.ravel()))
 
 
-def layers(w: jax.Array, b: jax.Array, spec: str | None) -> dict[str, tuple[Callable, Callable]]:
-    """For each variant, ``(fn, weight_of)``: ``fn(x, dy, weight) -> (y, grads)`` and what it takes as ``weight``
-    (dense: the masked kernel or its parts; sparse: the compressed values or the parts' values). ``dy`` is the list of
-    the parts' cotangents for ``three`` and ``fused, split``, their concatenation for ``fused, whole``."""
-    hidden = w.shape[0]
-    cut = lambda a: [a[..., i * hidden:(i + 1) * hidden] for i in range(PARTS)]
-    bs = cut(b)
-    if spec is None:
-        def three(x, dy, ws):
-            y, g = jax.vjp(lambda x, ws, bs: tuple(x @ wp + bp for wp, bp in zip(ws, bs)), x, ws, bs)
-            return y, g(tuple(dy))
+def cut(a: jax.Array, hidden: int) -> list[jax.Array]:
+    """The three parts (q, k, v) of a fused array along its last axis."""
+    return [a[..., i * hidden:(i + 1) * hidden] for i in range(PARTS)]
 
-        def split(x, dy, wf):
-            y, g = jax.vjp(lambda x, wf, b: tuple(jnp.split(x @ wf + b, PARTS, axis=-1)), x, wf, b)
-            return y, g(tuple(dy))
 
-        def whole(x, dy, wf):
-            y, g = jax.vjp(lambda x, wf, b: x @ wf + b, x, wf, b)
-            return y, g(dy)
-
-        return {"three": (three, lambda: cut(w)), "fused, split": (split, lambda: w), "fused, whole": (whole, lambda: w)}
+def sparse_weights(w: jax.Array, spec: str) -> tuple[F.SparseWeight, list[F.SparseWeight]]:
+    """The fused sparse weight (a transposable mask chosen on the whole ``w``) and its three parts, each compressed
+    with its slice of that mask."""
     mask = F.select_mask(w, spec, transposable=True)
-    sw = F.compress(w, mask, spec)
-    parts = [F.compress(wp, mp, spec) for wp, mp in zip(cut(w), cut(mask))]
+    hidden = w.shape[0]
+    return F.compress(w, mask, spec), [F.compress(wp, mp, spec) for wp, mp in zip(cut(w, hidden), cut(mask, hidden))]
 
-    def three(x, dy, vals):
-        def f(x, vals, bs):
-            return tuple(ops.sparse_linear(x, p.replace(values=v), bp) for p, v, bp in zip(parts, vals, bs))
 
-        y, g = jax.vjp(f, x, vals, bs)
+def layers(w: jax.Array, b: jax.Array, spec: str | None) -> dict[str, tuple[Callable, object]]:
+    """For each variant, ``(fn, weight)``: ``fn(x, dy, weight) -> (y, grads)`` and what it takes as ``weight``
+    (dense: the masked kernel or its parts; sparse: the compressed values or the parts' values). ``dy`` is the list of
+    the parts' cotangents for ``three`` and ``fused, split``, their concatenation for ``fused, whole``. The variants
+    differ only in how the layer is cut; each applies one product, dense (``x @ w + b``) or sparse."""
+    hidden = w.shape[0]
+    bs = cut(b, hidden)
+    if spec is None:
+        fused_weight, part_weights = w, cut(w, hidden)
+        fused = lambda x, wt, bias: x @ wt + bias
+        part = lambda i, x, wt, bias: x @ wt + bias
+    else:
+        sw, parts = sparse_weights(w, spec)
+        fused_weight, part_weights = sw.values, [p.values for p in parts]
+        fused = lambda x, v, bias: ops.sparse_linear(x, sw.replace(values=v), bias)
+        part = lambda i, x, v, bias: ops.sparse_linear(x, parts[i].replace(values=v), bias)
+
+    def three(x, dy, ws):
+        y, g = jax.vjp(lambda x, ws, bs: tuple(part(i, x, *wb) for i, wb in enumerate(zip(ws, bs))), x, ws, bs)
         return y, g(tuple(dy))
 
-    def split(x, dy, v):
-        fused = lambda x, v, b: ops.sparse_linear(x, sw.replace(values=v), b)
-        y, g = jax.vjp(lambda x, v, b: tuple(jnp.split(fused(x, v, b), PARTS, axis=-1)), x, v, b)
+    def split(x, dy, wf):
+        y, g = jax.vjp(lambda x, wf, b: tuple(jnp.split(fused(x, wf, b), PARTS, axis=-1)), x, wf, b)
         return y, g(tuple(dy))
 
-    def whole(x, dy, v):
-        y, g = jax.vjp(lambda x, v, b: ops.sparse_linear(x, sw.replace(values=v), b), x, v, b)
+    def whole(x, dy, wf):
+        y, g = jax.vjp(fused, x, wf, b)
         return y, g(dy)
 
-    check_fused(three, split, parts, sw, hidden)
-    return {"three": (three, lambda: [p.values for p in parts]), "fused, split": (split, lambda: sw.values),
-            "fused, whole": (whole, lambda: sw.values)}
+    if spec is not None:
+        check_fused(three, split, parts, sw, hidden)
+    return {"three": (three, part_weights), "fused, split": (split, fused_weight), "fused, whole": (whole, fused_weight)}
 
 
 def check_fused(three: Callable, split: Callable, parts: Sequence[F.SparseWeight], sw: F.SparseWeight,
@@ -112,7 +113,8 @@ def check_fused(three: Callable, split: Callable, parts: Sequence[F.SparseWeight
 
 def floor_ms(variant: str, tokens: int, hidden: int, spec: str | None) -> float:
     """The roofline floor of a variant's forward and backward (``linear.floors`` summed over fwd, dW and dX)."""
-    m, v = (None, 1) if spec is None else (F.VNM.parse(spec).m, F.VNM.parse(spec).v)
+    vnm = None if spec is None else F.VNM.parse(spec)
+    m, v = (None, 1) if vnm is None else (vnm.m, vnm.v)
     if variant == "three":
         return PARTS * floors("fwd+bwd", tokens, hidden, hidden, m, v)["floor_ms"]
     return floors("fwd+bwd", tokens, hidden, PARTS * hidden, m, v)["floor_ms"]
@@ -134,9 +136,9 @@ def _time_all(args: argparse.Namespace) -> list[dict]:
         fns = layers(wd, b, spec)
         three_ms = None
         for variant in VARIANTS:
-            fn, weight_of = fns[variant]
+            fn, weight = fns[variant]
             dy_of = (lambda dy: jnp.concatenate(dy, axis=-1)) if variant == "fused, whole" else (lambda dy: dy)
-            ms = common.time_jax(jax.jit(fn), [(x, dy_of(dy), weight_of()) for x, dy in zip(xs, dys)])
+            ms = common.time_jax(jax.jit(fn), [(x, dy_of(dy), weight) for x, dy in zip(xs, dys)])
             three_ms = ms if variant == "three" else three_ms
             fl = floor_ms(variant, t, h, spec)
             rows.append(dict(impl=spec or "dense", variant=variant, ms=ms, vs_three=three_ms / ms, floor_ms=fl,

@@ -334,8 +334,6 @@ def test_profile_defaults_to_the_headline_batch():
 def test_profile_runs_the_benchmarks_dropout():
     """The profiled step uses the hash dropout, as benchmarks/train_step.py does by default; --dropout rng profiles
     flax's."""
-    from jaxsparse import profile
-
     assert profile.step_config(profile.parse_args([])).bert_config().dropout_impl == "hash"
     assert profile.step_config(profile.parse_args(["--dropout", "rng"])).bert_config().dropout_impl == "rng"
 

@@ -10,8 +10,6 @@ import jax.numpy as jnp
 import pytest
 from devdata_helpers import load_script
 
-from jaxsparse import format as F
-
 
 def test_the_fused_layer_is_the_three_and_a_wrong_one_is_refused():
     """The fused sparse weight (the three masks side by side) gives the three layers' y, dx, dW and db; with its parts
@@ -22,9 +20,7 @@ def test_the_fused_layer_is_the_three_and_a_wrong_one_is_refused():
     b = jax.random.normal(jax.random.key(1), (3 * h,), jnp.float32).astype(jnp.bfloat16)
     fns = bench.layers(w, b, "64:2:8")  # runs check_fused on fresh inputs
     three, split = fns["three"][0], fns["fused, split"][0]
-    mask = F.select_mask(w, "64:2:8", transposable=True)
-    sw = F.compress(w, mask, "64:2:8")
-    parts = [F.compress(w[:, i * h:(i + 1) * h], mask[:, i * h:(i + 1) * h], "64:2:8") for i in range(3)]
+    sw, parts = bench.sparse_weights(w, "64:2:8")
     err = bench.check_fused(three, split, parts, sw, h)
     assert set(err) == {"y", "dx", "dw", "db"} and max(err.values()) < 2e-2
     with pytest.raises(SystemExit, match="not the three"):
