@@ -8,14 +8,13 @@ previous kernel, so for kernels longer than that the number is device time.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
 import re
 import statistics
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,18 +67,13 @@ def layer_operands(tokens: int, k: int, n: int, sets: int = 2) -> tuple[list, li
     return xs, dys, w, normal(kb, (n,))
 
 
-@contextlib.contextmanager
-def env_scope(**env: str | None) -> Iterator[None]:
+def env_scope(**env: str | None):
     """These environment settings for the block (a value of None leaves that variable as it is), each restored on
-    exit: the layers read their routes from the environment when they are traced."""
-    env = {k: v for k, v in env.items() if v is not None}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    exit: the layers read their routes from the environment when they are traced (``jaxsparse.dispatch.env_scope``,
+    imported here because this module sets up the import of jaxsparse)."""
+    from jaxsparse import dispatch
+
+    return dispatch.env_scope(env)
 
 
 def with_env(fn: Callable, **env: str) -> Callable:

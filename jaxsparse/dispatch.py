@@ -15,15 +15,16 @@ reference whatever the backend: for diagnosis and for A/B timings of one kernel 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import jax
 
 from jaxsparse import ffi
 
-__all__ = ["BACKENDS", "OPS", "backend", "reference_ops", "call"]
+__all__ = ["BACKENDS", "OPS", "backend", "reference_ops", "env_scope", "call"]
 
 BACKENDS = ("auto", "reference", "cuda")
 OPS = ("decompress", "transpose_2_4", "spmm", "sddmm", "spmm_t")
@@ -44,6 +45,28 @@ def reference_ops() -> frozenset[str]:
     if not names <= set(OPS):
         raise ValueError(f"JAXSPARSE_REFERENCE_OPS names unknown ops {sorted(names - set(OPS))}; known: {OPS}")
     return names
+
+
+@contextlib.contextmanager
+def env_scope(settings: Mapping[str, Optional[str]], *, keep_set: bool = False) -> Iterator[None]:
+    """Sets these environment variables for the block and restores each on exit, also when the block raises.
+
+    The settings this package reads (``JAXSPARSE_BACKEND``, the routes of :mod:`jaxsparse.ops`) are read when a
+    function is traced, so trace (jit-compile) inside the block. A value of ``None`` leaves its variable as it is;
+    with ``keep_set`` a variable that is already set keeps its value.
+    """
+    previous = {name: os.environ.get(name) for name in settings}
+    for name, value in settings.items():
+        if value is not None and not (keep_set and previous[name] is not None):
+            os.environ[name] = value
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _has_gpu() -> bool:

@@ -143,27 +143,11 @@ def dx_route(route: Optional[str] = None) -> str:
 
 
 @contextlib.contextmanager
-def _env_scope(name: str, value: Optional[str], keep_set: bool = False) -> Iterator[None]:
-    """Sets the environment variable ``name`` to ``value`` for the block and restores it after (``None`` changes
-    nothing; with ``keep_set`` a value already set wins)."""
-    previous = os.environ.get(name)
-    if value is not None and not (keep_set and previous is not None):
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = previous
-
-
-@contextlib.contextmanager
 def dx_route_scope(route: Optional[str], *, keep_set: bool = False) -> Iterator[None]:
     """Sets ``JAXSPARSE_DX`` to ``route`` for the block and restores it after: the route is read when the sparse
     layers are traced, so trace (jit-compile) inside the block. ``None`` changes nothing; with ``keep_set`` a route
     already set in the environment wins."""
-    with _env_scope(DX_ROUTE_ENV, None if route is None else dx_route(route), keep_set):
+    with dispatch.env_scope({DX_ROUTE_ENV: None if route is None else dx_route(route)}, keep_set=keep_set):
         yield
 
 
@@ -490,7 +474,7 @@ def _check_mlp_hidden(layout: str) -> str:
 def mlp_hidden_scope(layout: Optional[str]) -> Iterator[None]:
     """Sets ``JAXSPARSE_MLP_HIDDEN`` to ``layout`` for the block and restores it after (read when :func:`sparse_mlp`
     is traced, so trace inside the block); ``None`` changes nothing."""
-    with _env_scope(MLP_HIDDEN_ENV, None if layout is None else _check_mlp_hidden(layout)):
+    with dispatch.env_scope({MLP_HIDDEN_ENV: None if layout is None else _check_mlp_hidden(layout)}):
         yield
 
 

@@ -536,6 +536,22 @@ def test_xt_kernel_tiles_and_row_kernel_refuse_what_they_cannot_take(monkeypatch
         calls.spmm(x24.reshape(-1, 512), sw24, x_layout="row", row_kernel="tma")
 
 
+def test_env_scope_sets_several_and_restores_them_also_on_error(monkeypatch):
+    monkeypatch.setenv("JAXSPARSE_BACKEND", "reference")
+    monkeypatch.delenv("JAXSPARSE_REFERENCE_OPS", raising=False)
+    with pytest.raises(RuntimeError, match="inside"):
+        with dispatch.env_scope({"JAXSPARSE_BACKEND": "cuda", "JAXSPARSE_REFERENCE_OPS": "sddmm",
+                                 ops.DX_ROUTE_ENV: None}):
+            assert dispatch.backend() == "cuda" and dispatch.reference_ops() == {"sddmm"}
+            assert ops.DX_ROUTE_ENV not in os.environ  # None leaves the variable as it is (absent)
+            raise RuntimeError("inside")
+    assert os.environ["JAXSPARSE_BACKEND"] == "reference" and "JAXSPARSE_REFERENCE_OPS" not in os.environ
+    with dispatch.env_scope({"JAXSPARSE_BACKEND": "cuda", "JAXSPARSE_REFERENCE_OPS": "spmm"}, keep_set=True):
+        assert dispatch.backend() == "reference"  # already set: kept
+        assert dispatch.reference_ops() == {"spmm"}  # unset: set
+    assert "JAXSPARSE_REFERENCE_OPS" not in os.environ
+
+
 def test_dx_route_scope_sets_and_restores(monkeypatch):
     monkeypatch.setenv(ops.DX_ROUTE_ENV, "dense")
     monkeypatch.delenv(ops.DX_ROUTE_ENV)  # absent, and restored as absent after the test
