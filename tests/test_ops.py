@@ -539,6 +539,7 @@ def test_xt_kernel_tiles_and_row_kernel_refuse_what_they_cannot_take(monkeypatch
 def test_env_scope_sets_several_and_restores_them_also_on_error(monkeypatch):
     monkeypatch.setenv("JAXSPARSE_BACKEND", "reference")
     monkeypatch.delenv("JAXSPARSE_REFERENCE_OPS", raising=False)
+    monkeypatch.delenv(ops.DX_ROUTE_ENV, raising=False)
     with pytest.raises(RuntimeError, match="inside"):
         with dispatch.env_scope({"JAXSPARSE_BACKEND": "cuda", "JAXSPARSE_REFERENCE_OPS": "sddmm",
                                  ops.DX_ROUTE_ENV: None}):
