@@ -420,6 +420,7 @@ class Profile:
     device: dict
     top: list[dict]
     meta: dict = dataclasses.field(default_factory=dict)
+    scopes: list[dict] = dataclasses.field(default_factory=list)
 
     @property
     def sparse_ms(self) -> float:
@@ -434,7 +435,7 @@ class Profile:
         return {**self.meta, "device": self.device, "steps_traced": self.steps, "step_ms": self.step_ms,
                 "busy_ms": self.busy_ms, "sparse_ms": self.sparse_ms, "amdahl_bound_ms": self.amdahl_bound_ms,
                 "amdahl_max_speedup": self.step_ms / self.amdahl_bound_ms if self.amdahl_bound_ms > 0 else None,
-                "buckets": self.buckets, "top_ops": self.top}
+                "buckets": self.buckets, "top_ops": self.top, "top_scopes": self.scopes}
 
 
 _SPMM_TARGETS = ("jaxsparse_spmm", "jaxsparse_spmm_xt")
@@ -493,12 +494,37 @@ def _floor(io_bytes: int, count: float, ms: float) -> dict:
     return {"io_bytes": io_bytes, "floor_ms": floor, "over_floor": ms / floor}
 
 
+_LAYER_INDEX = re.compile(r"(layer_)\d+")
+
+
+def _scope(op_name: str, kernel: str) -> str:
+    """What :func:`summarize`'s ``top_scopes`` groups a kernel under: its op name with every layer index written
+    ``N`` (the same op of every layer together), or the kernel's own name when the trace and the HLO give none."""
+    return _LAYER_INDEX.sub(r"\1N", op_name) if op_name else kernel
+
+
+def _top_scopes(per_op: Mapping[tuple[str, str], list], steps: int, top: int) -> list[dict]:
+    """The ops by time with kernel names folded: XLA names one op's kernels differently from step to step and
+    layer to layer (``loop_add_fusion_486`` and ``_490`` may both be ``optimizer/add``), so a per-kernel list can
+    show an op in one step and hide it, split over several names, in another."""
+    groups: dict[tuple[str, str], list] = {}
+    for (name, bucket), (ns, count, op_name, *_) in per_op.items():
+        rec = groups.setdefault((_scope(op_name, name), bucket), [0.0, 0, set()])
+        rec[0] += ns
+        rec[1] += count
+        rec[2].add(name)
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"scope": s, "bucket": b, "ms": v[0] / 1e6 / steps, "count": v[1] / steps, "kernels": len(v[2])}
+            for (s, b), v in ranked]
+
+
 def summarize(events: Iterable[DeviceEvent], hlo: Mapping[str, OpInfo], steps: int, step_ms: float,
               device: dict | None = None, top: int = 25) -> Profile:
     """Bucket ``events`` (from ``steps`` steps) with :func:`classify`; per-step ms, % of step, counts.
 
     The forward kernel's events that ran the transposed dX route are moved to ``sparse_dx`` by their order in the
     step where the trace cannot name them (``_split_forward_kernel``; what was done is noted in ``device["split"]``).
+    Besides the ``top`` kernels by time, the ``top`` ops with kernel names folded (:func:`_top_scopes`).
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
@@ -535,7 +561,7 @@ def summarize(events: Iterable[DeviceEvent], hlo: Mapping[str, OpInfo], steps: i
     # kernels XLA launched from a CUDA graph (a command buffer) against one by one: launch gaps live in the second
     device["events_in_command_buffers"] = (sum(ev.hlo_op.startswith("command_buffer") for ev in events) / len(events)
                                            if events else 0.0)
-    return Profile(buckets, busy_ms, step_ms, steps, device, top_ops)
+    return Profile(buckets, busy_ms, step_ms, steps, device, top_ops, scopes=_top_scopes(per_op, steps, top))
 
 
 def format_table(p: Profile, top: int = 0) -> str:
@@ -566,6 +592,10 @@ def format_table(p: Profile, top: int = 0) -> str:
             floor = f"{t['floor_ms']:7.3f} ({t['over_floor']:4.1f}x)" if "floor_ms" in t else " " * 15
             lines.append(f"  {t['ms']:8.3f} ms  x{t['count']:<4.0f} floor {floor} {t['bucket']:<16} {t['name'][:60]}  "
                          f"{t['op_name'][-70:]}")
+        lines.append(f"top {min(top, len(p.scopes))} ops with kernel names folded (layer indices written N):")
+        for t in p.scopes[:top]:
+            lines.append(f"  {t['ms']:8.3f} ms  x{t['count']:<4.0f} in {t['kernels']:>3} kernel names  "
+                         f"{t['bucket']:<16} {t['scope'][-90:]}")
     return "\n".join(lines)
 
 

@@ -205,6 +205,30 @@ def test_top_ops_named_in_the_hlo_get_their_memory_floor():
     assert f"floor {add['floor_ms']:7.3f} ({add['over_floor']:4.1f}x)" in table
 
 
+def test_top_scopes_fold_one_ops_kernel_names_and_layer_indices():
+    """One op under several kernel names (XLA's per-layer fusions) is one scope, every layer index written N; a
+    kernel without an op name is its own scope. Both land in the JSON and, with --top, in the table."""
+    ln = "jit(step)/transpose(jvp(M))/bert/encoder_layer_{}/LayerNorm/reduce_sum"
+    hlo = {"loop_add_fusion.486": OpInfo("fusion", "jit(step)/optimizer/add"),
+           "loop_add_fusion.490": OpInfo("fusion", "jit(step)/optimizer/add"),
+           "input_reduce_fusion.7": OpInfo("fusion", ln.format(3)),
+           "input_reduce_fusion.9": OpInfo("fusion", ln.format(11))}
+    ev = [profile.DeviceEvent("loop_add_fusion_486", "command_buffer_1", 100.0, "s"),
+          profile.DeviceEvent("loop_add_fusion_490", "command_buffer_1", 300.0, "s"),
+          profile.DeviceEvent("input_reduce_fusion_7", "command_buffer_1", 50.0, "s"),
+          profile.DeviceEvent("input_reduce_fusion_9", "command_buffer_1", 70.0, "s"),
+          profile.DeviceEvent("void jaxsparse::SddmmKernel", "command_buffer_1", 1000.0, "s")]
+    p = profile.summarize(ev, hlo, steps=1, step_ms=1.0)
+    scopes = {t["scope"]: t for t in p.scopes}
+    assert set(scopes) == {"jit(step)/optimizer/add", ln.format("N"), "void jaxsparse::SddmmKernel"}
+    add = scopes["jit(step)/optimizer/add"]
+    assert add["count"] == 2 and add["kernels"] == 2 and add["ms"] == pytest.approx(4e-4)
+    assert scopes[ln.format("N")]["kernels"] == 2
+    assert [t["scope"] for t in p.scopes][0] == "void jaxsparse::SddmmKernel"  # by time
+    assert p.to_json()["top_scopes"] == p.scopes
+    assert "in   2 kernel names" in profile.format_table(p, top=5)
+
+
 def test_real_cpu_profile_buckets_sum_to_measured_total(tmp_path, capsys):
     out = tmp_path / "prof.json"
     trace = tmp_path / "trace"
