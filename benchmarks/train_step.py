@@ -157,14 +157,15 @@ def _time_step(step_cfg, cfg: dict, turn: dict | None) -> dict:
 
 
 def _routes() -> dict:
-    """The product routes this process runs (the layer's x layout, dX route, SDDMM split, engine and x layout,
-    ops sent to the reference)."""
+    """The product routes this process runs (the layer's x layout, dX route, SDDMM split, engine, x layout and
+    bias gradient, ops sent to the reference)."""
     from jaxsparse import dispatch, ops
     from jaxsparse.ffi import calls
 
     return dict(spmm_x_layout=os.environ.get(calls.SPMM_X_LAYOUT_ENV, "auto"), dx=ops.dx_route(),
                 sddmm_split=calls.sddmm_split(), sddmm_engine=calls.sddmm_engine(),
                 sddmm_x_layout=os.environ.get(calls.SDDMM_X_LAYOUT_ENV, "auto"),
+                sddmm_bias=os.environ.get(calls.SDDMM_BIAS_ENV, "on"),
                 reference_ops=sorted(dispatch.reference_ops()))
 
 

@@ -32,6 +32,7 @@
 // aiming at two CTAs per SM with >= 4 token tiles per range; never more ranges than the buffer holds.  A result
 // instead of XLA's scratch allocator keeps the handler safe to record into XLA's command buffers (CUDA graphs).
 #include <algorithm>
+#include <type_traits>
 
 #include "common.cuh"
 #include "handlers.h"
@@ -55,6 +56,12 @@ struct SddmmParams {
                           // x's columns (r / (rows / x_blocks)) K + [0, K); 1 = one block (x [T, K])
   const int32_t* x_chunks;  // [x_blocks, K/64] or null (the tma engine): block b's columns j*64 + [0, 64) are x's
                             // columns x_chunks[b, j] * 64 + [0, 64) (its input set in 64-column chunks)
+  // The bias gradient (the tma engine's SddmmWgmmaXtKernel<T, true, true>): sum over tokens of dy, per row. Every
+  // CTA adds k16 step (column tile % 4) of each of its stages (an m64n8 product of dy^T with a tile of ones); the
+  // first db_ways = 4 column tiles write their sums to plane (grid.z * db_ways + column tile) of db_partial
+  // [S * db_ways, R], and the reduction sums the planes in order. Null: no bias gradient.
+  float* db_partial;
+  int db_ways;
 };
 
 constexpr int kSdBR = 64;       // rows (output features) per CTA; divides V = 64 and 128
@@ -544,6 +551,7 @@ constexpr int kXtBT = 64;
 constexpr int kXtThreads = 256;
 constexpr int kXtStages = 4;
 constexpr int kXtBox = kXtBT * 128;  // one 64-token x 64-column box of 16-bit values (128-byte swizzled)
+constexpr int kDbWays = 4;  // column tiles whose CTAs write the bias gradient: one per k16 step of a stage
 
 // NC condensed columns per CTA: 256 from x rows (XROW: one B tile serves both warpgroups, m64n256 products), 128
 // from x^T (two B tiles where the warpgroups sit in different V blocks).
@@ -559,11 +567,16 @@ struct XtLayout {
   static constexpr int kEpiRowFloats = kNC + 4;
   static constexpr int kEpiBytes = kXtBR * kEpiRowFloats * 4;
   static constexpr int kBarOff = kPipeBytes > kEpiBytes ? kPipeBytes : kEpiBytes;  // the stages' mbarriers
-  static constexpr int kSmemBytes = kBarOff + 8 * kXtStages + 1024;
+  // A 2 KB tile of ones, the B operand of the bias gradient's m64n8k16 products (16 token rows of 128 bytes: any
+  // address the descriptor forms reads a one), on its own swizzle atom.
+  static constexpr int kOnesOff = (kBarOff + 8 * kXtStages + 1023) / 1024 * 1024;
+  static constexpr int kOnesBytes = 2048;
+  static constexpr int kSmemBytes = kBarOff + 8 * kXtStages + 1024;   // without the bias gradient (as before)
+  static constexpr int kSmemBytesDb = kOnesOff + kOnesBytes + 1024;   // with it
   static_assert(kDyHalf % 1024 == 0 && kXcTile % 1024 == 0 && kStageBytes % 1024 == 0, "swizzle atoms");
 };
 
-template <typename T, bool XROW>
+template <typename T, bool XROW, bool DB = false>
 __global__ void __launch_bounds__(kXtThreads, 1)
     SddmmWgmmaXtKernel(const SddmmParams p, const __grid_constant__ CUtensorMap tma_dy,
                        const __grid_constant__ CUtensorMap tma_xt) {
@@ -591,6 +604,16 @@ __global__ void __launch_bounds__(kXtThreads, 1)
   // 2:4: the condensed rows are x^T's rows g0*4 .. g0*4 + 127 themselves, one TMA box; else a gather by cp.async.
   const bool x_by_tma = XROW || p.cols == nullptr;
 
+  // The bias gradient (DB): every CTA adds k16 step (column tile % 4) of every stage, so the first four column
+  // tiles together cover every token; only those write their sums (the others' products keep the CTAs alike).
+  static_assert(!DB || XROW, "the bias gradient is the tma engine's");
+  const uint32_t ones = smem_base + L::kOnesOff;
+  const uint32_t db_ks = blockIdx.y % 4;
+  if constexpr (DB) {
+    const uint32_t one2 = std::is_same<T, __half>::value ? 0x3C003C00u : 0x3F803F80u;  // two 16-bit ones
+    for (int i = tid; i < L::kOnesBytes / 4; i += kXtThreads)
+      reinterpret_cast<uint32_t*>(smem + L::kOnesOff)[i] = one2;  // made visible to wgmma by the loop's proxy fence
+  }
   if (tid == 0)
     for (int s = 0; s < kXtStages; ++s) MbarInit(full0 + 8 * s, 1);  // thread 0's expect_tx arrival
   __syncthreads();
@@ -660,6 +683,7 @@ __global__ void __launch_bounds__(kXtThreads, 1)
   float acc[NC / 2];
 #pragma unroll
   for (int i = 0; i < NC / 2; ++i) acc[i] = 0.f;
+  float acc_db[4] = {0.f, 0.f, 0.f, 0.f};  // m64n8: every column holds the row's sum
 
 #pragma unroll
   for (int s = 0; s < kXtStages - 2; ++s) {
@@ -680,6 +704,7 @@ __global__ void __launch_bounds__(kXtThreads, 1)
     const uint32_t a_base = smem_base + buf * L::kStageBytes + wg * L::kDyHalf;
     const uint32_t b_base = smem_base + buf * L::kStageBytes + L::kXcOff + (one_block ? 0 : wg) * L::kXcTile;
     WgmmaFenceOperands(acc);
+    if constexpr (DB) WgmmaFenceOperands(acc_db);
     WgmmaFence();
 #pragma unroll
     for (int ks = 0; ks < kXtBT / 16; ++ks) {
@@ -692,12 +717,23 @@ __global__ void __launch_bounds__(kXtThreads, 1)
         Wgmma<NC, T, 0>::Run(acc, da, db);
       }
     }
+    if constexpr (DB)
+      Wgmma<8, T, 1>::Run(acc_db, WgmmaDescSw128(a_base + db_ks * 2048, L::kDyHalf, 1024),
+                          WgmmaDescSw128(ones, kXtBox, 1024));
     WgmmaCommit();
     WgmmaWait<1>();  // stage kt-1's wgmmas of this warpgroup completed
     WgmmaFenceOperands(acc);
+    if constexpr (DB) WgmmaFenceOperands(acc_db);
   }
   WgmmaWait<0>();
   WgmmaFenceOperands(acc);
+  if constexpr (DB) WgmmaFenceOperands(acc_db);
+  if (DB && blockIdx.y < 4 && (tid & 3) == 0) {  // rows 16 wq + lane / 4 and + 8 of the warpgroup's 64
+    const int r = 64 * wg + 16 * (warp & 3) + ((tid & 31) >> 2);
+    float* plane = p.db_partial + (static_cast<int64_t>(blockIdx.z) * p.db_ways + blockIdx.y) * p.rows + row0;
+    plane[r] = acc_db[0];
+    plane[r + 8] = acc_db[2];
+  }
 
   CpAsyncWait<0>();
   __syncthreads();  // no wgmma or copy reads or writes the pipeline buffers any more
@@ -710,20 +746,31 @@ __global__ void __launch_bounds__(kXtThreads, 1)
 #endif
 }
 
-// out[i] = sum over the S token ranges of partial[s, i], in T or float32; n = R * 2G (a multiple of 4).
+// The four floats at src summed over `planes` planes n floats apart, in plane order (so the result does not depend on
+// the grid).
+__device__ __forceinline__ float4 SumPlanes(const float* __restrict__ src, int64_t n, int planes) {
+  float4 acc = *reinterpret_cast<const float4*>(src);
+  for (int s = 1; s < planes; ++s) {
+    const float4 v = *reinterpret_cast<const float4*>(src + s * n);
+    acc.x += v.x;
+    acc.y += v.y;
+    acc.z += v.z;
+    acc.w += v.w;
+  }
+  return acc;
+}
+
+// out[i] = sum over the S token ranges of partial[s, i], in T or float32, for i < n (n = R * 2G; 0 when the values
+// were not split); db[j] = sum over the db_planes planes of db_partial[q, j], for j < rows (the bias gradient; rows 0
+// without one).
 template <typename T>
 __global__ void __launch_bounds__(256) SddmmReduceKernel(const float* __restrict__ partial, void* out, int64_t n,
-                                                         int splits, int out_f32) {
-  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x * 4) {
-    float4 acc = *reinterpret_cast<const float4*>(partial + i);
-    for (int s = 1; s < splits; ++s) {
-      const float4 v = *reinterpret_cast<const float4*>(partial + s * n + i);
-      acc.x += v.x;
-      acc.y += v.y;
-      acc.z += v.z;
-      acc.w += v.w;
-    }
+                                                         int splits, int out_f32, const float* __restrict__ db_partial,
+                                                         float* db, int rows, int db_planes) {
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x * 4;
+  for (int64_t i = first; i < n; i += step) {  // the values, over the S token ranges (n = 0: not split)
+    const float4 acc = SumPlanes(partial + i, n, splits);
     if (out_f32) {
       *reinterpret_cast<float4*>(static_cast<float*>(out) + i) = acc;
     } else {
@@ -731,6 +778,8 @@ __global__ void __launch_bounds__(256) SddmmReduceKernel(const float* __restrict
       *reinterpret_cast<uint2*>(static_cast<T*>(out) + i) = packed;
     }
   }
+  for (int64_t i = first; i < rows; i += step)  // the bias gradient, over its planes (rows = 0: none)
+    *reinterpret_cast<float4*>(db + i) = SumPlanes(db_partial + i, rows, db_planes);
 }
 
 // ---------------------------------------------------------------- host side
@@ -762,34 +811,51 @@ struct Partials {
   int64_t elements;
 };
 
-// Splits the token range (`split` as ChooseSplits reads it, at most as many ranges as `partials` holds planes) over
-// `tiles` CTAs of BT-token stages, launches `launch(grid_z)` and the ordered reduction.
+// The bias gradient's output (the handler's third result, R floats) and how many column tiles share its token
+// tiles (SddmmParams::db_ways); out null: none asked for.
+struct BiasGrad {
+  float* out = nullptr;
+  int ways = 0;
+};
+
+// Splits the token range (`split` as ChooseSplits reads it, at most as many ranges as `partials` holds planes,
+// after the bias gradient's db.ways planes a range) over `tiles` CTAs of BT-token stages, launches
+// `launch(grid_z)` and the ordered reduction of the value planes and the bias gradient's.
 template <typename T, typename LaunchFn>
 ffi::Error LaunchSplit(cudaStream_t stream, SddmmParams p, int split, int tiles, int bt, const Partials& partials,
-                       LaunchFn launch, int ctas_per_sm = 2) {
+                       LaunchFn launch, int ctas_per_sm = 2, BiasGrad db = {}) {
   const int all_kt = (p.tokens + bt - 1) / bt;
   const int64_t n = static_cast<int64_t>(p.rows) * 2 * p.groups;
-  int splits = static_cast<int>(std::min<int64_t>(ChooseSplits(split, tiles, all_kt, ctas_per_sm), partials.elements / n));
+  const int64_t db_plane = db.out != nullptr ? static_cast<int64_t>(p.rows) * db.ways : 0;  // one range's planes
+  if (partials.elements < db_plane)
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: the split buffer holds " + std::to_string(partials.elements) +
+                                       " floats, under the bias gradient's " + std::to_string(db_plane));
+  int splits = static_cast<int>(
+      std::min<int64_t>(ChooseSplits(split, tiles, all_kt, ctas_per_sm), partials.elements / (n + db_plane)));
   p.kt_per_split = splits > 1 ? (all_kt + splits - 1) / splits : std::max(all_kt, 1);
   splits = splits > 1 ? (all_kt + p.kt_per_split - 1) / p.kt_per_split : 1;  // no empty range
   p.partial = splits > 1 ? partials.data : nullptr;
-  if (ffi::Error e = launch(p, splits); e.failure() || splits == 1) return e;
-  const int blocks = static_cast<int>(std::min<int64_t>((n / 4 + 255) / 256, 4 * SmCount()));
-  SddmmReduceKernel<T><<<blocks, 256, 0, stream>>>(p.partial, p.out, n, splits, p.out_f32);
+  p.db_partial = db.out != nullptr ? partials.data + (splits > 1 ? splits * n : 0) : nullptr;
+  p.db_ways = db.ways;
+  if (ffi::Error e = launch(p, splits); e.failure() || (splits == 1 && db.out == nullptr)) return e;
+  const int64_t n_values = splits > 1 ? n : 0, rows = db.out != nullptr ? p.rows : 0;
+  const int blocks = static_cast<int>(std::min<int64_t>(((n_values + rows) / 4 + 255) / 256, 4 * SmCount()));
+  SddmmReduceKernel<T><<<blocks, 256, 0, stream>>>(p.partial, p.out, n_values, splits, p.out_f32, p.db_partial,
+                                                   db.out, static_cast<int>(rows), splits * db.ways);
   return LastLaunchError("SddmmReduceKernel");
 }
 
 // x^T [K, T] (x_layout = 1): the x^T engine, the only one that reads it; with XROW (2:4), the same engine on
 // x [T, K] (x_layout = 0), chosen by Dispatch.
-template <typename T, bool XROW>
-ffi::Error LaunchXt(cudaStream_t stream, const SddmmParams& p, int split, const Partials& partials) {
-  constexpr auto kernel = SddmmWgmmaXtKernel<T, XROW>;
+template <typename T, bool XROW, bool DB>
+ffi::Error LaunchXtKernel(cudaStream_t stream, const SddmmParams& p, int split, const Partials& partials, float* db_out) {
+  constexpr auto kernel = SddmmWgmmaXtKernel<T, XROW, DB>;
   const std::string what = XROW ? "jaxsparse_sddmm: the tma engine" : "jaxsparse_sddmm: x^T (x_layout 1)";
   if (!Sm90aImageLoaded<kernel>()) return ffi::Error::InvalidArgument(what + " needs an sm_90a build on a Hopper GPU");
   if (p.rows % kXtBR || (!XROW && p.tokens % 8))
     return ffi::Error::InvalidArgument(what + (XROW ? " needs R % 128 == 0" : " needs R % 128 == 0 and T % 8 == 0"));
   using L = XtLayout<XROW>;
-  constexpr int kSmem = L::kSmemBytes;
+  constexpr int kSmem = DB ? L::kSmemBytesDb : L::kSmemBytes;
   if (ffi::Error e = RaiseSmemLimit<kernel>(kSmem, "cudaFuncSetAttribute(SddmmWgmmaXtKernel)"); e.failure()) return e;
   CUtensorMap tma_dy{}, tma_xt{};
   if (!MakeTensorMap2d(&tma_dy, p.dy, p.tokens, p.rows, kXtBT) ||
@@ -797,13 +863,25 @@ ffi::Error LaunchXt(cudaStream_t stream, const SddmmParams& p, int split, const 
       (!XROW && p.cols == nullptr && !MakeTensorMap2d(&tma_xt, p.x, p.k, p.tokens, L::kNC)))
     return ffi::Error::Internal("jaxsparse_sddmm: cuTensorMapEncodeTiled failed for the x^T engine");
   const int gy = (p.groups + L::kGC - 1) / L::kGC;
+  if (DB && gy < kDbWays)  // (jaxsparse.ffi.calls.sddmm_bias_grad_fused asks for it only where gy >= 4)
+    return ffi::Error::InvalidArgument(what + ": the bias gradient needs at least 4 column tiles of 64 groups "
+                                              "(K >= 772 at 2:4)");
+  const BiasGrad db{db_out, DB ? kDbWays : 0};
   return LaunchSplit<T>(
       stream, p, split, (p.rows / kXtBR) * gy, kXtBT, partials,
       [&](const SddmmParams& q, int z) {
         kernel<<<dim3(p.rows / kXtBR, gy, z), kXtThreads, kSmem, stream>>>(q, tma_dy, tma_xt);
         return LastLaunchError("SddmmWgmmaXtKernel");
       },
-      1);
+      1, db);
+}
+
+template <typename T, bool XROW>
+ffi::Error LaunchXt(cudaStream_t stream, const SddmmParams& p, int split, const Partials& partials, float* db_out) {
+  if constexpr (XROW) {
+    if (db_out != nullptr) return LaunchXtKernel<T, true, true>(stream, p, split, partials, db_out);
+  }
+  return LaunchXtKernel<T, XROW, false>(stream, p, split, partials, nullptr);
 }
 
 template <typename T, int M>
@@ -839,24 +917,32 @@ ffi::Error Launch(cudaStream_t stream, const SddmmParams& p, int split, int engi
   });
 }
 
+// The engine for (m, engine, x_layout) as the handler chooses it. A bias gradient (db_out) is computed by the tma
+// engine only; elsewhere asking for one is an error, which jaxsparse.ffi.calls.sddmm_bias_grad_fused predicts.
 template <typename T>
 ffi::Error Dispatch(cudaStream_t stream, const SddmmParams& p, int m, int split, int engine, int x_layout,
-                    const Partials& partials) {
-  if (x_layout == 1) return LaunchXt<T, false>(stream, p, split, partials);
+                    const Partials& partials, float* db_out) {
+  const auto no_db = [&]() -> ffi::Error {
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: the bias gradient (a third result of R floats) is computed "
+                                       "by the tma engine only (x [T, K], M = 4 or the 2:4 view, R % 128 == 0, an "
+                                       "sm_90a build on a Hopper GPU); pass an empty third result elsewhere");
+  };
+  if (x_layout == 1) return db_out != nullptr ? no_db() : LaunchXt<T, false>(stream, p, split, partials, nullptr);
   if (p.x_blocks > 1 || p.x_chunks != nullptr) {  // only the tma engine reads a diagonal block's columns of x
     if (m != 4 || engine == kEngineMma || engine == kEngineWgmma || !Sm90aImageLoaded<SddmmWgmmaXtKernel<T, true>>())
       return ffi::Error::InvalidArgument("jaxsparse_sddmm: x_blocks > 1 and x_chunks run on the tma engine (engine "
                                          "auto or tma, 2:4, an sm_90a build on a Hopper GPU)");
-    return LaunchXt<T, true>(stream, p, split, partials);
+    return LaunchXt<T, true>(stream, p, split, partials, db_out);
   }
   // 2:4 from x [T, K] on Hopper: the TMA engine reads x as it is (the x^T engine's TMA path took 0.28 ms against
   // 0.39 for the row-major wgmma engine at 16384x1024x4096; docs/kernel-notes.md, sessions 6 and 7).
   if (engine == kEngineTma) {
     if (m != 4) return ffi::Error::InvalidArgument("jaxsparse_sddmm: the tma engine takes 2:4 only");
-    return LaunchXt<T, true>(stream, p, split, partials);
+    return LaunchXt<T, true>(stream, p, split, partials, db_out);
   }
   if (m == 4 && engine == kEngineAuto && p.rows % kXtBR == 0 && Sm90aImageLoaded<SddmmWgmmaXtKernel<T, true>>())
-    return LaunchXt<T, true>(stream, p, split, partials);
+    return LaunchXt<T, true>(stream, p, split, partials, db_out);
+  if (db_out != nullptr) return no_db();
   return DispatchGroupWidth("jaxsparse_sddmm", m, [&](auto width) {
     return Launch<T, decltype(width)::value>(stream, p, split, engine, partials);
   });
@@ -864,8 +950,8 @@ ffi::Error Dispatch(cudaStream_t stream, const SddmmParams& p, int m, int split,
 
 ffi::Error SddmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Buffer<ffi::U8> columns,
                      ffi::Buffer<ffi::U32> metadata, ffi::Buffer<ffi::S32> x_chunks, ffi::Result<ffi::AnyBuffer> out,
-                     ffi::Result<ffi::Buffer<ffi::F32>> partial, int32_t v, int32_t m, int32_t split, int32_t engine, int32_t x_layout,
-                     int32_t x_blocks) {
+                     ffi::Result<ffi::Buffer<ffi::F32>> partial, ffi::Result<ffi::Buffer<ffi::F32>> dbias, int32_t v,
+                     int32_t m, int32_t split, int32_t engine, int32_t x_layout, int32_t x_blocks) {
   if (x.dimensions().size() != 2 || dy.dimensions().size() != 2 || metadata.dimensions().size() != 2 ||
       out->dimensions().size() != 2)
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: x, dy, metadata and output must be 2-D");
@@ -901,6 +987,12 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: the tma engine reads x [T, K] (x_layout 0)");
   if (x_layout != 0 && x_layout != 1)
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: x_layout must be 0 (x [T, K]) or 1 (x^T [K, T])");
+  if (dbias->element_count() != 0 && static_cast<int64_t>(dbias->element_count()) != rows)
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: the bias gradient result must hold R = " + std::to_string(rows) +
+                                       " floats, or none, got " + ShapeString(*dbias));
+  float* db_out = dbias->element_count() != 0 ? dbias->typed_data() : nullptr;
+  if (groups == 0 && db_out != nullptr)  // no CTA would run to write it
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: a bias gradient needs K > 0");
   if (rows == 0 || groups == 0) return ffi::Error::Success();
   if (tokens >= (int64_t(1) << 30) || k >= (int64_t(1) << 30) || rows >= (int64_t(1) << 30) ||
       (groups + 7) / 8 > 65535)
@@ -921,8 +1013,10 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
   p.x_blocks = x_blocks;
   p.x_chunks = x_chunks.element_count() != 0 ? x_chunks.typed_data() : nullptr;
   const Partials partials{partial->typed_data(), static_cast<int64_t>(partial->element_count())};
-  if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, m, split, engine, x_layout, partials);
-  if (dt == ffi::F16) return Dispatch<__half>(stream, p, m, split, engine, x_layout, partials);
+  p.db_partial = nullptr;
+  p.db_ways = 0;
+  if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, m, split, engine, x_layout, partials, db_out);
+  if (dt == ffi::F16) return Dispatch<__half>(stream, p, m, split, engine, x_layout, partials, db_out);
   return ffi::Error::InvalidArgument("jaxsparse_sddmm: x must be bfloat16 or float16");
 }
 
@@ -938,7 +1032,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSddmm, jaxsparse::SddmmImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // metadata [R, G/8]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // x_chunks [x_blocks, K/64] or [0]
                                   .Ret<xla::ffi::AnyBuffer>()               // dvalues [R, 2G], T or f32
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // token-split partial sums [S*R*2G] or [0]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // token-split partial sums [S*R*2G] (+ the
+                                                                            // bias gradient's planes) or [0]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // the bias gradient: dy summed over tokens
+                                                                            // [R] (the tma engine), or [0] for none
                                   .Attr<int32_t>("v")
                                   .Attr<int32_t>("m")
                                   .Attr<int32_t>("split")    // 1 = none, 0 = auto, n > 1 = n ranges

@@ -258,11 +258,19 @@ def _forward_from_xt(xt: jax.Array, sw: SparseWeight, bias: Optional[jax.Array])
         return dispatch.call("spmm", ref, cuda_calls.spmm_from_xt, xt, sw, bias, unsupported=spmm_unsupported(sw))
 
 
-def _sddmm_kept(kept: jax.Array, dy: jax.Array, sw: SparseWeight) -> jax.Array:
-    """The SDDMM from what :func:`_forward_keeping_x` kept (x, or x^T on the ``"col"`` route)."""
+def _sddmm_kept(kept: jax.Array, dy: jax.Array, sw: SparseWeight, bias: Optional[jax.Array] = None):
+    """The SDDMM from what :func:`_forward_keeping_x` kept (x, or x^T on the ``"col"`` route): ``(dvalues, dbias)``,
+    ``dbias`` being ``dy`` summed over tokens in float32 when the layer has a ``bias`` (else None). On the tma engine
+    the SDDMM kernel sums it while it reads ``dy`` (:func:`jaxsparse.ffi.calls.sddmm_bias_grad_fused`); elsewhere
+    it is XLA's reduction."""
     if linear_x_layout(dy.shape[0], sw) == "col":
-        return _sddmm_from_xt(kept, dy, sw)
-    return sddmm(kept, dy, sw)
+        return _sddmm_from_xt(kept, dy, sw), None if bias is None else reference.bias_grad(dy, jnp.float32)
+    if bias is None:
+        return sddmm(kept, dy, sw), None
+    ref = lambda x2, d2, s: (reference.sddmm(x2, d2, s, None), reference.bias_grad(d2, jnp.float32))
+    cuda = lambda x2, d2, s: cuda_calls.sddmm(x2, d2, s, bias_grad=True)
+    with jax.named_scope("jaxsparse_sddmm"):
+        return dispatch.call("sddmm", ref, cuda, kept, dy, sw, unsupported=cuda_calls.sddmm_unsupported(sw))
 
 
 def _sddmm_from_xt(xt: jax.Array, dy: jax.Array, sw: SparseWeight) -> jax.Array:
@@ -272,16 +280,21 @@ def _sddmm_from_xt(xt: jax.Array, dy: jax.Array, sw: SparseWeight) -> jax.Array:
                              unsupported=cuda_calls.sddmm_unsupported(sw))
 
 
-def _weight_cotangents(dy: jax.Array, sw: SparseWeight, bias: Optional[jax.Array], dvalues: jax.Array):
-    """``(dsw, dbias)`` of a layer product, given the SDDMM's ``dvalues``."""
+def _weight_cotangents(dy: jax.Array, sw: SparseWeight, bias: Optional[jax.Array], dvalues: jax.Array,
+                       dbias: Optional[jax.Array] = None):
+    """``(dsw, dbias)`` of a layer product, given the SDDMM's ``dvalues`` and, when it summed it, ``dbias`` (float32;
+    None: summed here)."""
     dsw = SparseWeight(dvalues, _no_cotangent(sw.columns), _no_cotangent(sw.metadata), sw.shape, sw.spec)
-    dbias = None if bias is None else reference.bias_grad(dy, bias.dtype)
-    return dsw, dbias
+    if bias is None:
+        return dsw, None
+    return dsw, reference.bias_grad(dy, bias.dtype) if dbias is None else dbias.astype(bias.dtype)
 
 
-def _cotangents(dy: jax.Array, sw: SparseWeight, bias: Optional[jax.Array], dvalues: jax.Array):
-    """``(dx, dsw, dbias)`` of a layer product, given the SDDMM's ``dvalues``."""
-    return (spmm_t(dy, sw), *_weight_cotangents(dy, sw, bias, dvalues))
+def _cotangents(dy: jax.Array, sw: SparseWeight, bias: Optional[jax.Array], dvalues: jax.Array,
+                dbias: Optional[jax.Array] = None):
+    """``(dx, dsw, dbias)`` of a layer product, given the SDDMM's ``dvalues`` (and ``dbias``: see
+    :func:`_weight_cotangents`)."""
+    return (spmm_t(dy, sw), *_weight_cotangents(dy, sw, bias, dvalues, dbias))
 
 
 @jax.custom_vjp
@@ -296,7 +309,7 @@ def _linear_fwd(x2, sw, bias):
 
 def _linear_bwd(residuals, dy):
     kept, sw, bias = residuals
-    return _cotangents(dy, sw, bias, _sddmm_kept(kept, dy, sw))
+    return _cotangents(dy, sw, bias, *_sddmm_kept(kept, dy, sw, bias))
 
 
 _linear.defvjp(_linear_fwd, _linear_bwd)
@@ -522,10 +535,10 @@ def _mlp_bwd(activation, blocks, residuals, dy):
     if blocks > 1:
         dh, dsw2, db2 = _blocks_cotangents(h_kept, dy, sw2, b2, blocks)
     else:
-        dsw2, db2 = _weight_cotangents(dy, sw2, b2, _sddmm_kept(h_kept, dy, sw2))
+        dsw2, db2 = _weight_cotangents(dy, sw2, b2, *_sddmm_kept(h_kept, dy, sw2, b2))
         dh = spmm_t(dy, sw2)
     dz = _times(dh, dact)  # XLA fuses the multiply with dz's bias-gradient reduction
-    dx, dsw1, db1 = _cotangents(dz, sw1, b1, _sddmm_kept(x_kept, dz, sw1))
+    dx, dsw1, db1 = _cotangents(dz, sw1, b1, *_sddmm_kept(x_kept, dz, sw1, b1))
     return dx, dsw1, db1, dsw2, db2
 
 

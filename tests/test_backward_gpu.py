@@ -321,6 +321,72 @@ def test_backward_no_transpose_in_hlo():
     assert not layout_moves(text), (layout_moves(text), text)
 
 
+# ----------------------------------------------------------------------------- the SDDMM's bias gradient
+
+
+def _check_sddmm_bias_grad(x, dy, sw, split=1, engine="auto"):
+    """``calls.sddmm(..., bias_grad=True)`` into poisoned memory: the values as :func:`_check_sddmm` checks them, and
+    every one of the R sums against ``dy`` summed over tokens in float64 (float32 accumulation of 16-bit values: only
+    the order differs). The kernel must take the sum: the handler's call returns it (its third result, R floats)."""
+    r = sw.shape[1]
+    assert calls.sddmm_bias_grad_fused(x.shape[0], sw, engine, "row")
+    fn = jax.jit(lambda x, dy, sw: calls.sddmm(x, dy, sw, None, split, engine, "row", bias_grad=True))
+    call = [line for line in fn.lower(x, dy, sw).as_text().splitlines() if "jaxsparse_sddmm" in line]
+    assert call and f"tensor<{r}xf32>" in call[0], call
+    poison(sw.values.shape, sw.values.dtype)
+    poison((r,), jnp.float32)
+    dvalues, dbias = jax.block_until_ready(fn(x, dy, sw))
+    assert dbias.shape == (r,) and dbias.dtype == jnp.float32
+    _compare(dvalues, _sddmm_ref(x, dy, sw), TOL[jnp.float16 if x.dtype == jnp.float16 else jnp.bfloat16],
+             "sddmm with the bias gradient")
+    got, want = np.asarray(dbias, np.float64), np.asarray(dy, np.float64).sum(0)
+    assert np.isfinite(got).all(), f"non-finite bias gradient at rows {np.argwhere(~np.isfinite(got))[:5].ravel()}"
+    scale = np.abs(np.asarray(dy, np.float64)).sum(0).max()
+    assert np.abs(got - want).max() <= 1e-5 * scale, (np.abs(got - want).max(), scale)
+
+
+# K = 1024, 1280 and 2304: four, five and nine column tiles of 64 groups (only the first four write their sums).
+BIAS_GRAD_CASES = [(spec, k) for spec in ("2:4", "64:2:8", "128:2:32") for k in (1024, 1280, 2304)]
+
+
+@pytest.mark.parametrize("spec,k", BIAS_GRAD_CASES)
+@pytest.mark.parametrize("t,split", [(1, 1), (200, 3), (1000, 1), (1000, 0)], ids=["t1", "t200-split3", "t1000",
+                                                                              "t1000-auto"])
+def test_sddmm_bias_grad(spec, k, t, split):
+    """The tma engine sums dy over tokens for the bias gradient (each of the first four column tiles one k16 step of
+    every stage, planes summed in order; split ranges add their own planes) at tails of tokens and column tiles."""
+    _skip_unless_engine(spec, "tma")
+    x, dy, sw = _make(key("sddmm-bias", spec, k, t, split), t, k, 384, spec, jnp.bfloat16)
+    _check_sddmm_bias_grad(x, dy, sw, split, "tma")  # (auto takes the tma engine at M <= 8 only)
+
+
+@pytest.mark.parametrize("spec", ["2:4", "64:2:8"])
+def test_sddmm_bias_grad_fp16_and_explicit_engine(spec):
+    _skip_unless_engine(spec, "tma")
+    x, dy, sw = _make(key("sddmm-bias-fp16", spec), 777, 1024, 256, spec, jnp.float16)
+    _check_sddmm_bias_grad(x, dy, sw, 2, "tma")
+
+
+def test_sddmm_bias_grad_elsewhere_is_xlas_sum(monkeypatch):
+    """Where the kernel does not sum (the mma engine, under four column tiles, JAXSPARSE_SDDMM_BIAS=off) the pair
+    comes back all the same, the sum XLA's."""
+    _skip_unless_engine("64:2:8", "tma")
+    x, dy, sw = _make(key("sddmm-bias-xla"), 100, 1024, 256, "64:2:8", jnp.bfloat16)
+    want = np.asarray(dy, np.float32).sum(0)
+    assert not calls.sddmm_bias_grad_fused(100, sw, "mma", "row")
+    _, dbias = jax.jit(lambda x, dy, sw: calls.sddmm(x, dy, sw, engine="mma", x_layout="row", bias_grad=True))(x, dy, sw)
+    np.testing.assert_allclose(np.asarray(dbias), want, rtol=1e-5, atol=1e-3)
+    x4, dy4, sw4 = _make(key("sddmm-bias-xla-narrow"), 100, 512, 256, "64:2:8", jnp.bfloat16)
+    assert not calls.sddmm_bias_grad_fused(100, sw4, "tma", "row")  # two column tiles: under the four that write
+    _, dbias = jax.jit(lambda x, dy, sw: calls.sddmm(x, dy, sw, engine="tma", x_layout="row", bias_grad=True))(x4, dy4,
+                                                                                                              sw4)
+    np.testing.assert_allclose(np.asarray(dbias), np.asarray(dy4, np.float32).sum(0), rtol=1e-5, atol=1e-3)
+    monkeypatch.setenv("JAXSPARSE_SDDMM_BIAS", "off")
+    assert not calls.sddmm_bias_grad_fused(100, sw, "tma", "row")
+    _, dbias = jax.jit(lambda x, dy, sw: calls.sddmm(x, dy, sw, engine="tma", x_layout="row", bias_grad=True))(x, dy, sw)
+    np.testing.assert_allclose(np.asarray(dbias), want, rtol=1e-5, atol=1e-3)
+
+
 # ----------------------------------------------------------------------------- sparse_linear's VJP
 #
 # jax.grad of ops.sparse_linear under jit, with every product forced onto its kernel.

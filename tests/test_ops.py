@@ -310,6 +310,12 @@ def test_sddmm_partial_buffer_holds_every_split_the_handler_takes(sms):
                     assert have % n == 0
                     assert have // n >= (need if need > 1 else 0), (rows, groups, tokens, split)
                     checked += need > 1
+                    # with the kernel's bias gradient: its planes on top, and the handler's rule (ranges at most
+                    # elements // (n + ways R)) still takes every split; its planes fit when nothing splits
+                    with_bias = calls.sddmm_partial_elements(tokens, n, split, bias_rows=rows)
+                    ways = calls.SDDMM_BIAS_WAYS
+                    assert with_bias - have == max(have // n, 1) * ways * rows
+                    assert with_bias // (n + ways * rows) >= (need if need > 1 else 0), (rows, groups, tokens, split)
     assert checked > 100  # the grid exercises real splits
     assert calls.sddmm_partial_elements(16384, 4096 * 2 * 512, 0) == 0  # 1024x4096 at 2:4 fills the GPU
     assert calls.sddmm_partial_elements(16384, 1024 * 2 * 256, 1) == 0

@@ -423,6 +423,8 @@ def sddmm_engine(engine: str | None = None) -> int:
 
 SDDMM_X_LAYOUT_ENV = "JAXSPARSE_SDDMM_X"
 SDDMM_X_LAYOUTS = ("auto", "row", "col")
+SDDMM_BIAS_ENV = "JAXSPARSE_SDDMM_BIAS"  # "on" (default): the tma engine sums dy for the bias gradient; "off": XLA
+SDDMM_BIAS_MODES = ("on", "off")
 COL_MAJOR_ROW_TILE = 128  # output features per CTA of the x^T engine (cuda/sddmm.cu)
 
 
@@ -492,8 +494,29 @@ def _sddmm_on_view(sw: SparseWeight, engine: str | None) -> bool:
             and hopper_gpu())
 
 
+def sddmm_bias_grad_fused(tokens: int, sw: SparseWeight, engine: str | None = None,
+                          x_layout: str | None = None) -> bool:
+    """Whether :func:`sddmm` with ``bias_grad=True`` takes the bias gradient from the kernel: where the call runs the
+    tma engine on ``x [T, K]`` (2:4, or a V:2:M weight's 2:4 view; ``R % 128 == 0``; a Hopper GPU) over at least
+    :data:`SDDMM_BIAS_WAYS` column tiles (``K >= 772``), whose CTAs also sum ``dy`` over their tokens, one k16 step
+    of each stage per column tile (docs/kernel-notes.md, session 44). Elsewhere the sum is XLA's.
+    ``JAXSPARSE_SDDMM_BIAS=off`` turns the kernel's sum off."""
+    mode = _setting(None, SDDMM_BIAS_ENV, "on")
+    if mode not in SDDMM_BIAS_MODES:
+        raise ValueError(f"{SDDMM_BIAS_ENV} must be one of {SDDMM_BIAS_MODES}, got {mode!r}")
+    if mode == "off" or sddmm_x_layout(tokens, sw, x_layout, engine) != "row":
+        return False
+    if -(-sw.shape[0] // (4 * SDDMM_TMA_GROUP_TILE)) < SDDMM_BIAS_WAYS:  # the 2:4 view's column tiles
+        return False
+    if _sddmm_on_view(sw, engine):
+        return True
+    e = sddmm_engine(engine)
+    return sw.spec.m == 4 and (e == SDDMM_ENGINES["tma"] or (e == SDDMM_ENGINES["auto"] and hopper_gpu()
+                                                               and sw.shape[1] % COL_MAJOR_ROW_TILE == 0))
+
+
 def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None, split: int | str | None = None,
-          engine: str | None = None, x_layout: str | None = None) -> jax.Array:
+          engine: str | None = None, x_layout: str | None = None, bias_grad: bool = False):
     """Weight gradient ``x^T dy`` at ``sw``'s kept positions by the CUDA handler ``jaxsparse_sddmm``.
 
     ``x [T, K]`` and ``dy [T, R]`` -> ``[R, 2G]`` in the layout of ``sw.values``, accumulated in float32
@@ -502,7 +525,9 @@ def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None, split: 
     ``sw.values``; ``sddmm_unsupported(sw)`` is None. Any ``T`` (``T = 0`` gives zeros). ``split``: see
     :func:`sddmm_split` (token ranges reduced in float32 through the call's second result, a buffer sized by
     :func:`sddmm_partial_elements`). ``engine``: see
-    :func:`sddmm_engine`. ``x_layout``: see :func:`sddmm_x_layout`.
+    :func:`sddmm_engine`. ``x_layout``: see :func:`sddmm_x_layout`. With ``bias_grad`` the result is the pair
+    ``(dvalues, dbias)``, ``dbias`` being ``dy`` summed over tokens in float32 ``[R]``: from the kernel where
+    :func:`sddmm_bias_grad_fused` says so (no second pass over ``dy``), else from XLA.
     """
     if x.ndim != 2 or dy.ndim != 2:
         raise ValueError(f"sddmm: x and dy must be 2-D, got shapes {x.shape} and {dy.shape}")
@@ -510,13 +535,19 @@ def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None, split: 
     if x.shape[1] != k or dy.shape[1] != r or x.shape[0] != dy.shape[0]:
         raise ValueError(f"sddmm: need x [T, {k}] and dy [T, {r}] for a weight {sw.shape}, got {x.shape} and {dy.shape}")
     out = _sddmm_out_dtype("sddmm", "x", x, dy, sw, out_dtype)
+    fused = bias_grad and sddmm_bias_grad_fused(x.shape[0], sw, engine, x_layout)
     if sddmm_x_layout(x.shape[0], sw, x_layout, engine) == "col":
-        return _sddmm_call(transpose(x), dy, sw, out, split, SDDMM_ENGINES["wgmma"], x_layout=1)
-    if _sddmm_on_view(sw, engine):
+        dvalues, dbias = _sddmm_call(transpose(x), dy, sw, out, split, SDDMM_ENGINES["wgmma"], x_layout=1)
+    elif _sddmm_on_view(sw, engine):
         # V:2:M through its 2:4 view: the gradient at every 2:4 slot, then back to sw's values.
         sw24, slots = as_2_4(sw)
-        return jnp.take_along_axis(_sddmm_call(x, dy, sw24, out, split, SDDMM_ENGINES["tma"], x_layout=0), slots, axis=1)
-    return _sddmm_call(x, dy, sw, out, split, sddmm_engine(engine), x_layout=0)
+        dvalues, dbias = _sddmm_call(x, dy, sw24, out, split, SDDMM_ENGINES["tma"], x_layout=0, bias_grad=fused)
+        dvalues = jnp.take_along_axis(dvalues, slots, axis=1)
+    else:
+        dvalues, dbias = _sddmm_call(x, dy, sw, out, split, sddmm_engine(engine), x_layout=0, bias_grad=fused)
+    if not bias_grad:
+        return dvalues
+    return dvalues, dbias if fused else dy.sum(axis=0, dtype=jnp.float32)
 
 
 def sddmm_from_xt(xt: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None,
@@ -528,7 +559,7 @@ def sddmm_from_xt(xt: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None
         raise ValueError(f"sddmm_from_xt: need x^T [{k}, T] and dy [T, {r}], got {xt.shape} and {dy.shape}")
     out = _sddmm_out_dtype("sddmm_from_xt", "x^T", xt, dy, sw, out_dtype)
     sddmm_x_layout(dy.shape[0], sw, "col")  # raises ValueError naming the constraint the shapes miss
-    return _sddmm_call(xt, dy, sw, out, split, SDDMM_ENGINES["wgmma"], x_layout=1)
+    return _sddmm_call(xt, dy, sw, out, split, SDDMM_ENGINES["wgmma"], x_layout=1)[0]
 
 
 def _sddmm_out_dtype(name: str, x_name: str, x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype) -> np.dtype:
@@ -554,20 +585,25 @@ SDDMM_MIN_STAGE_TOKENS = 32
 SDDMM_SM_BOUND = 256  # SMs of any GPU this sizes for (the H100 has 132)
 
 
-def sddmm_partial_elements(tokens: int, n_values: int, split: int) -> int:
+SDDMM_BIAS_WAYS = 4  # column tiles whose CTAs write the kernel's bias gradient (cuda/sddmm.cu, kDbWays)
+SDDMM_TMA_GROUP_TILE = 64  # groups of 4 per CTA of the tma engine (cuda/sddmm.cu, XtLayout<true>::kGC)
+
+
+def sddmm_partial_elements(tokens: int, n_values: int, split: int, bias_rows: int = 0) -> int:
     """Float32 elements of the SDDMM's token-split buffer (its second result) for ``n_values = R * 2G`` values:
     room for every range the handler's rule can choose for ``split`` (:func:`sddmm_split`), 0 where it cannot
-    split. The handler never takes more ranges than this buffer holds, so the size bounds, and never changes,
-    the result."""
-    if split == 1 or n_values == 0:
-        return 0
-    if split == 0:
-        if 2 * -(-n_values // SDDMM_MAX_TILE_VALUES) > SDDMM_SM_BOUND:
-            return 0  # the grid fills the GPU: auto never splits it
-        ranges = min(SDDMM_MAX_SPLITS, tokens // (4 * SDDMM_MIN_STAGE_TOKENS) + 1)
-    else:
-        ranges = min(split, -(-tokens // SDDMM_MIN_STAGE_TOKENS))
-    return ranges * n_values if ranges > 1 else 0
+    split; with ``bias_rows = R`` (the kernel's bias gradient), also its :data:`SDDMM_BIAS_WAYS` planes of ``R``
+    floats a range. The handler never takes more ranges than this buffer holds, so the size bounds, and never
+    changes, the result."""
+    ranges = 0
+    if split != 1 and n_values != 0:
+        if split == 0:
+            if 2 * -(-n_values // SDDMM_MAX_TILE_VALUES) <= SDDMM_SM_BOUND:  # else the grid fills the GPU: no split
+                ranges = min(SDDMM_MAX_SPLITS, tokens // (4 * SDDMM_MIN_STAGE_TOKENS) + 1)
+        else:
+            ranges = min(split, -(-tokens // SDDMM_MIN_STAGE_TOKENS))
+    values = ranges * n_values if ranges > 1 else 0
+    return values + max(ranges, 1) * SDDMM_BIAS_WAYS * bias_rows
 
 
 def _chunks_operand(chunks) -> jax.Array:
@@ -576,20 +612,23 @@ def _chunks_operand(chunks) -> jax.Array:
 
 
 def _sddmm_call(x: jax.Array, dy: jax.Array, sw: SparseWeight, out, split, engine: int, x_layout: int,
-                x_blocks: int = 1, x_chunks=None) -> jax.Array:
+                x_blocks: int = 1, x_chunks=None, bias_grad: bool = False) -> tuple[jax.Array, jax.Array | None]:
     """The ``jaxsparse_sddmm`` call, operands checked: ``x`` is ``[T, K]`` (x_layout 0) or ``x^T [K, T]`` (1).
+    Returns ``(dvalues, dbias)``: ``dbias`` (``dy`` summed over tokens, float32 ``[R]``) only with ``bias_grad``,
+    which only the tma engine takes (:func:`sddmm_bias_grad_fused`), else None.
 
     Its second result is the token split's float32 buffer (:func:`sddmm_partial_elements`), dropped here: an
     XLA buffer rather than scratch memory, so XLA may record the call into its command buffers."""
     split = sddmm_split(split)
     tokens = x.shape[1] if x_layout == 1 else x.shape[0]
-    partial = sddmm_partial_elements(tokens, int(np.prod(sw.values.shape)), split)
-    dvalues, _ = _call_results(
-        "jaxsparse_sddmm", [(sw.values.shape, out), ((partial,), jnp.float32)], x, dy, _columns_operand(sw),
-        sw.metadata, _chunks_operand(x_chunks), v=np.int32(sw.spec.v), m=np.int32(sw.spec.m), split=np.int32(split),
-        engine=np.int32(engine), x_layout=np.int32(x_layout), x_blocks=np.int32(x_blocks),
+    rows = sw.shape[1] if bias_grad else 0
+    partial = sddmm_partial_elements(tokens, int(np.prod(sw.values.shape)), split, rows)
+    dvalues, _, dbias = _call_results(
+        "jaxsparse_sddmm", [(sw.values.shape, out), ((partial,), jnp.float32), ((rows,), jnp.float32)], x, dy,
+        _columns_operand(sw), sw.metadata, _chunks_operand(x_chunks), v=np.int32(sw.spec.v), m=np.int32(sw.spec.m),
+        split=np.int32(split), engine=np.int32(engine), x_layout=np.int32(x_layout), x_blocks=np.int32(x_blocks),
     )
-    return dvalues
+    return dvalues, dbias if bias_grad else None
 
 
 def _check_dy(name: str, dy: jax.Array, sw: SparseWeight, problem: str | None) -> None:
@@ -762,4 +801,4 @@ def sddmm_blocks(x: jax.Array, dy: jax.Array, sw: SparseWeight, blocks: int, out
     if dy.ndim != 2 or dy.shape != (x.shape[0], sw.shape[1]):
         raise ValueError(f"sddmm_blocks: dy must be [{x.shape[0]}, {sw.shape[1]}], got {dy.shape}")
     out = _sddmm_out_dtype("sddmm_blocks", "x", x, dy, sw, out_dtype)
-    return _sddmm_call(x, dy, sw, out, split, SDDMM_ENGINES["tma"], x_layout=0, x_blocks=blocks, x_chunks=x_chunks)
+    return _sddmm_call(x, dy, sw, out, split, SDDMM_ENGINES["tma"], x_layout=0, x_blocks=blocks, x_chunks=x_chunks)[0]
