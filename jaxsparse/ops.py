@@ -379,16 +379,9 @@ def _blocks_product(x2: jax.Array, sw: SparseWeight, bias: Optional[jax.Array], 
 
 
 def _blocks_sddmm(x2: jax.Array, dy: jax.Array, sw: SparseWeight, blocks: int,
-                  x_chunks: Optional[jax.Array] = None, bias: Optional[jax.Array] = None):
-    """The blocked SDDMM: ``(dvalues, dbias)`` as :func:`_sddmm_kept` returns them (``dbias`` from the kernel where
-    :func:`jaxsparse.ffi.calls.sddmm_bias_grad_fused` says so)."""
-    if bias is None:
-        ref = lambda x, d, s: (reference.sddmm_blocks(x, d, s, blocks, x_chunks=x_chunks), None)
-        cuda = lambda x, d, s: (cuda_calls.sddmm_blocks(x, d, s, blocks, x_chunks=x_chunks), None)
-    else:
-        ref = lambda x, d, s: (reference.sddmm_blocks(x, d, s, blocks, x_chunks=x_chunks),
-                               reference.bias_grad(d, jnp.float32))
-        cuda = lambda x, d, s: cuda_calls.sddmm_blocks(x, d, s, blocks, x_chunks=x_chunks, bias_grad=True)
+                  x_chunks: Optional[jax.Array] = None) -> jax.Array:
+    ref = lambda x, d, s: reference.sddmm_blocks(x, d, s, blocks, x_chunks=x_chunks)
+    cuda = lambda x, d, s: cuda_calls.sddmm_blocks(x, d, s, blocks, x_chunks=x_chunks)
     with jax.named_scope("jaxsparse_sddmm"):
         return dispatch.call("sddmm", ref, cuda, x2, dy, sw, unsupported=cuda_calls.blocks_unsupported(sw, blocks))
 
@@ -401,7 +394,7 @@ def _blocks_cotangents(x2: jax.Array, dy: jax.Array, sw: SparseWeight, bias: Opt
     with jax.named_scope("jaxsparse_spmm_t"):
         dx = _blocks_product(dy, transpose_blocks(sw, blocks), None, blocks,
                              y_chunks=None if chunks is None else chunks.reshape(-1))
-    return (dx, *_weight_cotangents(dy, sw, bias, *_blocks_sddmm(x2, dy, sw, blocks, chunks, bias)))
+    return (dx, *_weight_cotangents(dy, sw, bias, _blocks_sddmm(x2, dy, sw, blocks, chunks)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -495,21 +495,18 @@ def _sddmm_on_view(sw: SparseWeight, engine: str | None) -> bool:
 
 
 def sddmm_bias_grad_fused(tokens: int, sw: SparseWeight, engine: str | None = None,
-                          x_layout: str | None = None, blocks: int = 1) -> bool:
-    """Whether :func:`sddmm` (or, with ``blocks > 1``, :func:`sddmm_blocks`) with ``bias_grad=True`` takes the bias
-    gradient from the kernel: where the call runs the tma engine on ``x [T, K]`` (2:4, a V:2:M weight's 2:4 view or
-    diagonal 2:4 blocks; ``R % 128 == 0``; a Hopper GPU) over at least :data:`SDDMM_BIAS_WAYS` column tiles
-    (``K >= 772``, a block's ``K`` for blocks), whose CTAs also sum ``dy`` over their tokens, one k16 step of each
-    stage per column tile (docs/kernel-notes.md, sessions 44 and 45). Elsewhere the sum is XLA's.
+                          x_layout: str | None = None) -> bool:
+    """Whether :func:`sddmm` with ``bias_grad=True`` takes the bias gradient from the kernel: where the call runs the
+    tma engine on ``x [T, K]`` (2:4, or a V:2:M weight's 2:4 view; ``R % 128 == 0``; a Hopper GPU) over at least
+    :data:`SDDMM_BIAS_WAYS` column tiles (``K >= 772``), whose CTAs also sum ``dy`` over their tokens, one k16 step
+    of each stage per column tile (docs/kernel-notes.md, session 44). Elsewhere the sum is XLA's.
     ``JAXSPARSE_SDDMM_BIAS=off`` turns the kernel's sum off."""
     mode = _setting(None, SDDMM_BIAS_ENV, "on")
     if mode not in SDDMM_BIAS_MODES:
         raise ValueError(f"{SDDMM_BIAS_ENV} must be one of {SDDMM_BIAS_MODES}, got {mode!r}")
-    if mode == "off" or -(-sw.shape[0] // (4 * SDDMM_TMA_GROUP_TILE)) < SDDMM_BIAS_WAYS:  # the 2:4 column tiles
+    if mode == "off" or sddmm_x_layout(tokens, sw, x_layout, engine) != "row":
         return False
-    if blocks > 1:  # sddmm_blocks runs the tma engine on x [T, blocks K] only (blocks_unsupported)
-        return hopper_gpu()
-    if sddmm_x_layout(tokens, sw, x_layout, engine) != "row":
+    if -(-sw.shape[0] // (4 * SDDMM_TMA_GROUP_TILE)) < SDDMM_BIAS_WAYS:  # the 2:4 view's column tiles
         return False
     if _sddmm_on_view(sw, engine):
         return True
@@ -797,18 +794,11 @@ def spmm_blocks(x: jax.Array, sw: SparseWeight, blocks: int, bias: jax.Array | N
 
 
 def sddmm_blocks(x: jax.Array, dy: jax.Array, sw: SparseWeight, blocks: int, out_dtype=None,
-                 split: int | str | None = None, x_chunks=None, bias_grad: bool = False):
+                 split: int | str | None = None, x_chunks=None) -> jax.Array:
     """:func:`sddmm` for a weight of ``blocks`` diagonal 2:4 blocks (:func:`spmm_blocks`' layout, ``x_chunks`` as
-    there): ``x [T, blocks K]``, ``dy [T, R]`` -> ``[R, K/2]`` like ``sw.values``, on the SDDMM's tma engine. With
-    ``bias_grad`` the pair ``(dvalues, dbias)`` as :func:`sddmm` returns it (the kernel's sum where
-    :func:`sddmm_bias_grad_fused` with ``blocks`` says so, else XLA's)."""
+    there): ``x [T, blocks K]``, ``dy [T, R]`` -> ``[R, K/2]`` like ``sw.values``, on the SDDMM's tma engine."""
     _check_blocks("sddmm_blocks", x, sw, blocks, x_chunks=x_chunks)
     if dy.ndim != 2 or dy.shape != (x.shape[0], sw.shape[1]):
         raise ValueError(f"sddmm_blocks: dy must be [{x.shape[0]}, {sw.shape[1]}], got {dy.shape}")
     out = _sddmm_out_dtype("sddmm_blocks", "x", x, dy, sw, out_dtype)
-    fused = bias_grad and sddmm_bias_grad_fused(x.shape[0], sw, blocks=blocks)
-    dvalues, dbias = _sddmm_call(x, dy, sw, out, split, SDDMM_ENGINES["tma"], x_layout=0, x_blocks=blocks,
-                                 x_chunks=x_chunks, bias_grad=fused)
-    if not bias_grad:
-        return dvalues
-    return dvalues, dbias if fused else dy.sum(axis=0, dtype=jnp.float32)
+    return _sddmm_call(x, dy, sw, out, split, SDDMM_ENGINES["tma"], x_layout=0, x_blocks=blocks, x_chunks=x_chunks)[0]
