@@ -321,6 +321,22 @@ def test_sddmm_partial_buffer_holds_every_split_the_handler_takes(sms):
     assert calls.sddmm_partial_elements(16384, 1024 * 2 * 256, 1) == 0
 
 
+def test_sddmm_bias_grad_fused_setting_and_narrow_weights(monkeypatch):
+    """The kernel's bias gradient: a bad ``JAXSPARSE_SDDMM_BIAS`` raises naming it; a weight of under four column
+    tiles of the tma engine (K < 772) or ``off`` leave the sum to XLA."""
+    from jaxsparse.ffi import calls
+
+    narrow = F.compress(jnp.ones((512, 256), jnp.bfloat16), F.select_mask(jnp.ones((512, 256)), "2:4"), "2:4")
+    wide = F.compress(jnp.ones((1024, 256), jnp.bfloat16), F.select_mask(jnp.ones((1024, 256)), "2:4"), "2:4")
+    monkeypatch.setenv(calls.SDDMM_BIAS_ENV, "yes")
+    with pytest.raises(ValueError, match=calls.SDDMM_BIAS_ENV):
+        calls.sddmm_bias_grad_fused(100, wide)
+    monkeypatch.setenv(calls.SDDMM_BIAS_ENV, "on")
+    assert not calls.sddmm_bias_grad_fused(100, narrow, engine="tma", x_layout="row")
+    monkeypatch.setenv(calls.SDDMM_BIAS_ENV, "off")
+    assert not calls.sddmm_bias_grad_fused(100, wide, engine="tma", x_layout="row")
+
+
 def test_dx_route_setting(monkeypatch):
     monkeypatch.delenv(ops.DX_ROUTE_ENV, raising=False)
     assert ops.dx_route() == "dense"  # the v1 kernel loses to the dense route on the H100 (kernel-notes)
