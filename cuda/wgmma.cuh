@@ -118,9 +118,7 @@ inline bool MakeTensorMap2d(CUtensorMap* map, const void* base, uint64_t rows, u
   if (encode == nullptr) return false;
   const cuuint64_t dims[2] = {cols, rows};
   const cuuint64_t strides[1] = {cols * 2};  // bytes from one row to the next
-  // 64 and 32 columns: 128- and 64-byte swizzled (the wgmma operands); any other multiple of 8 up to 256: unswizzled
-  // rows of box_cols values (tiles read by plain shared-memory loads).
-  if (box_cols % 8 != 0 || box_cols > 256) return false;
+  if (box_cols != 64 && box_cols != 32 && box_cols != 8) return false;
   const cuuint32_t box[2] = {box_cols, box_rows};
   const cuuint32_t element_strides[2] = {1, 1};
   return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<void*>(base), dims, strides, box, element_strides,
