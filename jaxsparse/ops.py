@@ -537,7 +537,7 @@ def _mlp_bwd(activation, blocks, residuals, dy):
     else:
         dsw2, db2 = _weight_cotangents(dy, sw2, b2, *_sddmm_kept(h_kept, dy, sw2, b2))
         dh = spmm_t(dy, sw2)
-    dz = _times(dh, dact)  # XLA fuses the multiply with dz's bias-gradient reduction
+    dz = _times(dh, dact)  # XLA's multiply; FFN in's bias gradient comes from its SDDMM where the kernel sums it
     dx, dsw1, db1 = _cotangents(dz, sw1, b1, *_sddmm_kept(x_kept, dz, sw1, b1))
     return dx, dsw1, db1, dsw2, db2
 

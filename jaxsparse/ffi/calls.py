@@ -499,7 +499,7 @@ def sddmm_bias_grad_fused(tokens: int, sw: SparseWeight, engine: str | None = No
     """Whether :func:`sddmm` with ``bias_grad=True`` takes the bias gradient from the kernel: where the call runs the
     tma engine on ``x [T, K]`` (2:4, or a V:2:M weight's 2:4 view; ``R % 128 == 0``; a Hopper GPU) over at least
     :data:`SDDMM_BIAS_WAYS` column tiles (``K >= 772``), whose CTAs also sum ``dy`` over their tokens, one k16 step
-    of each stage per column tile (docs/kernel-notes.md, session 44). Elsewhere the sum is XLA's.
+    of each stage per column tile (docs/kernel-notes.md, sessions 44 and 45). Elsewhere the sum is XLA's.
     ``JAXSPARSE_SDDMM_BIAS=off`` turns the kernel's sum off."""
     mode = _setting(None, SDDMM_BIAS_ENV, "on")
     if mode not in SDDMM_BIAS_MODES:
