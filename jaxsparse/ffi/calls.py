@@ -482,16 +482,20 @@ def sddmm_x_layout(tokens: int, sw: SparseWeight, layout: str | None = None, eng
     return layout
 
 
-def _sddmm_on_view(sw: SparseWeight, engine: str | None) -> bool:
-    """Whether :func:`sddmm` on a row-major x runs a V:2:M weight as its 2:4 view on the tma engine: asked for
-    (``engine`` tma), or the auto engine for an M in ``TMA_ROW_AUTO_M`` on a Hopper GPU with R % 128 == 0."""
+def _sddmm_on_tma(sw: SparseWeight, engine: str | None) -> bool:
+    """Whether :func:`sddmm` on a row-major x runs the tma engine (on a 2:4 weight itself, or on a V:2:M weight's 2:4
+    view): asked for (``engine`` tma), or the auto engine for an M in ``TMA_ROW_AUTO_M`` on a Hopper GPU with
+    R % 128 == 0 (the handler's Dispatch in cuda/sddmm.cu)."""
     e = sddmm_engine(engine)
-    if sw.spec.m == 4:
-        return False
     if e == SDDMM_ENGINES["tma"]:
         return True
     return (e == SDDMM_ENGINES["auto"] and sw.spec.m in TMA_ROW_AUTO_M and sw.shape[1] % COL_MAJOR_ROW_TILE == 0
             and hopper_gpu())
+
+
+def _sddmm_on_view(sw: SparseWeight, engine: str | None) -> bool:
+    """Whether :func:`sddmm` on a row-major x runs a V:2:M weight as its 2:4 view on the tma engine."""
+    return sw.spec.m != 4 and _sddmm_on_tma(sw, engine)
 
 
 def sddmm_bias_grad_fused(tokens: int, sw: SparseWeight, engine: str | None = None,
@@ -508,11 +512,7 @@ def sddmm_bias_grad_fused(tokens: int, sw: SparseWeight, engine: str | None = No
         return False
     if -(-sw.shape[0] // (4 * SDDMM_TMA_GROUP_TILE)) < SDDMM_BIAS_WAYS:  # the 2:4 view's column tiles
         return False
-    if _sddmm_on_view(sw, engine):
-        return True
-    e = sddmm_engine(engine)
-    return sw.spec.m == 4 and (e == SDDMM_ENGINES["tma"] or (e == SDDMM_ENGINES["auto"] and hopper_gpu()
-                                                               and sw.shape[1] % COL_MAJOR_ROW_TILE == 0))
+    return _sddmm_on_tma(sw, engine)
 
 
 def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None, split: int | str | None = None,
