@@ -158,7 +158,7 @@ def _time_step(step_cfg, cfg: dict, turn: dict | None) -> dict:
 
 def _routes() -> dict:
     """The product routes this process runs (the layer's x layout, dX route, SDDMM split, engine, x layout and
-    bias gradient, ops sent to the reference)."""
+    bias gradient, the dz epilogue setting, ops sent to the reference)."""
     from jaxsparse import dispatch, ops
     from jaxsparse.ffi import calls
 
@@ -166,6 +166,7 @@ def _routes() -> dict:
                 sddmm_split=calls.sddmm_split(), sddmm_engine=calls.sddmm_engine(),
                 sddmm_x_layout=os.environ.get(calls.SDDMM_X_LAYOUT_ENV, "auto"),
                 sddmm_bias=os.environ.get(calls.SDDMM_BIAS_ENV, "on"),
+                dz_epilogue=os.environ.get(calls.DZ_EPILOGUE_ENV, "auto"),
                 reference_ops=sorted(dispatch.reference_ops()))
 
 

@@ -250,7 +250,21 @@ struct StagedExtra {
   // features by chunk); null = column f.  Entries outside [0, rows / 64) are clamped (a bad table never writes
   // outside y).
   const int32_t* y_chunks = nullptr;
+  // Without y2 and y_chunks only: each stored value is multiplied by the value at the same place of a [BT tokens][BR
+  // features] tile of T in shared memory (token rows `mul_row_bytes` apart), in float32 and rounded to T: the
+  // backward's dz = dh * act'(z), with act'(z) brought in by the producer's TMA (SpmmWgmmaXtWsKernel); null = none.
+  const unsigned char* mul = nullptr;
+  int mul_row_bytes = 0;
 };
+
+// v4 (8 values of T) times m4 (8 values of T), each product in float32 rounded to T (jaxsparse.ops._times).
+template <typename T>
+__device__ __forceinline__ void MulChunk(uint4& v4, const uint4& m4) {
+  T* h = reinterpret_cast<T*>(&v4);
+  const T* m = reinterpret_cast<const T*>(&m4);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) h[j] = FromFloat<T>(ToFloat(h[j]) * ToFloat(m[j]));
+}
 
 // act and act' of the 8 bf16 pre-activations in `v4`, from the table: act into v4, act' into d4.
 __device__ __forceinline__ void ActGradChunkTable(uint4& v4, uint4& d4, const uint32_t* table, int activation) {
@@ -317,6 +331,17 @@ __device__ __forceinline__ void StoreStagedTile(const unsigned char* tile, int r
       }
     }
   };
+  if (extra.mul != nullptr) {  // (no y2: the handler allows mul with act_mode 0 only)
+    for (int i = thread; i < kTotal; i += THREADS) {
+      if (tok0 + i / kChunks < tokens) {
+        uint4 v4 = staged(i);
+        MulChunk<T>(v4, *reinterpret_cast<const uint4*>(extra.mul + (i / kChunks) * extra.mul_row_bytes +
+                                                        (i % kChunks) * 16));
+        *reinterpret_cast<uint4*>(y + at(i)) = v4;
+      }
+    }
+    return;
+  }
   if (extra.y2 == nullptr) {
     store_all(std::false_type{}, [](uint4&, uint4&) {});
     return;

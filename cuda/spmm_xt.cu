@@ -66,12 +66,15 @@ struct SpmmXtParams {
                             // x_chunks[b, j] * 64 + [0, 64) (its input set in 64-column chunks, no relabelling);
                             // null = (b K/64 + j) * 64
   const int32_t* y_chunks;  // [R/64] or null (no y2): feature f is stored at y's column y_chunks[f/64] * 64 + f % 64
+  const void* mul = nullptr;  // [T, R] or null (the warp-specialized kernel on x [T, K], act_mode 0, no y_chunks):
+                              // y = (x W + b) * mul, the product in float32 rounded to T (the backward's dz)
 };
 
 // The stores' extra work for act_mode 1 (none without y2; act_mode 2 stages act and act' itself); `table` is the
-// activation table in shared memory, or null.
-__device__ __forceinline__ StagedExtra Extra(const SpmmXtParams& p, const uint32_t* table) {
-  return StagedExtra{p.y2, p.activation, table, p.y_chunks};
+// activation table in shared memory, or null; `mul`, the staged tile of p.mul (SpmmWgmmaXtWsKernel), or null.
+__device__ __forceinline__ StagedExtra Extra(const SpmmXtParams& p, const uint32_t* table,
+                                             const unsigned char* mul = nullptr, int mul_row_bytes = 0) {
+  return StagedExtra{p.y2, p.activation, table, p.y_chunks, mul, mul_row_bytes};
 }
 
 // Where a CTA keeps the activation table: the table of p.activation copied from global memory into shared memory at
@@ -474,6 +477,10 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
 // ways of overlapping the epilogue with the next tile were built and measured slower, so this one stays: a TMA
 // store of per-warpgroup Y buffers (0.194-0.200 ms), and storer warps in the producer warpgroup copying Y while
 // the consumers go on (0.236: one loading warp left could not keep the ring full).
+// With p.mul (the backward's dz = dh * act'(z), session 45): after a tile's last k stage the producer loads the
+// tile's mul, one epilogue chunk per ring slot, by TMA on the ring's own barriers; the consumers read it from shared
+// memory as they store the chunk and then release the slot. The loads are in flight during the tile's last stages and
+// its staging, where session 35's loads from global memory in the store loop paid their latency on every store.
 constexpr int kWsThreads = 384;
 // Registers per thread once the roles are known (setmaxnreg, 128 x producer + 256 x consumer <= 168 x 384): the
 // producer gives back what the consumers' 128 accumulators and metadata pipeline need.  Launched at 168 (384
@@ -505,7 +512,10 @@ struct XtWsLayout {
   static constexpr int kBarOff = kMetaOff + STAGES * kMetaBytes;  // full[STAGES] then empty[STAGES], 8 bytes each
   static constexpr int kTableOff = (kBarOff + 2 * STAGES * 8 + 15) / 16 * 16;  // the activation table (act_table)
   static constexpr int kBytes = kTableOff + kActTableBytes;
+  // p.mul: one epilogue chunk of it, [kEpiTokens tokens][BR features] unswizzled, fills a ring slot (below)
+  static constexpr int kMulBytes = kEpiTokens * BR * 2;
   static_assert(kStageBytes % 1024 == 0 && kBarOff % 8 == 0, "alignment");
+  static_assert(kMulBytes <= kStageBytes, "a chunk of mul fits a ring slot");
 };
 
 // Probe modes of the warp-specialized kernel, for benchmarks/ws_probe.cu only (the extension builds PROBE = 0):
@@ -535,7 +545,8 @@ bool MetaPairsFit(const SpmmXtParams& p) {
 template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0>
 __global__ void __launch_bounds__(kWsThreads, 1)
     SpmmWgmmaXtWsKernel(const SpmmXtParams p, const __grid_constant__ CUtensorMap tma_a,
-                        const __grid_constant__ CUtensorMap tma_x, const __grid_constant__ CUtensorMap tma_m) {
+                        const __grid_constant__ CUtensorMap tma_x, const __grid_constant__ CUtensorMap tma_m,
+                        const __grid_constant__ CUtensorMap tma_mul) {
 #ifdef JAXSPARSE_WGMMA
   using L = XtWsLayout<BR, BT, STAGES>;
   using W = XtWarps<BR, BT, NWMAX>;  // over the two consumer warpgroups
@@ -605,6 +616,18 @@ __global__ void __launch_bounds__(kWsThreads, 1)
           LoadStageMetaWords<BR, 128>(smem_base + L::kMetaOff + s * L::kMetaBytes, p, row0, kt, tid);
         if (!x_by_tma) LoadXtStage<T, BR, BT, 128, false>(stage, kt * kKc, tid, p, row0, tok0, tcols);
         CpAsyncMbarArrive(full);
+      }
+      if (p.mul != nullptr) {  // the tile's mul, one epilogue chunk a ring slot
+        for (int ch = 0; ch < L::kEpiChunks; ++ch, ++it) {
+          const int s = it % STAGES;
+          const uint32_t full = full0 + 8 * s;
+          if (it >= STAGES) MbarWait(empty0 + 8 * s, ((it / STAGES) & 1) ^ 1);
+          if (tid == 0) {
+            MbarArriveExpectTx(full, L::kMulBytes);
+            TmaLoad2d(smem_base + s * L::kStageBytes, &tma_mul, row0, tok0 + ch * L::kEpiTokens, full);
+          }
+          if (!tma_only) CpAsyncMbarArrive(full);
+        }
       }
     }
     CpAsyncWait<0>();
@@ -678,9 +701,20 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         StageXtAccumulators<T, NW, NCH, (L::kEpiChunks > 1 ? L::kEpiTokens : 0)>(acc, ytile, L::kYRowBytes, p, row0,
                                                                                  64 * wr, wt * WN, wq, lane, ch);
         NamedBarSync(1, 256);
-        StoreStagedTile<T, L::kEpiTokens, BR, 256>(ytile, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows,
-                                                   tok0 + ch * L::kEpiTokens, row0, ctid, Extra(p, table));
+        if (p.mul != nullptr) {  // the chunk's mul, in ring slot (it + ch) % STAGES
+          const int s = (it + ch) % STAGES;
+          MbarWait(full0 + 8 * s, ((it + ch) / STAGES) & 1);
+          StoreStagedTile<T, L::kEpiTokens, BR, 256>(ytile, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows,
+                                                     tok0 + ch * L::kEpiTokens, row0, ctid,
+                                                     Extra(p, table, smem + s * L::kStageBytes, BR * 2));
+          __syncwarp();
+          if (lane == 0) MbarArrive(empty0 + 8 * s);  // this warp's reads of the slot are done
+        } else {
+          StoreStagedTile<T, L::kEpiTokens, BR, 256>(ytile, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows,
+                                                     tok0 + ch * L::kEpiTokens, row0, ctid, Extra(p, table));
+        }
       }
+      if (p.mul != nullptr) it += L::kEpiChunks;
     }
   }
 #else
@@ -733,14 +767,16 @@ ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& params) {
   constexpr int smem = XtWsLayout<BR, BT, STAGES>::kBytes + 1024;
   static_assert(smem <= 227 * 1024, "shared memory");
   if (ffi::Error e = RaiseSmemLimit<kernel>(smem, "cudaFuncSetAttribute(SpmmWgmmaXtWsKernel)"); e.failure()) return e;
-  CUtensorMap tma_a{}, tma_x{}, tma_m{};
+  CUtensorMap tma_a{}, tma_x{}, tma_m{}, tma_mul{};
   if (!MakeTensorMap2d(&tma_a, p.values, p.rows, 2 * static_cast<uint64_t>(p.groups), BR, kKc / 2) ||
       (p.meta_pairs && !MakeTensorMap2d(&tma_m, p.meta, p.rows, p.groups / 4, BR, 8)) ||  // words as 16-bit pairs
       (XROW && !MakeTensorMap2d(&tma_x, p.xt, p.tokens, static_cast<uint64_t>(p.k) * p.x_blocks, BT)) ||
-      (!XROW && p.cols == nullptr && !MakeTensorMap2d(&tma_x, p.xt, p.k, p.tokens, 64)))
+      (!XROW && p.cols == nullptr && !MakeTensorMap2d(&tma_x, p.xt, p.k, p.tokens, 64)) ||
+      (p.mul != nullptr &&  // [kEpiTokens tokens][BR features] boxes, unswizzled
+       !MakeTensorMap2d(&tma_mul, p.mul, p.tokens, p.rows, XtWsLayout<BR, BT, STAGES>::kEpiTokens, BR, false)))
     return ffi::Error::Internal("jaxsparse_spmm_xt: cuTensorMapEncodeTiled failed for the warp-specialized tile");
   const int tiles = (p.tokens + BT - 1) / BT * (p.rows / BR);
-  kernel<<<std::min(tiles, SmCount()), kWsThreads, smem, stream>>>(p, tma_a, tma_x, tma_m);
+  kernel<<<std::min(tiles, SmCount()), kWsThreads, smem, stream>>>(p, tma_a, tma_x, tma_m, tma_mul);
   return LastLaunchError("SpmmWgmmaXtWsKernel");
 }
 
@@ -815,7 +851,7 @@ ffi::Error CheckActMode(int32_t act_mode, int32_t activation, int64_t tokens, in
 
 ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer values, ffi::Buffer<ffi::U8> columns,
                       ffi::Buffer<ffi::U32> metadata, ffi::AnyBuffer bias, ffi::Buffer<ffi::S32> x_chunks,
-                      ffi::Buffer<ffi::S32> y_chunks, ffi::Result<ffi::AnyBuffer> out,
+                      ffi::Buffer<ffi::S32> y_chunks, ffi::AnyBuffer mul, ffi::Result<ffi::AnyBuffer> out,
                       ffi::Result<ffi::AnyBuffer> out2, int32_t v, int32_t m, int32_t activation, int32_t act_mode,
                       int32_t tile, int32_t x_rows, int32_t act_table, int32_t x_blocks) {
   if (xt.dimensions().size() != 2 || values.dimensions().size() != 2 || out->dimensions().size() != 2)
@@ -843,6 +879,15 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer val
       (!x_rows || act_mode != 0 || static_cast<int64_t>(y_chunks.element_count()) != rows / 64))
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: y_chunks needs x [T, K] (x_rows 1), act_mode 0 and R/64 "
                                        "entries, got " + ShapeString(y_chunks) + " for R = " + std::to_string(rows));
+  if (mul.element_count() != 0 &&
+      (!x_rows || act_mode != 0 || activation != 0 || y_chunks.element_count() != 0 ||
+       mul.dimensions().size() != 2 || Dim(mul, 0) != tokens || Dim(mul, 1) != rows ||
+       mul.element_type() != xt.element_type() || (tile != kTileAuto && tile != kTileWs128x256 &&
+                                                   tile != kTileWs64x256)))
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: mul needs x [T, K] (x_rows 1) on a warp-specialized tile, "
+                                       "act_mode 0, no activation, no y_chunks, and mul [T, R] in x's dtype, got " +
+                                       ShapeString(mul) + " for T = " + std::to_string(tokens) + ", R = " +
+                                       std::to_string(rows));
   if (ffi::Error e = CheckSpec("jaxsparse_spmm_xt", v, m); e.failure()) return e;
   const int64_t groups = k / m;
   if (k % m || Dim(values, 1) != 2 * groups || rows % 64)
@@ -884,6 +929,7 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer val
   p.x_blocks = x_blocks;
   p.x_chunks = x_chunks.element_count() != 0 ? x_chunks.typed_data() : nullptr;
   p.y_chunks = y_chunks.element_count() != 0 ? y_chunks.typed_data() : nullptr;
+  p.mul = mul.element_count() != 0 ? mul.untyped_data() : nullptr;
   if ((x_blocks > 1 || p.x_chunks != nullptr || p.y_chunks != nullptr) && tile != kTileAuto && tile != kTileWs128x256)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x_blocks > 1, x_chunks and y_chunks take tile auto or "
                                        "ws128x256");
@@ -905,6 +951,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSpmmXt, jaxsparse::SpmmXtImpl,
                                   .Arg<xla::ffi::AnyBuffer>()               // bias [R] or [0]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // x_chunks [x_blocks, K/64] or [0]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // y_chunks [R/64] or [0]
+                                  .Arg<xla::ffi::AnyBuffer>()               // mul [T, R] or [0]
                                   .Ret<xla::ffi::AnyBuffer>()               // y [T, R] ([R, T] for act_mode 2)
                                   .Ret<xla::ffi::AnyBuffer>()               // act'(z) [T, R] (act_mode 1, 2) or [0]
                                   .Attr<int32_t>("v")

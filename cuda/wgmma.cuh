@@ -100,10 +100,11 @@ bool Sm90aImageLoaded() {
 // 16-byte aligned): boxes of `box_rows` rows x `box_cols` columns, landing swizzled with the row length:
 // 64 columns (128 bytes) as Sw128KOffset lays them out (row r at r * 128, 16-byte chunk j at j ^ (r % 8)) when
 // the destination is 1024-byte aligned, 32 columns (64 bytes) as Sw64KOffset (512-byte aligned), 8 columns
-// (16 bytes) unswizzled, row r at r * 16; out-of-bounds elements arrive as zeros.  False when the driver cannot
-// make one.
+// (16 bytes) unswizzled, row r at r * 16; out-of-bounds elements arrive as zeros.  With `swizzled` false, any
+// multiple of 8 columns up to 256 lands unswizzled, row r at r * box_cols * 2 (tiles read by plain shared-memory
+// loads).  False when the driver cannot make one.
 inline bool MakeTensorMap2d(CUtensorMap* map, const void* base, uint64_t rows, uint64_t cols, uint32_t box_rows,
-                            uint32_t box_cols = 64) {
+                            uint32_t box_cols = 64, bool swizzled = true) {
   static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found;
@@ -118,14 +119,14 @@ inline bool MakeTensorMap2d(CUtensorMap* map, const void* base, uint64_t rows, u
   if (encode == nullptr) return false;
   const cuuint64_t dims[2] = {cols, rows};
   const cuuint64_t strides[1] = {cols * 2};  // bytes from one row to the next
-  if (box_cols != 64 && box_cols != 32 && box_cols != 8) return false;
+  if (swizzled ? box_cols != 64 && box_cols != 32 && box_cols != 8 : box_cols % 8 != 0 || box_cols > 256) return false;
   const cuuint32_t box[2] = {box_cols, box_rows};
   const cuuint32_t element_strides[2] = {1, 1};
   return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<void*>(base), dims, strides, box, element_strides,
                 CU_TENSOR_MAP_INTERLEAVE_NONE,
-                box_cols == 64 ? CU_TENSOR_MAP_SWIZZLE_128B
-                : box_cols == 32 ? CU_TENSOR_MAP_SWIZZLE_64B
-                                 : CU_TENSOR_MAP_SWIZZLE_NONE,
+                swizzled && box_cols == 64 ? CU_TENSOR_MAP_SWIZZLE_128B
+                : swizzled && box_cols == 32 ? CU_TENSOR_MAP_SWIZZLE_64B
+                                             : CU_TENSOR_MAP_SWIZZLE_NONE,
                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }

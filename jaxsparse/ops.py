@@ -363,17 +363,20 @@ def transpose_blocks(sw: SparseWeight, blocks: int) -> SparseWeight:
 
 def _blocks_product(x2: jax.Array, sw: SparseWeight, bias: Optional[jax.Array], blocks: int,
                     x_chunks: Optional[jax.Array] = None, y_chunks: Optional[jax.Array] = None,
-                    activation: Optional[str] = None, with_derivative: bool = False):
+                    activation: Optional[str] = None, with_derivative: bool = False,
+                    mul: Optional[jax.Array] = None):
     """The blocked forward product (``act(x @ W + bias)``, or ``(act(z), act'(z))`` with ``with_derivative``, both
-    from the kernel's epilogue on a GPU) on the kernels or the reference."""
+    from the kernel's epilogue on a GPU; with ``mul``, ``(x @ W + bias) * mul`` as :func:`_times` rounds it) on the
+    kernels or the reference."""
     def ref(x, s, b):
         if with_derivative:
             z = reference.spmm_blocks(x, s, blocks, b, x_chunks=x_chunks)
             return reference.activation_with_derivative(activation, z)
-        return reference.spmm_blocks(x, s, blocks, b, activation, x_chunks=x_chunks, y_chunks=y_chunks)
+        y = reference.spmm_blocks(x, s, blocks, b, activation, x_chunks=x_chunks, y_chunks=y_chunks)
+        return y if mul is None else _times(y, mul)
 
     cuda = lambda x, s, b: cuda_calls.spmm_blocks(x, s, blocks, b, activation, with_derivative, x_chunks=x_chunks,
-                                                  y_chunks=y_chunks)
+                                                  y_chunks=y_chunks, mul=mul)
     with jax.named_scope("jaxsparse_spmm"):
         return dispatch.call("spmm", ref, cuda, x2, sw, bias, unsupported=cuda_calls.blocks_unsupported(sw, blocks))
 
@@ -387,14 +390,30 @@ def _blocks_sddmm(x2: jax.Array, dy: jax.Array, sw: SparseWeight, blocks: int,
 
 
 def _blocks_cotangents(x2: jax.Array, dy: jax.Array, sw: SparseWeight, bias: Optional[jax.Array], blocks: int,
-                       chunks: Optional[jax.Array] = None):
+                       chunks: Optional[jax.Array] = None, dx_times: Optional[jax.Array] = None,
+                       dx_summed: bool = False):
     """``(dx, dsw, dbias)`` of a diagonal-block layer (:func:`diagonal_linear`): the input gradient is the blocked
     forward on the stacked transposed blocks, its stacked row chunk ``j`` written to x's chunk
-    ``chunks.reshape(-1)[j]``; the weight gradient the blocked SDDMM."""
+    ``chunks.reshape(-1)[j]``; the weight gradient the blocked SDDMM. With ``dx_times`` (``[T, blocks K]``), ``dx``
+    comes back multiplied by it (:func:`_times`): in the product's epilogue where there is no chunk table and
+    :func:`jaxsparse.ffi.calls.dz_epilogue` says so (``dx_summed``: the caller sums ``dx`` over tokens in XLA), else
+    by XLA after it."""
+    in_epilogue = dx_times is not None and chunks is None and cuda_calls.dz_epilogue(dx_summed)
     with jax.named_scope("jaxsparse_spmm_t"):
         dx = _blocks_product(dy, transpose_blocks(sw, blocks), None, blocks,
-                             y_chunks=None if chunks is None else chunks.reshape(-1))
+                             y_chunks=None if chunks is None else chunks.reshape(-1),
+                             mul=dx_times if in_epilogue else None)
+    if dx_times is not None and not in_epilogue:
+        dx = _times(dx, dx_times)
     return (dx, *_weight_cotangents(dy, sw, bias, _blocks_sddmm(x2, dy, sw, blocks, chunks)))
+
+
+def _bias_grad_by_xla(tokens: int, sw: SparseWeight, bias: Optional[jax.Array]) -> bool:
+    """Whether a layer's bias gradient is XLA's sum of ``dy`` (:func:`_sddmm_kept`): it has a bias and its SDDMM does
+    not sum it (the ``"col"`` route, or :func:`jaxsparse.ffi.calls.sddmm_bias_grad_fused` false)."""
+    if bias is None:
+        return False
+    return linear_x_layout(tokens, sw) == "col" or not cuda_calls.sddmm_bias_grad_fused(tokens, sw)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -532,12 +551,12 @@ def _mlp(x2, sw1, b1, sw2, b2, activation, blocks=1):
 
 def _mlp_bwd(activation, blocks, residuals, dy):
     x_kept, dact, h_kept, sw1, b1, sw2, b2 = residuals
-    if blocks > 1:
-        dh, dsw2, db2 = _blocks_cotangents(h_kept, dy, sw2, b2, blocks)
+    if blocks > 1:  # dz = dh * act'(z) in the input gradient's epilogue (where it can: _blocks_cotangents)
+        dz, dsw2, db2 = _blocks_cotangents(h_kept, dy, sw2, b2, blocks, dx_times=dact,
+                                           dx_summed=_bias_grad_by_xla(dy.shape[0], sw1, b1))
     else:
         dsw2, db2 = _weight_cotangents(dy, sw2, b2, *_sddmm_kept(h_kept, dy, sw2, b2))
-        dh = spmm_t(dy, sw2)
-    dz = _times(dh, dact)  # XLA's multiply; FFN in's bias gradient comes from its SDDMM where the kernel sums it
+        dz = _times(spmm_t(dy, sw2), dact)  # XLA's multiply; FFN in's bias gradient comes from its SDDMM
     dx, dsw1, db1 = _cotangents(dz, sw1, b1, *_sddmm_kept(x_kept, dz, sw1, b1))
     return dx, dsw1, db1, dsw2, db2
 
@@ -558,8 +577,7 @@ def _diagonal_mlp_fwd(x2, sw1, b1, c1, sw2, b2, c2, activation, blocks):
 
 def _diagonal_mlp_bwd(activation, blocks, residuals, dy):
     x2, dact, h, sw1, b1, c1, sw2, b2, c2 = residuals
-    dh, dsw2, db2 = _blocks_cotangents(h, dy, sw2, b2, blocks, c2)
-    dz = _times(dh, dact)  # XLA fuses the multiply with dz's bias-gradient reduction
+    dz, dsw2, db2 = _blocks_cotangents(h, dy, sw2, b2, blocks, c2, dx_times=dact, dx_summed=b1 is not None)
     dx, dsw1, db1 = _blocks_cotangents(x2, dz, sw1, b1, blocks, c1)
     return dx, dsw1, db1, None, dsw2, db2, None
 

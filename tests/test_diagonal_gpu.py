@@ -122,6 +122,103 @@ def test_diagonal_linear_grad_on_kernels(blocks, k, r, dtype, t, chunked):
     assert 'custom_call_target="jaxsparse_spmm_xt"' in text and 'custom_call_target="jaxsparse_sddmm"' in text
 
 
+# dz = dh * act'(z) in the input gradient's epilogue (mul): (blocks, K per block, R, tokens). The last shape has more
+# tiles (256) than an H200 has SMs, so CTAs run several tiles and the ring's barrier phases go on across the two slots
+# mul takes a tile; 1000 tokens end inside a 128-token epilogue chunk.
+MUL_SHAPES = [(2, 128, 256, 1), (4, 256, 512, 1000), (2, 512, 1024, 1000), (2, 512, 1024, 8192)]
+
+
+def _mul_ref(y32, mul, dtype):
+    """The kernel's result rounded to ``dtype``, times ``mul`` in float32, rounded again (jaxsparse.ops._times)."""
+    return (jnp.asarray(y32).astype(dtype).astype(jnp.float32) * _f32(mul)).astype(dtype)
+
+
+@needs_hopper
+@pytest.mark.parametrize("blocks, k, r, t", MUL_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_spmm_blocks_mul(blocks, k, r, t, dtype, with_bias):
+    """``spmm_blocks(..., mul=m)``: ``(x W + b) * m`` with m brought into shared memory by the producer's TMA, two
+    ring slots a tile, against the float32 product rounded as the kernel rounds it."""
+    rng = key("spmm_blocks_mul", blocks, k, r, t, str(dtype), with_bias)
+    x, _, sw, dense, bias = _make(rng, t, blocks, k, r, dtype)
+    mul = jax.random.normal(jax.random.fold_in(rng, 3), (t, r), jnp.float32).astype(dtype)
+    bias = bias if with_bias else None
+    poison((t, r), dtype)
+    out = jax.block_until_ready(calls.spmm_blocks(x, sw, blocks, bias, mul=mul))
+    y32 = jnp.dot(_f32(x), dense, precision=HIGHEST) + (0 if bias is None else _f32(bias))
+    _compare(out, _f32(_mul_ref(y32, mul, dtype)), TOL[dtype], f"spmm_blocks mul G={blocks} K={k} R={r} t={t}")
+
+
+@needs_hopper
+def test_spmm_blocks_mul_on_the_64_row_tile(monkeypatch):
+    """One block (the layer's own tile setting applies) on ws64x256: one 256-token epilogue chunk a tile."""
+    monkeypatch.setenv("JAXSPARSE_SPMM_XT_TILE", "ws64x256")
+    rng = key("spmm_blocks_mul_64")
+    x, _, sw, dense, _ = _make(rng, 1000, 1, 256, 512, jnp.bfloat16)
+    mul = jax.random.normal(jax.random.fold_in(rng, 3), (1000, 512), jnp.float32).astype(jnp.bfloat16)
+    poison((1000, 512), jnp.bfloat16)
+    out = calls.spmm_blocks(x, sw, 1, mul=mul)
+    ref = _mul_ref(jnp.dot(_f32(x), dense, precision=HIGHEST), mul, jnp.bfloat16)
+    _compare(out, _f32(ref), TOL[jnp.bfloat16], "spmm_blocks mul ws64x256")
+
+
+@needs_hopper
+def test_spmm_blocks_mul_rejects():
+    x, _, sw, _, _ = _make(key("mul_reject"), 64, 2, 128, 256, jnp.bfloat16)
+    mul = jnp.ones((64, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="mul needs"):
+        calls.spmm_blocks(x, sw, 2, mul=mul[:, :128])
+    with pytest.raises(ValueError, match="mul needs"):
+        calls.spmm_blocks(x, sw, 2, mul=mul.astype(jnp.float16))
+    with pytest.raises(ValueError, match="mul needs"):
+        calls.spmm_blocks(x, sw, 2, activation="relu", mul=mul)
+    with pytest.raises(ValueError, match="mul needs"):
+        calls.spmm_blocks(x, sw, 2, y_chunks=jnp.arange(4, dtype=jnp.int32), mul=mul)
+
+
+@needs_hopper
+@pytest.mark.parametrize("spec, blocks, auto_on", [("64:2:8", 2, True), ("128:2:16", 4, False)])
+def test_dz_epilogue_equals_xlas_multiply(monkeypatch, spec, blocks, auto_on):
+    """``sparse_mlp`` with a diagonal second layer: with ``JAXSPARSE_DZ_EPILOGUE=on`` its input gradient's call takes
+    ``act'`` as ``mul`` and XLA's multiply is gone; every gradient is bit for bit the one of ``off`` (the same float32
+    products, rounded the same way). ``auto`` takes the epilogue at 64:2:8, where FFN in's SDDMM (the tma engine on
+    the 2:4 view, K = 1024) sums the bias gradient, and not at 128:2:16, where FFN in runs the x^T route and XLA
+    sums ``dz``."""
+    t, k, f, r = 1000, 1024, 2048, 512
+    kx, kd, k1, k2, kb = jax.random.split(key("dz_epilogue", spec), 5)
+    x = jax.random.normal(kx, (t, k), jnp.float32).astype(jnp.bfloat16)
+    dy = jax.random.normal(kd, (t, r), jnp.float32).astype(jnp.bfloat16)
+    w1 = (jax.random.normal(k1, (k, f), jnp.float32) / np.sqrt(k / 4)).astype(jnp.bfloat16)
+    sw1 = F.compress(w1, F.select_mask(w1, spec, transposable=True), spec)
+    w2 = (jax.random.normal(k2, (f // blocks, r), jnp.float32) / np.sqrt(f / blocks / 2)).astype(jnp.bfloat16)
+    sw2 = F.compress(w2, F.select_mask(w2, "2:4", transposable=True), "2:4")
+    b1 = jax.random.normal(kb, (f,), jnp.float32).astype(jnp.bfloat16)
+    b2 = jnp.ones((r,), jnp.bfloat16)
+    assert ops._bias_grad_by_xla(t, sw1, b1) is not auto_on
+
+    def grads(x, v1, b1, v2, b2):
+        g = lambda x, v1, b1, v2, b2: ops.sparse_mlp(x, sw1.replace(values=v1), b1, sw2.replace(values=v2), b2,
+                                                    "gelu_erf", blocks=blocks)
+        return jax.vjp(g, x, v1, b1, v2, b2)[1](dy)
+
+    args = (x, sw1.values, b1, sw2.values, b2)
+    got = {}
+    for setting, in_epilogue in (("on", True), ("off", False), ("auto", auto_on)):
+        monkeypatch.setenv("JAXSPARSE_DZ_EPILOGUE", setting)
+        with ops.dx_route_scope("transposed"):
+            fn = jax.jit(lambda *a: grads(*a))  # a new function each time: the setting is read when it is traced
+            calls_xt = [line for line in fn.lower(*args).as_text().splitlines() if "jaxsparse_spmm_xt" in line]
+            with_mul = [line for line in calls_xt if f"tensor<{t}x{f}xbf16>) ->" in line]
+            assert len(with_mul) == int(in_epilogue), (setting, calls_xt)
+            poison((t, f), jnp.bfloat16)
+            got[setting] = [np.asarray(_f32(g)) for g in jax.block_until_ready(fn(*args))]
+    for setting in ("on", "auto"):
+        for name, a, b in zip(("dx", "dvalues1", "dbias1", "dvalues2", "dbias2"), got[setting], got["off"]):
+            assert np.isfinite(a).all(), name
+            np.testing.assert_array_equal(a, b, err_msg=f"{spec} {name}: {setting}'s dz against XLA's")
+
+
 @needs_hopper
 def test_blocks_reject():
     x, dy, sw, _, _ = _make(key("blocks_reject"), 64, 2, 128, 256, jnp.bfloat16)

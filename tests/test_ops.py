@@ -337,6 +337,20 @@ def test_sddmm_bias_grad_fused_setting_and_narrow_weights(monkeypatch):
     assert not calls.sddmm_bias_grad_fused(100, wide, engine="tma", x_layout="row")
 
 
+def test_dz_epilogue_setting(monkeypatch):
+    from jaxsparse.ffi import calls
+
+    monkeypatch.delenv(calls.DZ_EPILOGUE_ENV, raising=False)
+    assert calls.dz_epilogue(dz_summed=False) and not calls.dz_epilogue(dz_summed=True)  # auto
+    monkeypatch.setenv(calls.DZ_EPILOGUE_ENV, "on")
+    assert calls.dz_epilogue(dz_summed=False) and calls.dz_epilogue(dz_summed=True)
+    monkeypatch.setenv(calls.DZ_EPILOGUE_ENV, "off")
+    assert not calls.dz_epilogue(dz_summed=False) and not calls.dz_epilogue(dz_summed=True)
+    monkeypatch.setenv(calls.DZ_EPILOGUE_ENV, "xla")
+    with pytest.raises(ValueError, match=calls.DZ_EPILOGUE_ENV):
+        calls.dz_epilogue(dz_summed=False)
+
+
 def test_dx_route_setting(monkeypatch):
     monkeypatch.delenv(ops.DX_ROUTE_ENV, raising=False)
     assert ops.dx_route() == "dense"  # the v1 kernel loses to the dense route on the H100 (kernel-notes)

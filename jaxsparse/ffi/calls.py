@@ -342,6 +342,26 @@ def act_table(setting: str | None = None) -> bool:
     return setting == "on"
 
 
+DZ_EPILOGUE_ENV = "JAXSPARSE_DZ_EPILOGUE"
+DZ_EPILOGUE_SETTINGS = ("auto", "on", "off")
+
+
+def dz_epilogue(dz_summed: bool, setting: str | None = None) -> bool:
+    """Whether the FFN's backward takes ``dz = dh * act'(z)`` from the epilogue of the input-gradient product of a
+    second layer of diagonal blocks (:func:`spmm_blocks` with ``mul``; the kernel's producer brings ``act'`` in by
+    TMA) rather than from an XLA multiply after it. ``dz_summed``: XLA sums ``dz`` over tokens afterwards (FFN in's
+    bias gradient where its SDDMM does not sum it, :func:`sddmm_bias_grad_fused`). ``setting`` ``None`` reads
+    ``JAXSPARSE_DZ_EPILOGUE``: ``on``, ``off``, or ``auto`` (the default), which is on unless ``dz_summed``: XLA
+    fuses its multiply into that sum, so the epilogue would only trade the multiply for one more read of ``dz``
+    (BERT-large on an H200, docs/kernel-notes.md session 46: busy time -1.23 ms a step at 64:2:8, where FFN in's
+    SDDMM sums the bias, against -0.47 ms at 128:2:16, where XLA does)."""
+    setting = _setting(setting, DZ_EPILOGUE_ENV, "auto")
+    if setting not in DZ_EPILOGUE_SETTINGS:
+        raise ValueError(f"the dz epilogue setting ({DZ_EPILOGUE_ENV}) must be one of {DZ_EPILOGUE_SETTINGS}, "
+                         f"got {setting!r}")
+    return setting == "on" or (setting == "auto" and not dz_summed)
+
+
 def transpose_out_problem(tile: str | None = None) -> str | None:
     """Why :func:`spmm_from_xt`'s ``transpose_out`` (act_mode 2) cannot run on the x^T tile ``tile`` (``None``: the
     ``JAXSPARSE_SPMM_XT_TILE`` setting), or None where it can: only the plain tiles' epilogue stores y^T."""
@@ -352,10 +372,11 @@ def transpose_out_problem(tile: str | None = None) -> str | None:
 
 
 def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str | None = None,
-                  x_rows: bool = False, act_mode: int = 0, x_blocks: int = 1, x_chunks=None, y_chunks=None):
+                  x_rows: bool = False, act_mode: int = 0, x_blocks: int = 1, x_chunks=None, y_chunks=None, mul=None):
     """The ``jaxsparse_spmm_xt`` call, operands checked: ``xt`` is x^T [K, T], or x [T, K] with ``x_rows``
     (``[T, x_blocks K]`` for a weight of ``x_blocks`` diagonal blocks, :func:`spmm_blocks`, which also passes the
-    chunk tables). ``act_mode`` 1 returns ``(act(z), act'(z))``, 2 ``(act(z)^T, act'(z))`` (cuda/spmm_xt.cu)."""
+    chunk tables and ``mul``). ``act_mode`` 1 returns ``(act(z), act'(z))``, 2 ``(act(z)^T, act'(z))``
+    (cuda/spmm_xt.cu)."""
     b = bias if bias is not None else jnp.zeros((0,), xt.dtype)
     tokens = xt.shape[0] if x_rows else xt.shape[1]
     name = _setting(tile, SPMM_XT_TILE_ENV)
@@ -371,7 +392,8 @@ def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str |
     results = _call_results(
         "jaxsparse_spmm_xt", [first, out if act_mode != 0 else ((0,), xt.dtype)], xt, sw.values,
         _columns_operand(sw), sw.metadata, b, _chunks_operand(x_chunks), _chunks_operand(y_chunks),
-        v=np.int32(sw.spec.v), m=np.int32(sw.spec.m), activation=np.int32(ACTIVATION_CODES[activation]),
+        mul if mul is not None else jnp.zeros((0,), xt.dtype), v=np.int32(sw.spec.v), m=np.int32(sw.spec.m),
+        activation=np.int32(ACTIVATION_CODES[activation]),
         act_mode=np.int32(act_mode), tile=np.int32(tile_id), x_rows=np.int32(x_rows), act_table=np.int32(act_table()),
         x_blocks=np.int32(x_blocks),
     )
@@ -771,7 +793,8 @@ def _check_blocks(name: str, x: jax.Array, sw: SparseWeight, blocks: int, x_name
 
 
 def spmm_blocks(x: jax.Array, sw: SparseWeight, blocks: int, bias: jax.Array | None = None,
-                activation: str | None = None, with_derivative: bool = False, x_chunks=None, y_chunks=None):
+                activation: str | None = None, with_derivative: bool = False, x_chunks=None, y_chunks=None,
+                mul=None):
     """``act(x @ W + bias)`` for a weight of ``blocks`` diagonal 2:4 blocks, on the TMA row kernel: ``x [T, blocks
     K]``, ``sw`` the blocks stacked along the outputs (a 2:4 weight of shape ``(K, R)``; output feature ``r`` reads
     x's columns ``(r // (R / blocks)) K + [0, K)``) -> ``[T, R]`` (with ``with_derivative``, ``(act(z), act'(z))``).
@@ -779,8 +802,9 @@ def spmm_blocks(x: jax.Array, sw: SparseWeight, blocks: int, bias: jax.Array | N
     chunks ``x_chunks[b]`` instead of its contiguous range. ``y_chunks`` (int32 ``[R/64]``, no activation): output
     feature ``f`` is written to column ``y_chunks[f // 64] * 64 + f % 64`` (the input gradient of a chunked layer).
     The tables' entries must be permutations of x's (y's) chunks: an entry out of range reads zeros (is clamped), it
-    never touches memory outside x or y. Constraints: :func:`blocks_unsupported`, ``bias`` and ``activation`` as
-    :func:`spmm`'s."""
+    never touches memory outside x or y. ``mul`` (``[T, R]`` in x's dtype; no activation, no ``y_chunks``): the
+    result times ``mul``, each product in float32 rounded to x's dtype (the FFN backward's ``dz = dh * act'(z)``,
+    :func:`dz_epilogue`). Constraints: :func:`blocks_unsupported`, ``bias`` and ``activation`` as :func:`spmm`'s."""
     _check_blocks("spmm_blocks", x, sw, blocks, x_chunks=x_chunks)
     _spmm_checks("spmm_blocks", sw, x.dtype, bias, activation)
     _check_act_mode("spmm_blocks", activation, with_derivative)
@@ -788,9 +812,14 @@ def spmm_blocks(x: jax.Array, sw: SparseWeight, blocks: int, bias: jax.Array | N
                                  or sw.shape[1] % 64):
         raise ValueError(f"spmm_blocks: y_chunks needs no activation, R % 64 == 0 and shape (R/64,) = "
                          f"({sw.shape[1] // 64},), got {getattr(y_chunks, 'shape', None)} with activation {activation}")
+    if mul is not None and (activation is not None or y_chunks is not None or getattr(mul, "ndim", 0) != 2
+                            or mul.shape != (x.shape[0], sw.shape[1]) or mul.dtype != x.dtype):
+        raise ValueError(f"spmm_blocks: mul needs no activation, no y_chunks, and shape {(x.shape[0], sw.shape[1])} in "
+                         f"x's dtype {x.dtype}, got {getattr(mul, 'shape', None)} {getattr(mul, 'dtype', None)} with "
+                         f"activation {activation}")
     tile = None if blocks == 1 else "auto"  # the 64-row tile could straddle two blocks' rows: not for x_blocks > 1
     return _spmm_xt_call(x, sw, bias, activation, tile=tile, x_rows=True, act_mode=int(with_derivative),
-                         x_blocks=blocks, x_chunks=x_chunks, y_chunks=y_chunks)
+                         x_blocks=blocks, x_chunks=x_chunks, y_chunks=y_chunks, mul=mul)
 
 
 def sddmm_blocks(x: jax.Array, dy: jax.Array, sw: SparseWeight, blocks: int, out_dtype=None,
