@@ -177,6 +177,21 @@ def test_spmm_blocks_mul_rejects():
         calls.spmm_blocks(x, sw, 2, y_chunks=jnp.arange(4, dtype=jnp.int32), mul=mul)
 
 
+def _mlp_operands(rng, spec: str, blocks: int, t: int, k: int, f: int, r: int):
+    """Fresh bf16 operands of ``sparse_mlp`` with a diagonal second layer: ``x [t, k]``, ``dy [t, r]``, the first
+    layer ``(k, f)`` at ``spec`` with its bias ``[f]``, and the second as ``blocks`` diagonal 2:4 blocks ``(f / blocks,
+    r)``; both masks transposable."""
+    kx, kd, k1, k2, kb = jax.random.split(rng, 5)
+    x = jax.random.normal(kx, (t, k), jnp.float32).astype(jnp.bfloat16)
+    dy = jax.random.normal(kd, (t, r), jnp.float32).astype(jnp.bfloat16)
+    w1 = (jax.random.normal(k1, (k, f), jnp.float32) / np.sqrt(k / 4)).astype(jnp.bfloat16)
+    sw1 = F.compress(w1, F.select_mask(w1, spec, transposable=True), spec)
+    w2 = (jax.random.normal(k2, (f // blocks, r), jnp.float32) / np.sqrt(f / blocks / 2)).astype(jnp.bfloat16)
+    sw2 = F.compress(w2, F.select_mask(w2, "2:4", transposable=True), "2:4")
+    b1 = jax.random.normal(kb, (f,), jnp.float32).astype(jnp.bfloat16)
+    return x, dy, sw1, b1, sw2
+
+
 @needs_hopper
 @pytest.mark.parametrize("spec, blocks, auto_on", [("64:2:8", 2, True), ("128:2:16", 4, False)])
 def test_dz_epilogue_equals_xlas_multiply(monkeypatch, spec, blocks, auto_on):
@@ -185,15 +200,8 @@ def test_dz_epilogue_equals_xlas_multiply(monkeypatch, spec, blocks, auto_on):
     products, rounded the same way), except FFN in's bias gradient where XLA sums ``dz`` (equal within rounding).
     ``auto`` takes the epilogue at 64:2:8, where FFN in's SDDMM (the tma engine on the 2:4 view, K = 1024) sums the
     bias gradient, and not at 128:2:16, where FFN in runs the x^T route and XLA sums ``dz``."""
-    t, k, f, r = 1000, 1024, 2048, 512
-    kx, kd, k1, k2, kb = jax.random.split(key("dz_epilogue", spec), 5)
-    x = jax.random.normal(kx, (t, k), jnp.float32).astype(jnp.bfloat16)
-    dy = jax.random.normal(kd, (t, r), jnp.float32).astype(jnp.bfloat16)
-    w1 = (jax.random.normal(k1, (k, f), jnp.float32) / np.sqrt(k / 4)).astype(jnp.bfloat16)
-    sw1 = F.compress(w1, F.select_mask(w1, spec, transposable=True), spec)
-    w2 = (jax.random.normal(k2, (f // blocks, r), jnp.float32) / np.sqrt(f / blocks / 2)).astype(jnp.bfloat16)
-    sw2 = F.compress(w2, F.select_mask(w2, "2:4", transposable=True), "2:4")
-    b1 = jax.random.normal(kb, (f,), jnp.float32).astype(jnp.bfloat16)
+    t, f, r = 1000, 2048, 512
+    x, dy, sw1, b1, sw2 = _mlp_operands(key("dz_epilogue", spec), spec, blocks, t, 1024, f, r)
     b2 = jnp.ones((r,), jnp.bfloat16)
     assert ops._bias_grad_by_xla(t, sw1, b1) is not auto_on
 
@@ -243,15 +251,8 @@ def test_sparse_mlp_with_diagonal_out_on_kernels(monkeypatch, spec, blocks):
     """``sparse_mlp`` with a second layer of diagonal blocks (the fused first product's epilogue writes ``h`` and
     ``act'``; the second runs on the blocks) under ``jit``: outputs and every gradient against the same function on
     the reference path."""
-    t, k, f, r = 1000, 256, 1024, 512
-    kx, kd, k1, k2, kb = jax.random.split(key("mlp_diag", spec), 5)
-    x = jax.random.normal(kx, (t, k), jnp.float32).astype(jnp.bfloat16)
-    dy = jax.random.normal(kd, (t, r), jnp.float32).astype(jnp.bfloat16)
-    w1 = (jax.random.normal(k1, (k, f), jnp.float32) / np.sqrt(k / 4)).astype(jnp.bfloat16)
-    sw1 = F.compress(w1, F.select_mask(w1, spec, transposable=True), spec)
-    w2 = (jax.random.normal(k2, (f // blocks, r), jnp.float32) / np.sqrt(f / blocks / 2)).astype(jnp.bfloat16)
-    sw2 = F.compress(w2, F.select_mask(w2, "2:4", transposable=True), "2:4")
-    b1 = jax.random.normal(kb, (f,), jnp.float32).astype(jnp.bfloat16)
+    t, r = 1000, 512
+    x, dy, sw1, b1, sw2 = _mlp_operands(key("mlp_diag", spec), spec, blocks, t, 256, 1024, r)
     b2 = jnp.zeros((r,), jnp.bfloat16)
 
     def run():
