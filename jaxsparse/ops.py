@@ -556,7 +556,7 @@ def _mlp_bwd(activation, blocks, residuals, dy):
                                            dx_summed=_bias_grad_by_xla(dy.shape[0], sw1, b1))
     else:
         dsw2, db2 = _weight_cotangents(dy, sw2, b2, *_sddmm_kept(h_kept, dy, sw2, b2))
-        dz = _times(spmm_t(dy, sw2), dact)  # XLA's multiply; FFN in's bias gradient comes from its SDDMM
+        dz = _times(spmm_t(dy, sw2), dact)  # XLA's multiply (fused with FFN in's bias sum where XLA takes it)
     dx, dsw1, db1 = _cotangents(dz, sw1, b1, *_sddmm_kept(x_kept, dz, sw1, b1))
     return dx, dsw1, db1, dsw2, db2
 
