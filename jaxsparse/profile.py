@@ -799,7 +799,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         prof.meta.update(transposable_masks=args.transposable_masks, exclusive_columns=args.exclusive_columns,
                          diagonal_ffn_out=args.diagonal_ffn_out, diagonal_all=args.diagonal_all,
                          diagonal_ffn=args.diagonal_ffn,
-                         dx_route=ops.dx_route())  # the route traced
+                         dx_route=ops.dx_route(),  # the route traced
+                         settings={k: v for k, v in sorted(os.environ.items()) if k.startswith("JAXSPARSE_")})
     m = prof.meta
     print(f"jaxsparse-profile: BERT-{m['model']} {m['sparsity']} ({m['mode']}{': ' + m['mode_reason'] if m['mode_reason'] else ''}), "
           f"batch {m['batch_size']} x seq {m['seq_len']} = {m['tokens']} tokens, {m['dtype']} compute, "

@@ -283,15 +283,18 @@ def test_cpu_profile_of_a_dx_route(tmp_path, capsys, flag, said, meta, route, de
 
 def test_cpu_profile_keeps_a_dx_route_set_in_the_environment(tmp_path, monkeypatch):
     """A ``JAXSPARSE_DX`` set by the user wins over the masks' own route (``resident`` with transposable masks: on the
-    CPU it runs the transposed route, where its kernel does not apply), and the profile records the route traced."""
+    CPU it runs the transposed route, where its kernel does not apply), and the profile records the route traced and
+    the ``JAXSPARSE_*`` settings it ran under."""
     from jaxsparse import ops
 
     monkeypatch.setenv(ops.DX_ROUTE_ENV, "resident")
+    monkeypatch.setenv("JAXSPARSE_DZ_EPILOGUE", "off")
     out = tmp_path / "prof.json"
     assert profile.main(["--model", "tiny", "--sparsity", "128:2:16", "--batch-size", "2", "--seq-len", "32",
                          "--steps", "1", "--warmup", "1", "--top", "0", "--transposable-masks", "--json", str(out)]) == 0
     d = json.loads(out.read_text())
     assert d["transposable_masks"] is True and d["dx_route"] == "resident"
+    assert d["settings"][ops.DX_ROUTE_ENV] == "resident" and d["settings"]["JAXSPARSE_DZ_EPILOGUE"] == "off"
     assert d["buckets"]["sparse_dx"]["ms"] > 0
 
 
