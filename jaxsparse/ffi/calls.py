@@ -61,9 +61,14 @@ def spmm_t_unsupported(sw: SparseWeight) -> str | None:
     return spmm_unsupported(sw)
 
 
+def _optional_operand(a: jax.Array | None, dtype) -> jax.Array:
+    """An optional operand as the handlers take it: ``a``, or an empty ``[0]`` array of ``dtype`` for none."""
+    return a if a is not None else jnp.zeros((0,), dtype)
+
+
 def _columns_operand(sw: SparseWeight) -> jax.Array:
     """The columns array, or an empty placeholder for M = 4 (the kernels ignore it then)."""
-    return sw.columns if sw.columns is not None else jnp.zeros((0,), jnp.uint8)
+    return _optional_operand(sw.columns, jnp.uint8)
 
 
 def _setting(value, env: str, default: str = "auto"):
@@ -203,7 +208,7 @@ def spmm(x: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activati
         return _spmm_xt_call(x, as_2_4(sw)[0], bias, activation, x_rows=True, act_mode=int(with_derivative))
     if with_derivative:
         return reference.activation_with_derivative(activation, spmm(x, sw, bias, None, "row", "mma"))
-    b = bias if bias is not None else jnp.zeros((0,), x.dtype)
+    b = _optional_operand(bias, x.dtype)
     return _call(
         "jaxsparse_spmm",
         (x.shape[0], r),
@@ -377,7 +382,7 @@ def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str |
     (``[T, x_blocks K]`` for a weight of ``x_blocks`` diagonal blocks, :func:`spmm_blocks`, which also passes the
     chunk tables and ``mul``). ``act_mode`` 1 returns ``(act(z), act'(z))``, 2 ``(act(z)^T, act'(z))``
     (cuda/spmm_xt.cu)."""
-    b = bias if bias is not None else jnp.zeros((0,), xt.dtype)
+    b = _optional_operand(bias, xt.dtype)
     tokens = xt.shape[0] if x_rows else xt.shape[1]
     name = _setting(tile, SPMM_XT_TILE_ENV)
     tile_id = spmm_xt_tile(name)
@@ -392,9 +397,8 @@ def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str |
     results = _call_results(
         "jaxsparse_spmm_xt", [first, out if act_mode != 0 else ((0,), xt.dtype)], xt, sw.values,
         _columns_operand(sw), sw.metadata, b, _chunks_operand(x_chunks), _chunks_operand(y_chunks),
-        mul if mul is not None else jnp.zeros((0,), xt.dtype), v=np.int32(sw.spec.v), m=np.int32(sw.spec.m),
-        activation=np.int32(ACTIVATION_CODES[activation]),
-        act_mode=np.int32(act_mode), tile=np.int32(tile_id), x_rows=np.int32(x_rows), act_table=np.int32(act_table()),
+        _optional_operand(mul, xt.dtype), v=np.int32(sw.spec.v), m=np.int32(sw.spec.m),
+        activation=np.int32(ACTIVATION_CODES[activation]), act_mode=np.int32(act_mode), tile=np.int32(tile_id), x_rows=np.int32(x_rows), act_table=np.int32(act_table()),
         x_blocks=np.int32(x_blocks),
     )
     return tuple(results) if act_mode != 0 else results[0]
