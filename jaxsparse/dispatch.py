@@ -24,7 +24,7 @@ import jax
 
 from jaxsparse import ffi
 
-__all__ = ["BACKENDS", "OPS", "backend", "reference_ops", "env_scope", "call"]
+__all__ = ["BACKENDS", "OPS", "backend", "reference_ops", "settings", "env_scope", "call"]
 
 BACKENDS = ("auto", "reference", "cuda")
 OPS = ("decompress", "transpose_2_4", "spmm", "sddmm", "spmm_t")
@@ -45,6 +45,12 @@ def reference_ops() -> frozenset[str]:
     if not names <= set(OPS):
         raise ValueError(f"JAXSPARSE_REFERENCE_OPS names unknown ops {sorted(names - set(OPS))}; known: {OPS}")
     return names
+
+
+def settings() -> dict[str, str]:
+    """The ``JAXSPARSE_*`` environment variables set now, by name: the backend, the routes and the other settings
+    this package reads when a function is traced."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("JAXSPARSE_")}
 
 
 @contextlib.contextmanager

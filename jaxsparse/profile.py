@@ -778,7 +778,7 @@ def step_config(args: argparse.Namespace):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point ``jaxsparse-profile``."""
-    from jaxsparse import ops
+    from jaxsparse import dispatch, ops
     args = parse_args(argv)
     if args.compare:
         saved = []
@@ -800,7 +800,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          diagonal_ffn_out=args.diagonal_ffn_out, diagonal_all=args.diagonal_all,
                          diagonal_ffn=args.diagonal_ffn,
                          dx_route=ops.dx_route(),  # the route traced
-                         settings={k: v for k, v in sorted(os.environ.items()) if k.startswith("JAXSPARSE_")})
+                         settings=dispatch.settings())
     m = prof.meta
     print(f"jaxsparse-profile: BERT-{m['model']} {m['sparsity']} ({m['mode']}{': ' + m['mode_reason'] if m['mode_reason'] else ''}), "
           f"batch {m['batch_size']} x seq {m['seq_len']} = {m['tokens']} tokens, {m['dtype']} compute, "

@@ -71,19 +71,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def _routes() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k.startswith("JAXSPARSE_")}
-
-
 @pytest.fixture(autouse=True)
 def _routes_do_not_leak():
     """A test leaves the JAXSPARSE_* settings as it found them (monkeypatch's changes are undone before this
     check): the layers read their routes from the environment when they are traced, so a route left set changes the
     tests that run after it in the same process (session 43: a leaked JAXSPARSE_DX=transposed gave later tests'
     non-transposable layers NaN gradients)."""
-    before = _routes()
+    from jaxsparse.dispatch import settings  # (imported here: the package loads after this file's setup)
+
+    before = settings()
     yield
-    after = _routes()
+    after = settings()
     if after != before:
         changed = {k: (before.get(k), after.get(k)) for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
         os.environ.update(before)
