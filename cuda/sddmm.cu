@@ -56,12 +56,11 @@ struct SddmmParams {
                           // x's columns (r / (rows / x_blocks)) K + [0, K); 1 = one block (x [T, K])
   const int32_t* x_chunks;  // [x_blocks, K/64] or null (the tma engine): block b's columns j*64 + [0, 64) are x's
                             // columns x_chunks[b, j] * 64 + [0, 64) (its input set in 64-column chunks)
-  // The bias gradient (the tma engine's SddmmWgmmaXtKernel<T, true, true>): sum over tokens of dy, per row. Every
-  // CTA adds k16 step (column tile % 4) of each of its stages (an m64n8 product of dy^T with a tile of ones); the
-  // first db_ways = 4 column tiles write their sums to plane (grid.z * db_ways + column tile) of db_partial
-  // [S * db_ways, R], and the reduction sums the planes in order. Null: no bias gradient.
+  // The bias gradient (SddmmWgmmaXtKernel<T, XROW, DBK> with DBK > 0): sum over tokens of dy, per row. Every CTA
+  // adds DBK k16 steps of each of its stages (m64n8 products of dy^T with a tile of ones), so ways = 4 / DBK column
+  // tiles cover a stage; the first `ways` column tiles write their sums to plane (grid.z * ways + column tile) of
+  // db_partial [S * ways, R], and the reduction sums the planes in order. Null: no bias gradient.
   float* db_partial;
-  int db_ways;
 };
 
 constexpr int kSdBR = 64;       // rows (output features) per CTA; divides V = 64 and 128
@@ -551,7 +550,10 @@ constexpr int kXtBT = 64;
 constexpr int kXtThreads = 256;
 constexpr int kXtStages = 4;
 constexpr int kXtBox = kXtBT * 128;  // one 64-token x 64-column box of 16-bit values (128-byte swizzled)
-constexpr int kDbWays = 4;  // column tiles whose CTAs write the bias gradient: one per k16 step of a stage
+// The bias gradient's m64n8k16 products against a tile of ones: a stage's kXtBT / 16 k16 steps are shared out over
+// kXtBT / 16 / DBK column tiles ("ways"), DBK steps each (template parameter DBK of SddmmWgmmaXtKernel; 0: none).
+constexpr int kXtKSteps = kXtBT / 16;
+constexpr int DbWays(int dbk) { return dbk == 0 ? 0 : kXtKSteps / dbk; }
 
 // NC condensed columns per CTA: 256 from x rows (XROW: one B tile serves both warpgroups, m64n256 products), 128
 // from x^T (two B tiles where the warpgroups sit in different V blocks).
@@ -576,7 +578,7 @@ struct XtLayout {
   static_assert(kDyHalf % 1024 == 0 && kXcTile % 1024 == 0 && kStageBytes % 1024 == 0, "swizzle atoms");
 };
 
-template <typename T, bool XROW, bool DB = false>
+template <typename T, bool XROW, int DBK = 0>
 __global__ void __launch_bounds__(kXtThreads, 1)
     SddmmWgmmaXtKernel(const SddmmParams p, const __grid_constant__ CUtensorMap tma_dy,
                        const __grid_constant__ CUtensorMap tma_xt) {
@@ -604,11 +606,15 @@ __global__ void __launch_bounds__(kXtThreads, 1)
   // 2:4: the condensed rows are x^T's rows g0*4 .. g0*4 + 127 themselves, one TMA box; else a gather by cp.async.
   const bool x_by_tma = XROW || p.cols == nullptr;
 
-  // The bias gradient (DB): every CTA adds k16 step (column tile % 4) of every stage, so the first four column
-  // tiles together cover every token; only those write their sums (the others' products keep the CTAs alike).
-  static_assert(!DB || XROW, "the bias gradient is the tma engine's");
+  // The bias gradient (DBK > 0): every CTA adds k16 steps (column tile % ways) DBK + [0, DBK) of every stage, so the
+  // first `ways` column tiles together cover every token; only those write their sums (the others' products keep
+  // the CTAs alike).
+  constexpr bool DB = DBK > 0;
+  constexpr int kWays = DbWays(DBK);
+  static_assert(DBK == 0 || DBK == 1 || DBK == 2 || DBK == 4, "DBK divides a stage's kXtKSteps = 4 k16 steps");
+  static_assert(kXtKSteps == 4, "a stage of four k16 steps");
   const uint32_t ones = smem_base + L::kOnesOff;
-  const uint32_t db_ks = blockIdx.y % 4;
+  const uint32_t db_ks0 = blockIdx.y % (DB ? kWays : 1) * DBK;
   if constexpr (DB) {
     const uint32_t one2 = std::is_same<T, __half>::value ? 0x3C003C00u : 0x3F803F80u;  // two 16-bit ones
     for (int i = tid; i < L::kOnesBytes / 4; i += kXtThreads)
@@ -707,7 +713,7 @@ __global__ void __launch_bounds__(kXtThreads, 1)
     if constexpr (DB) WgmmaFenceOperands(acc_db);
     WgmmaFence();
 #pragma unroll
-    for (int ks = 0; ks < kXtBT / 16; ++ks) {
+    for (int ks = 0; ks < kXtKSteps; ++ks) {
       const uint64_t da = WgmmaDescSw128(a_base + ks * 2048, L::kDyHalf, 1024);
       if (XROW) {
         const uint64_t db = WgmmaDescSw128(b_base + ks * 2048, kXtBox, 1024);  // 64-column boxes kXtBox apart
@@ -717,9 +723,12 @@ __global__ void __launch_bounds__(kXtThreads, 1)
         Wgmma<NC, T, 0>::Run(acc, da, db);
       }
     }
-    if constexpr (DB)
-      Wgmma<8, T, 1>::Run(acc_db, WgmmaDescSw128(a_base + db_ks * 2048, L::kDyHalf, 1024),
-                          WgmmaDescSw128(ones, kXtBox, 1024));
+    if constexpr (DB) {
+#pragma unroll
+      for (int j = 0; j < DBK; ++j)
+        Wgmma<8, T, 1>::Run(acc_db, WgmmaDescSw128(a_base + (db_ks0 + j) * 2048, L::kDyHalf, 1024),
+                            WgmmaDescSw128(ones, kXtBox, 1024));
+    }
     WgmmaCommit();
     WgmmaWait<1>();  // stage kt-1's wgmmas of this warpgroup completed
     WgmmaFenceOperands(acc);
@@ -728,9 +737,9 @@ __global__ void __launch_bounds__(kXtThreads, 1)
   WgmmaWait<0>();
   WgmmaFenceOperands(acc);
   if constexpr (DB) WgmmaFenceOperands(acc_db);
-  if (DB && blockIdx.y < 4 && (tid & 3) == 0) {  // rows 16 wq + lane / 4 and + 8 of the warpgroup's 64
+  if (DB && blockIdx.y < kWays && (tid & 3) == 0) {  // rows 16 wq + lane / 4 and + 8 of the warpgroup's 64
     const int r = 64 * wg + 16 * (warp & 3) + ((tid & 31) >> 2);
-    float* plane = p.db_partial + (static_cast<int64_t>(blockIdx.z) * p.db_ways + blockIdx.y) * p.rows + row0;
+    float* plane = p.db_partial + (static_cast<int64_t>(blockIdx.z) * kWays + blockIdx.y) * p.rows + row0;
     plane[r] = acc_db[0];
     plane[r + 8] = acc_db[2];
   }
@@ -812,7 +821,7 @@ struct Partials {
 };
 
 // The bias gradient's output (the handler's third result, R floats) and how many column tiles share its token
-// tiles (SddmmParams::db_ways); out null: none asked for.
+// tiles (DbWays, the planes each token range writes); out null: none asked for.
 struct BiasGrad {
   float* out = nullptr;
   int ways = 0;
@@ -836,7 +845,6 @@ ffi::Error LaunchSplit(cudaStream_t stream, SddmmParams p, int split, int tiles,
   splits = splits > 1 ? (all_kt + p.kt_per_split - 1) / p.kt_per_split : 1;  // no empty range
   p.partial = splits > 1 ? partials.data : nullptr;
   p.db_partial = db.out != nullptr ? partials.data + (splits > 1 ? splits * n : 0) : nullptr;
-  p.db_ways = db.ways;
   if (ffi::Error e = launch(p, splits); e.failure() || (splits == 1 && db.out == nullptr)) return e;
   const int64_t n_values = splits > 1 ? n : 0, rows = db.out != nullptr ? p.rows : 0;
   const int blocks = static_cast<int>(std::min<int64_t>(((n_values + rows) / 4 + 255) / 256, 4 * SmCount()));
@@ -846,16 +854,16 @@ ffi::Error LaunchSplit(cudaStream_t stream, SddmmParams p, int split, int tiles,
 }
 
 // x^T [K, T] (x_layout = 1): the x^T engine, the only one that reads it; with XROW (2:4), the same engine on
-// x [T, K] (x_layout = 0), chosen by Dispatch.
-template <typename T, bool XROW, bool DB>
+// x [T, K] (x_layout = 0), chosen by Dispatch. DBK > 0: with the bias gradient (DBK k16 steps a stage per CTA).
+template <typename T, bool XROW, int DBK>
 ffi::Error LaunchXtKernel(cudaStream_t stream, const SddmmParams& p, int split, const Partials& partials, float* db_out) {
-  constexpr auto kernel = SddmmWgmmaXtKernel<T, XROW, DB>;
+  constexpr auto kernel = SddmmWgmmaXtKernel<T, XROW, DBK>;
   const std::string what = XROW ? "jaxsparse_sddmm: the tma engine" : "jaxsparse_sddmm: x^T (x_layout 1)";
   if (!Sm90aImageLoaded<kernel>()) return ffi::Error::InvalidArgument(what + " needs an sm_90a build on a Hopper GPU");
   if (p.rows % kXtBR || (!XROW && p.tokens % 8))
     return ffi::Error::InvalidArgument(what + (XROW ? " needs R % 128 == 0" : " needs R % 128 == 0 and T % 8 == 0"));
   using L = XtLayout<XROW>;
-  constexpr int kSmem = DB ? L::kSmemBytesDb : L::kSmemBytes;
+  constexpr int kSmem = DBK > 0 ? L::kSmemBytesDb : L::kSmemBytes;
   if (ffi::Error e = RaiseSmemLimit<kernel>(kSmem, "cudaFuncSetAttribute(SddmmWgmmaXtKernel)"); e.failure()) return e;
   CUtensorMap tma_dy{}, tma_xt{};
   if (!MakeTensorMap2d(&tma_dy, p.dy, p.tokens, p.rows, kXtBT) ||
@@ -863,10 +871,10 @@ ffi::Error LaunchXtKernel(cudaStream_t stream, const SddmmParams& p, int split, 
       (!XROW && p.cols == nullptr && !MakeTensorMap2d(&tma_xt, p.x, p.k, p.tokens, L::kNC)))
     return ffi::Error::Internal("jaxsparse_sddmm: cuTensorMapEncodeTiled failed for the x^T engine");
   const int gy = (p.groups + L::kGC - 1) / L::kGC;
-  if (DB && gy < kDbWays)  // (jaxsparse.ffi.calls.sddmm_bias_grad_fused asks for it only where gy >= 4)
-    return ffi::Error::InvalidArgument(what + ": the bias gradient needs at least 4 column tiles of 64 groups "
-                                              "(K >= 772 at 2:4)");
-  const BiasGrad db{db_out, DB ? kDbWays : 0};
+  if (gy < DbWays(DBK))  // (jaxsparse.ffi.calls.sddmm_bias_grad_fused asks for it only where the grid has them)
+    return ffi::Error::InvalidArgument(what + ": the bias gradient needs at least " + std::to_string(DbWays(DBK)) +
+                                       " column tiles of " + std::to_string(L::kGC) + " groups");
+  const BiasGrad db{db_out, DbWays(DBK)};
   return LaunchSplit<T>(
       stream, p, split, (p.rows / kXtBR) * gy, kXtBT, partials,
       [&](const SddmmParams& q, int z) {
@@ -876,12 +884,18 @@ ffi::Error LaunchXtKernel(cudaStream_t stream, const SddmmParams& p, int split, 
       1, db);
 }
 
+// With the bias gradient (db_out): the tma engine (XROW) shares a stage's four k16 steps over four column tiles (it
+// is asked for only where the grid has them); the x^T engine, whose tiles hold half as many groups, over two column
+// tiles where it has them, else every CTA takes all four.
 template <typename T, bool XROW>
 ffi::Error LaunchXt(cudaStream_t stream, const SddmmParams& p, int split, const Partials& partials, float* db_out) {
+  if (db_out == nullptr) return LaunchXtKernel<T, XROW, 0>(stream, p, split, partials, nullptr);
   if constexpr (XROW) {
-    if (db_out != nullptr) return LaunchXtKernel<T, true, true>(stream, p, split, partials, db_out);
+    return LaunchXtKernel<T, true, 1>(stream, p, split, partials, db_out);
+  } else {
+    if (p.groups > XtLayout<false>::kGC) return LaunchXtKernel<T, false, 2>(stream, p, split, partials, db_out);
+    return LaunchXtKernel<T, false, 4>(stream, p, split, partials, db_out);
   }
-  return LaunchXtKernel<T, XROW, false>(stream, p, split, partials, nullptr);
 }
 
 template <typename T, int M>
@@ -918,16 +932,18 @@ ffi::Error Launch(cudaStream_t stream, const SddmmParams& p, int split, int engi
 }
 
 // The engine for (m, engine, x_layout) as the handler chooses it. A bias gradient (db_out) is computed by the tma
-// engine only; elsewhere asking for one is an error, which jaxsparse.ffi.calls.sddmm_bias_grad_fused predicts.
+// engine and the x^T engine only; elsewhere asking for one is an error, which
+// jaxsparse.ffi.calls.sddmm_bias_grad_fused predicts.
 template <typename T>
 ffi::Error Dispatch(cudaStream_t stream, const SddmmParams& p, int m, int split, int engine, int x_layout,
                     const Partials& partials, float* db_out) {
   const auto no_db = [&]() -> ffi::Error {
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: the bias gradient (a third result of R floats) is computed "
-                                       "by the tma engine only (x [T, K], M = 4 or the 2:4 view, R % 128 == 0, an "
-                                       "sm_90a build on a Hopper GPU); pass an empty third result elsewhere");
+                                       "by the tma engine (x [T, K], M = 4 or the 2:4 view) and the x^T engine "
+                                       "(x_layout 1) only, R % 128 == 0, an sm_90a build on a Hopper GPU; pass an "
+                                       "empty third result elsewhere");
   };
-  if (x_layout == 1) return db_out != nullptr ? no_db() : LaunchXt<T, false>(stream, p, split, partials, nullptr);
+  if (x_layout == 1) return LaunchXt<T, false>(stream, p, split, partials, db_out);
   if (p.x_blocks > 1 || p.x_chunks != nullptr) {  // only the tma engine reads a diagonal block's columns of x
     if (m != 4 || engine == kEngineMma || engine == kEngineWgmma || !Sm90aImageLoaded<SddmmWgmmaXtKernel<T, true>>())
       return ffi::Error::InvalidArgument("jaxsparse_sddmm: x_blocks > 1 and x_chunks run on the tma engine (engine "
@@ -1014,7 +1030,6 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
   p.x_chunks = x_chunks.element_count() != 0 ? x_chunks.typed_data() : nullptr;
   const Partials partials{partial->typed_data(), static_cast<int64_t>(partial->element_count())};
   p.db_partial = nullptr;
-  p.db_ways = 0;
   if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, m, split, engine, x_layout, partials, db_out);
   if (dt == ffi::F16) return Dispatch<__half>(stream, p, m, split, engine, x_layout, partials, db_out);
   return ffi::Error::InvalidArgument("jaxsparse_sddmm: x must be bfloat16 or float16");

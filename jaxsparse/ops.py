@@ -260,15 +260,17 @@ def _forward_from_xt(xt: jax.Array, sw: SparseWeight, bias: Optional[jax.Array])
 
 def _sddmm_kept(kept: jax.Array, dy: jax.Array, sw: SparseWeight, bias: Optional[jax.Array] = None):
     """The SDDMM from what :func:`_forward_keeping_x` kept (x, or x^T on the ``"col"`` route): ``(dvalues, dbias)``,
-    ``dbias`` being ``dy`` summed over tokens in float32 when the layer has a ``bias`` (else None). On the tma engine
-    the SDDMM kernel sums it while it reads ``dy`` (:func:`jaxsparse.ffi.calls.sddmm_bias_grad_fused`); elsewhere
-    it is XLA's reduction."""
-    if linear_x_layout(dy.shape[0], sw) == "col":
-        return _sddmm_from_xt(kept, dy, sw), None if bias is None else reference.bias_grad(dy, jnp.float32)
+    ``dbias`` being ``dy`` summed over tokens in float32 when the layer has a ``bias`` (else None). On the tma and x^T
+    engines the SDDMM kernel sums it while it reads ``dy`` (:func:`jaxsparse.ffi.calls.sddmm_bias_grad_fused`);
+    elsewhere it is XLA's reduction."""
+    col = linear_x_layout(dy.shape[0], sw) == "col"
     if bias is None:
-        return sddmm(kept, dy, sw), None
-    ref = lambda x2, d2, s: (reference.sddmm(x2, d2, s, None), reference.bias_grad(d2, jnp.float32))
-    cuda = lambda x2, d2, s: cuda_calls.sddmm(x2, d2, s, bias_grad=True)
+        return (_sddmm_from_xt(kept, dy, sw) if col else sddmm(kept, dy, sw)), None
+    ref = lambda x2, d2, s: (reference.sddmm(x2.T if col else x2, d2, s, None), reference.bias_grad(d2, jnp.float32))
+    if col:
+        cuda = lambda xt, d2, s: cuda_calls.sddmm_from_xt(xt, d2, s, bias_grad=True)
+    else:
+        cuda = lambda x2, d2, s: cuda_calls.sddmm(x2, d2, s, bias_grad=True)
     with jax.named_scope("jaxsparse_sddmm"):
         return dispatch.call("sddmm", ref, cuda, kept, dy, sw, unsupported=cuda_calls.sddmm_unsupported(sw))
 
@@ -410,10 +412,11 @@ def _blocks_cotangents(x2: jax.Array, dy: jax.Array, sw: SparseWeight, bias: Opt
 
 def _bias_grad_by_xla(tokens: int, sw: SparseWeight, bias: Optional[jax.Array]) -> bool:
     """Whether a layer's bias gradient is XLA's sum of ``dy`` (:func:`_sddmm_kept`): it has a bias and its SDDMM does
-    not sum it (the ``"col"`` route, or :func:`jaxsparse.ffi.calls.sddmm_bias_grad_fused` false)."""
+    not sum it (:func:`jaxsparse.ffi.calls.sddmm_bias_grad_fused`, on the layer's route)."""
     if bias is None:
         return False
-    return linear_x_layout(tokens, sw) == "col" or not cuda_calls.sddmm_bias_grad_fused(tokens, sw)
+    col = linear_x_layout(tokens, sw) == "col"  # else sddmm() picks its own x layout, as the predicate does
+    return not cuda_calls.sddmm_bias_grad_fused(tokens, sw, x_layout="col" if col else None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

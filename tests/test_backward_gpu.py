@@ -324,13 +324,13 @@ def test_backward_no_transpose_in_hlo():
 # ----------------------------------------------------------------------------- the SDDMM's bias gradient
 
 
-def _check_sddmm_bias_grad(x, dy, sw, split=1, engine="auto"):
+def _check_sddmm_bias_grad(x, dy, sw, split=1, engine="auto", x_layout="row"):
     """``calls.sddmm(..., bias_grad=True)`` into poisoned memory: the values as :func:`_check_sddmm` checks them, and
     every one of the R sums against ``dy`` summed over tokens in float64 (float32 accumulation of 16-bit values: only
     the order differs). The kernel must take the sum: the handler's call returns it (its third result, R floats)."""
     r = sw.shape[1]
-    assert calls.sddmm_bias_grad_fused(x.shape[0], sw, engine, "row")
-    fn = jax.jit(lambda x, dy, sw: calls.sddmm(x, dy, sw, None, split, engine, "row", bias_grad=True))
+    assert calls.sddmm_bias_grad_fused(x.shape[0], sw, engine, x_layout)
+    fn = jax.jit(lambda x, dy, sw: calls.sddmm(x, dy, sw, None, split, engine, x_layout, bias_grad=True))
     call = [line for line in fn.lower(x, dy, sw).as_text().splitlines() if "jaxsparse_sddmm" in line]
     assert call and f"tensor<{r}xf32>" in call[0], call
     poison(sw.values.shape, sw.values.dtype)
@@ -365,6 +365,34 @@ def test_sddmm_bias_grad_fp16_and_explicit_engine(spec):
     _skip_unless_engine(spec, "tma")
     x, dy, sw = _make(key("sddmm-bias-fp16", spec), 777, 1024, 256, spec, jnp.float16)
     _check_sddmm_bias_grad(x, dy, sw, 2, "tma")
+
+
+# The x^T engine (x_layout "col"): 32 groups a column tile; K / M groups give one column tile (every CTA adds all four
+# k16 steps of a stage), two (two steps each), three (the third's CTAs write nothing) and four.
+BIAS_GRAD_COL_CASES = [("2:4", 128), ("2:4", 512), ("64:2:8", 256), ("64:2:8", 768), ("64:2:8", 1024),
+                       ("128:2:16", 512), ("128:2:16", 1024), ("128:2:16", 1536), ("128:2:32", 1024)]
+
+
+@pytest.mark.parametrize("spec,k", BIAS_GRAD_COL_CASES)
+@pytest.mark.parametrize("t,split", [(8, 1), (200, 3), (1000, 1), (1000, 0)], ids=["t8", "t200-split3", "t1000",
+                                                                              "t1000-auto"])
+def test_sddmm_bias_grad_col_major_x(spec, k, t, split):
+    """The x^T engine sums dy over tokens for the bias gradient at tails of tokens and of column tiles, through
+    :func:`calls.sddmm` (after its transpose) and :func:`calls.sddmm_from_xt`."""
+    _skip_unless_col()
+    x, dy, sw = _make(key("sddmm-bias-col", spec, k, t, split), t, k, 384, spec, jnp.bfloat16)
+    _check_sddmm_bias_grad(x, dy, sw, split, "auto", "col")
+    poison((384,), jnp.float32)
+    _, dbias = jax.jit(lambda xt, dy, sw: calls.sddmm_from_xt(xt, dy, sw, split=split, bias_grad=True))(x.T, dy, sw)
+    np.testing.assert_array_equal(np.asarray(dbias), np.asarray(jax.jit(
+        lambda x, dy, sw: calls.sddmm(x, dy, sw, None, split, None, "col", bias_grad=True))(x, dy, sw)[1]))
+
+
+@pytest.mark.parametrize("spec", ["64:2:8", "128:2:16"])
+def test_sddmm_bias_grad_col_major_x_fp16(spec):
+    _skip_unless_col()
+    x, dy, sw = _make(key("sddmm-bias-col-fp16", spec), 776, 1024, 256, spec, jnp.float16)
+    _check_sddmm_bias_grad(x, dy, sw, 2, "auto", "col")
 
 
 def test_sddmm_bias_grad_elsewhere_is_xlas_sum(monkeypatch):

@@ -193,13 +193,16 @@ def _mlp_operands(rng, spec: str, blocks: int, t: int, k: int, f: int, r: int):
 
 
 @needs_hopper
-@pytest.mark.parametrize("spec, blocks, auto_on", [("64:2:8", 2, True), ("128:2:16", 4, False)])
-def test_dz_epilogue_equals_xlas_multiply(monkeypatch, spec, blocks, auto_on):
+@pytest.mark.parametrize("spec, blocks, sddmm_bias", [("64:2:8", 2, "on"), ("128:2:16", 4, "on"),
+                                                      ("128:2:16", 4, "off")])
+def test_dz_epilogue_equals_xlas_multiply(monkeypatch, spec, blocks, sddmm_bias):
     """``sparse_mlp`` with a diagonal second layer: with ``JAXSPARSE_DZ_EPILOGUE=on`` its input gradient's call takes
     ``act'`` as ``mul`` and XLA's multiply is gone; every gradient is bit for bit the one of ``off`` (the same float32
     products, rounded the same way), except FFN in's bias gradient where XLA sums ``dz`` (equal within rounding).
-    ``auto`` takes the epilogue at 64:2:8, where FFN in's SDDMM (the tma engine on the 2:4 view, K = 1024) sums the
-    bias gradient, and not at 128:2:16, where FFN in runs the x^T route and XLA sums ``dz``."""
+    ``auto`` takes the epilogue where FFN in's SDDMM sums the bias gradient (the tma engine on the 2:4 view at 64:2:8,
+    K = 1024; the x^T engine at 128:2:16), not where XLA sums ``dz`` (``JAXSPARSE_SDDMM_BIAS=off``)."""
+    monkeypatch.setenv("JAXSPARSE_SDDMM_BIAS", sddmm_bias)
+    auto_on = sddmm_bias == "on"
     t, f, r = 1000, 2048, 512
     x, dy, sw1, b1, sw2 = _mlp_operands(key("dz_epilogue", spec), spec, blocks, t, 1024, f, r)
     b2 = jnp.ones((r,), jnp.bfloat16)

@@ -323,7 +323,7 @@ def test_sddmm_partial_buffer_holds_every_split_the_handler_takes(sms):
 
 def test_sddmm_bias_grad_fused_setting_and_narrow_weights(monkeypatch):
     """The kernel's bias gradient: a bad ``JAXSPARSE_SDDMM_BIAS`` raises naming it; a weight of under four column
-    tiles of the tma engine (K < 772) or ``off`` leave the sum to XLA."""
+    tiles of the tma engine (K < 772) or ``off`` leave the sum to XLA; the x^T engine sums it at any width."""
     from jaxsparse.ffi import calls
 
     narrow = F.compress(jnp.ones((512, 256), jnp.bfloat16), F.select_mask(jnp.ones((512, 256)), "2:4"), "2:4")
@@ -333,8 +333,10 @@ def test_sddmm_bias_grad_fused_setting_and_narrow_weights(monkeypatch):
         calls.sddmm_bias_grad_fused(100, wide)
     monkeypatch.setenv(calls.SDDMM_BIAS_ENV, "on")
     assert not calls.sddmm_bias_grad_fused(100, narrow, engine="tma", x_layout="row")
+    assert calls.sddmm_bias_grad_fused(104, narrow, x_layout="col")  # the x^T engine: any number of column tiles
     monkeypatch.setenv(calls.SDDMM_BIAS_ENV, "off")
     assert not calls.sddmm_bias_grad_fused(100, wide, engine="tma", x_layout="row")
+    assert not calls.sddmm_bias_grad_fused(104, narrow, x_layout="col")
 
 
 def test_dz_epilogue_setting(monkeypatch):

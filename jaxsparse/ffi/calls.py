@@ -526,16 +526,19 @@ def _sddmm_on_view(sw: SparseWeight, engine: str | None) -> bool:
 
 def sddmm_bias_grad_fused(tokens: int, sw: SparseWeight, engine: str | None = None,
                           x_layout: str | None = None) -> bool:
-    """Whether :func:`sddmm` with ``bias_grad=True`` takes the bias gradient from the kernel: where the call runs the
-    tma engine on ``x [T, K]`` (2:4, or a V:2:M weight's 2:4 view; ``R % 128 == 0``; a Hopper GPU) over at least
-    :data:`SDDMM_BIAS_WAYS` column tiles (``K >= 772``), whose CTAs also sum ``dy`` over their tokens, one k16 step
-    of each stage per column tile (docs/kernel-notes.md, sessions 44 and 45). Elsewhere the sum is XLA's.
-    ``JAXSPARSE_SDDMM_BIAS=off`` turns the kernel's sum off."""
+    """Whether :func:`sddmm` with ``bias_grad=True`` takes the bias gradient from the kernel, whose CTAs also sum
+    ``dy`` over their tokens (m64n8k16 products against a tile of ones, a stage's four k16 steps shared out over
+    column tiles; docs/kernel-notes.md, sessions 44 to 46): where the call runs the x^T engine (``x_layout``
+    ``"col"``, :func:`sddmm_x_layout`; any number of column tiles), or the tma engine on ``x [T, K]`` (2:4, or a
+    V:2:M weight's 2:4 view; ``R % 128 == 0``; a Hopper GPU) over at least :data:`SDDMM_BIAS_WAYS` column tiles
+    (``K >= 772``). Elsewhere the sum is XLA's. ``JAXSPARSE_SDDMM_BIAS=off`` turns the kernel's sum off."""
     mode = _setting(None, SDDMM_BIAS_ENV, "on")
     if mode not in SDDMM_BIAS_MODES:
         raise ValueError(f"{SDDMM_BIAS_ENV} must be one of {SDDMM_BIAS_MODES}, got {mode!r}")
-    if mode == "off" or sddmm_x_layout(tokens, sw, x_layout, engine) != "row":
+    if mode == "off":
         return False
+    if sddmm_x_layout(tokens, sw, x_layout, engine) == "col":
+        return True
     if -(-sw.shape[0] // (4 * SDDMM_TMA_GROUP_TILE)) < SDDMM_BIAS_WAYS:  # the 2:4 view's column tiles
         return False
     return _sddmm_on_tma(sw, engine)
@@ -563,7 +566,8 @@ def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None, split: 
     out = _sddmm_out_dtype("sddmm", "x", x, dy, sw, out_dtype)
     fused = bias_grad and sddmm_bias_grad_fused(x.shape[0], sw, engine, x_layout)
     if sddmm_x_layout(x.shape[0], sw, x_layout, engine) == "col":
-        dvalues, dbias = _sddmm_call(transpose(x), dy, sw, out, split, SDDMM_ENGINES["wgmma"], x_layout=1)
+        dvalues, dbias = _sddmm_call(transpose(x), dy, sw, out, split, SDDMM_ENGINES["wgmma"], x_layout=1,
+                                     bias_grad=fused)
     elif _sddmm_on_view(sw, engine):
         # V:2:M through its 2:4 view: the gradient at every 2:4 slot, then back to sw's values.
         sw24, slots = as_2_4(sw)
@@ -573,19 +577,25 @@ def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None, split: 
         dvalues, dbias = _sddmm_call(x, dy, sw, out, split, sddmm_engine(engine), x_layout=0, bias_grad=fused)
     if not bias_grad:
         return dvalues
-    return dvalues, dbias if fused else dy.sum(axis=0, dtype=jnp.float32)
+    return dvalues, dbias if fused else reference.bias_grad(dy, jnp.float32)
 
 
 def sddmm_from_xt(xt: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None,
-                  split: int | str | None = None) -> jax.Array:
+                  split: int | str | None = None, bias_grad: bool = False):
     """:func:`sddmm` from ``x^T [K, T]`` (the Hopper x^T engine; what ``x_layout="col"`` runs after
-    :func:`transpose`). Needs ``T % 8 == 0``, ``R % 128 == 0`` and a Hopper GPU, besides :func:`sddmm`'s list."""
+    :func:`transpose`). Needs ``T % 8 == 0``, ``R % 128 == 0`` and a Hopper GPU, besides :func:`sddmm`'s list. With
+    ``bias_grad`` the result is the pair ``(dvalues, dbias)`` as :func:`sddmm`'s, the sum the kernel's unless
+    ``JAXSPARSE_SDDMM_BIAS=off`` (:func:`sddmm_bias_grad_fused`)."""
     k, r = sw.shape
     if xt.ndim != 2 or dy.ndim != 2 or xt.shape != (k, dy.shape[0]) or dy.shape[1] != r:
         raise ValueError(f"sddmm_from_xt: need x^T [{k}, T] and dy [T, {r}], got {xt.shape} and {dy.shape}")
     out = _sddmm_out_dtype("sddmm_from_xt", "x^T", xt, dy, sw, out_dtype)
     sddmm_x_layout(dy.shape[0], sw, "col")  # raises ValueError naming the constraint the shapes miss
-    return _sddmm_call(xt, dy, sw, out, split, SDDMM_ENGINES["wgmma"], x_layout=1)[0]
+    fused = bias_grad and sddmm_bias_grad_fused(dy.shape[0], sw, x_layout="col")
+    dvalues, dbias = _sddmm_call(xt, dy, sw, out, split, SDDMM_ENGINES["wgmma"], x_layout=1, bias_grad=fused)
+    if not bias_grad:
+        return dvalues
+    return dvalues, dbias if fused else reference.bias_grad(dy, jnp.float32)
 
 
 def _sddmm_out_dtype(name: str, x_name: str, x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype) -> np.dtype:
@@ -611,7 +621,7 @@ SDDMM_MIN_STAGE_TOKENS = 32
 SDDMM_SM_BOUND = 256  # SMs of any GPU this sizes for (the H100 has 132)
 
 
-SDDMM_BIAS_WAYS = 4  # column tiles whose CTAs write the kernel's bias gradient (cuda/sddmm.cu, kDbWays)
+SDDMM_BIAS_WAYS = 4  # the most column tiles whose CTAs write the kernel's bias gradient (cuda/sddmm.cu, DbWays)
 SDDMM_TMA_GROUP_TILE = 64  # groups of 4 per CTA of the tma engine (cuda/sddmm.cu, XtLayout<true>::kGC)
 
 
@@ -641,7 +651,7 @@ def _sddmm_call(x: jax.Array, dy: jax.Array, sw: SparseWeight, out, split, engin
                 x_blocks: int = 1, x_chunks=None, bias_grad: bool = False) -> tuple[jax.Array, jax.Array | None]:
     """The ``jaxsparse_sddmm`` call, operands checked: ``x`` is ``[T, K]`` (x_layout 0) or ``x^T [K, T]`` (1).
     Returns ``(dvalues, dbias)``: ``dbias`` (``dy`` summed over tokens, float32 ``[R]``) only with ``bias_grad``,
-    which only the tma engine takes (:func:`sddmm_bias_grad_fused`), else None.
+    which only the tma and x^T engines take (:func:`sddmm_bias_grad_fused`), else None.
 
     Its second result is the token split's float32 buffer (:func:`sddmm_partial_elements`), dropped here: an
     XLA buffer rather than scratch memory, so XLA may record the call into its command buffers."""
