@@ -318,42 +318,35 @@ __device__ __forceinline__ void StoreStagedTile(const unsigned char* tile, int r
   }
   // One loop per kind of extra work, chosen once: a branch inside the loop body keeps the compiler from overlapping
   // one chunk's math with the next (session 30: act_mode 2's staging ran 2.2x slower with the table test inside it).
-  auto store_all = [&](auto with_extra, auto activate) {
+  // `transform(v4, d4, i)` turns chunk i's staged values into y's (and, with_y2, y2's in d4).
+  auto store_all = [&](auto with_y2, auto transform) {
     for (int i = thread; i < kTotal; i += THREADS) {
       if (tok0 + i / kChunks < tokens) {
-        uint4 v4 = staged(i);
-        if constexpr (decltype(with_extra)::value) {
-          uint4 d4;
-          activate(v4, d4);
-          *reinterpret_cast<uint4*>(static_cast<T*>(extra.y2) + at(i)) = d4;
-        }
+        uint4 v4 = staged(i), d4;
+        transform(v4, d4, i);
+        if constexpr (decltype(with_y2)::value) *reinterpret_cast<uint4*>(static_cast<T*>(extra.y2) + at(i)) = d4;
         *reinterpret_cast<uint4*>(y + at(i)) = v4;
       }
     }
   };
   if (extra.mul != nullptr) {  // (no y2: the handler allows mul with act_mode 0 only)
-    for (int i = thread; i < kTotal; i += THREADS) {
-      if (tok0 + i / kChunks < tokens) {
-        uint4 v4 = staged(i);
-        MulChunk<T>(v4, *reinterpret_cast<const uint4*>(extra.mul + (i / kChunks) * extra.mul_row_bytes +
-                                                        (i % kChunks) * 16));
-        *reinterpret_cast<uint4*>(y + at(i)) = v4;
-      }
-    }
+    store_all(std::false_type{}, [&](uint4& v4, uint4&, int i) {
+      MulChunk<T>(v4, *reinterpret_cast<const uint4*>(extra.mul + (i / kChunks) * extra.mul_row_bytes + (i % kChunks) * 16));
+    });
     return;
   }
   if (extra.y2 == nullptr) {
-    store_all(std::false_type{}, [](uint4&, uint4&) {});
+    store_all(std::false_type{}, [](uint4&, uint4&, int) {});
     return;
   }
   if constexpr (std::is_same<T, __nv_bfloat16>::value) {
     if (extra.table != nullptr) {
       store_all(std::true_type{},
-                [&](uint4& v4, uint4& d4) { ActGradChunkTable(v4, d4, extra.table, extra.activation); });
+                [&](uint4& v4, uint4& d4, int) { ActGradChunkTable(v4, d4, extra.table, extra.activation); });
       return;
     }
   }
-  store_all(std::true_type{}, [&](uint4& v4, uint4& d4) { ActGradChunkFormula<T>(v4, d4, extra.activation); });
+  store_all(std::true_type{}, [&](uint4& v4, uint4& d4, int) { ActGradChunkFormula<T>(v4, d4, extra.activation); });
 }
 
 // Two floats as one 32-bit word of two 16-bit values (lo in the low half).

@@ -701,17 +701,15 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         StageXtAccumulators<T, NW, NCH, (L::kEpiChunks > 1 ? L::kEpiTokens : 0)>(acc, ytile, L::kYRowBytes, p, row0,
                                                                                  64 * wr, wt * WN, wq, lane, ch);
         NamedBarSync(1, 256);
-        if (p.mul != nullptr) {  // the chunk's mul, in ring slot (it + ch) % STAGES
-          const int s = (it + ch) % STAGES;
-          MbarWait(full0 + 8 * s, ((it + ch) / STAGES) & 1);
-          StoreStagedTile<T, L::kEpiTokens, BR, 256>(ytile, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows,
-                                                     tok0 + ch * L::kEpiTokens, row0, ctid,
-                                                     Extra(p, table, smem + s * L::kStageBytes, BR * 2));
+        const bool mul = p.mul != nullptr;  // the chunk's mul, in ring slot (it + ch) % STAGES
+        const int s = (it + ch) % STAGES;
+        if (mul) MbarWait(full0 + 8 * s, ((it + ch) / STAGES) & 1);
+        StoreStagedTile<T, L::kEpiTokens, BR, 256>(
+            ytile, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows, tok0 + ch * L::kEpiTokens, row0, ctid,
+            Extra(p, table, mul ? smem + s * L::kStageBytes : nullptr, BR * 2));
+        if (mul) {
           __syncwarp();
           if (lane == 0) MbarArrive(empty0 + 8 * s);  // this warp's reads of the slot are done
-        } else {
-          StoreStagedTile<T, L::kEpiTokens, BR, 256>(ytile, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows,
-                                                     tok0 + ch * L::kEpiTokens, row0, ctid, Extra(p, table));
         }
       }
       if (p.mul != nullptr) it += L::kEpiChunks;
