@@ -575,9 +575,7 @@ def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None, split: 
         dvalues = jnp.take_along_axis(dvalues, slots, axis=1)
     else:
         dvalues, dbias = _sddmm_call(x, dy, sw, out, split, sddmm_engine(engine), x_layout=0, bias_grad=fused)
-    if not bias_grad:
-        return dvalues
-    return dvalues, dbias if fused else reference.bias_grad(dy, jnp.float32)
+    return _sddmm_result(dvalues, dbias, dy, bias_grad, fused)
 
 
 def sddmm_from_xt(xt: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None,
@@ -593,6 +591,12 @@ def sddmm_from_xt(xt: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None
     sddmm_x_layout(dy.shape[0], sw, "col")  # raises ValueError naming the constraint the shapes miss
     fused = bias_grad and sddmm_bias_grad_fused(dy.shape[0], sw, x_layout="col")
     dvalues, dbias = _sddmm_call(xt, dy, sw, out, split, SDDMM_ENGINES["wgmma"], x_layout=1, bias_grad=fused)
+    return _sddmm_result(dvalues, dbias, dy, bias_grad, fused)
+
+
+def _sddmm_result(dvalues: jax.Array, dbias: jax.Array | None, dy: jax.Array, bias_grad: bool, fused: bool):
+    """What :func:`sddmm` and :func:`sddmm_from_xt` return: ``dvalues``, or with ``bias_grad`` the pair ``(dvalues,
+    dbias)``, ``dbias`` the kernel's sum where ``fused``, else XLA's (:func:`jaxsparse.reference.bias_grad`)."""
     if not bias_grad:
         return dvalues
     return dvalues, dbias if fused else reference.bias_grad(dy, jnp.float32)
