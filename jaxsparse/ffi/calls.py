@@ -398,7 +398,8 @@ def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str |
         "jaxsparse_spmm_xt", [first, out if act_mode != 0 else ((0,), xt.dtype)], xt, sw.values,
         _columns_operand(sw), sw.metadata, b, _chunks_operand(x_chunks), _chunks_operand(y_chunks),
         _optional_operand(mul, xt.dtype), v=np.int32(sw.spec.v), m=np.int32(sw.spec.m),
-        activation=np.int32(ACTIVATION_CODES[activation]), act_mode=np.int32(act_mode), tile=np.int32(tile_id), x_rows=np.int32(x_rows), act_table=np.int32(act_table()),
+        activation=np.int32(ACTIVATION_CODES[activation]), act_mode=np.int32(act_mode), tile=np.int32(tile_id),
+        x_rows=np.int32(x_rows), act_table=np.int32(act_table()),
         x_blocks=np.int32(x_blocks),
     )
     return tuple(results) if act_mode != 0 else results[0]
