@@ -7,7 +7,7 @@ since session 28), on every tile that takes it (``calls.SPMM_XT_TILES``; the war
 act_mode 2), and XLA's dense product for scale. Median of ``common.time_jax``; one process, so the rows compare.
 Writes ``benchmarks/results/<gpu>/xt_tiles.json``.
 
-  python3 benchmarks/xt_tiles.py [--specs 128:2:16,128:2:32]
+  python3 benchmarks/xt_tiles.py [--specs 128:2:16,128:2:32] [--tiles auto,128x128,p128x128] [--modes "plain,act 1"]
 """
 
 from __future__ import annotations
@@ -27,16 +27,29 @@ SHAPES = {"qkvo": (1024, 1024), "ffn_in": (1024, 4096), "ffn_out": (4096, 1024)}
 MODES = {"plain": {}, "act 1": {"with_derivative": True}, "act 2": {"with_derivative": True, "transpose_out": True}}
 
 
+def calls_tiles() -> list[str]:
+    """Every x^T tile name (``calls.SPMM_XT_TILES``)."""
+    from jaxsparse.ffi import calls
+
+    return list(calls.SPMM_XT_TILES)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--specs", default="128:2:16,128:2:32")
     ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--tiles", default=",".join(calls_tiles()), help="comma-separated tile names (default: all)")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated epilogue modes (default: all)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
     from jaxsparse import format as F
     from jaxsparse.ffi import calls
 
+    tiles, modes = a.tiles.split(","), a.modes.split(",")
+    for name, chosen, known in (("tile", tiles, calls.SPMM_XT_TILES), ("mode", modes, MODES)):
+        if unknown := [c for c in chosen if c not in known]:
+            ap.error(f"unknown {name}(s) {unknown}; choose from {list(known)}")
     if common.missing_gpu_extension("xt_tiles.py"):
         return 1
     dt, t = jnp.bfloat16, a.tokens  # common.layer_operands' dtype
@@ -50,9 +63,10 @@ def main(argv=None) -> int:
             dense = common.time_jax(jax.jit(lambda x: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(dt)),
                                     xs)
             rows.append(dict(spec=spec, shape=shape, k=k, n=n, mode="xla dense", tile="-", ms=round(dense, 4)))
-            for mode, kw in MODES.items():
+            for mode in modes:
+                kw = MODES[mode]
                 act = "gelu_erf" if kw else None
-                for tile in calls.SPMM_XT_TILES:
+                for tile in tiles:
                     if kw.get("transpose_out") and calls.transpose_out_problem(tile):
                         continue
                     fn = jax.jit(lambda xt, tile=tile, kw=kw, act=act: calls.spmm_from_xt(xt, sw, bias, act, tile=tile,
