@@ -7,7 +7,7 @@ since session 28), on every tile that takes it (``calls.SPMM_XT_TILES``; the war
 act_mode 2), and XLA's dense product for scale. Median of ``common.time_jax``; one process, so the rows compare.
 Writes ``benchmarks/results/<gpu>/xt_tiles.json``.
 
-  python3 benchmarks/xt_tiles.py [--specs 128:2:16,128:2:32] [--tiles auto,128x128,p128x128] [--modes "plain,act 1"]
+  python3 benchmarks/xt_tiles.py [--specs 128:2:16,128:2:32] [--tiles auto,128x128,128x256] [--modes "plain,act 1"]
 """
 
 from __future__ import annotations

@@ -94,11 +94,7 @@ constexpr int kThreads = 256;     // two warpgroups
 constexpr int kColBytes = kKc * 128;  // one 64-wide M/N column of swizzle atoms over the stage's 64 k
 constexpr int kAColBytes = 64 * 64;   // 64 rows of A's 32 stored values (64-byte swizzle) for the stage's 64 k
 
-// Shared memory of the plain tile.  PERSIST (the persistent tiles, SpmmWgmmaXtKernel): the Y tile has a region of
-// its own after the pipeline, because the ring already holds the next tile's first stages while a tile is stored,
-// and the kept-column table is a ring of Tables(p) slots, one per tile in flight; otherwise the Y tile reuses the
-// pipeline's buffers and one table serves the CTA's one tile.
-template <int BR, int BT, int STAGES, bool PERSIST = false>
+template <int BR, int BT, int STAGES>
 struct XtLayout {
   static constexpr int kABytes = (BR / 64) * kAColBytes;
   static constexpr int kBBytes = (BT / 64) * kColBytes;
@@ -109,21 +105,13 @@ struct XtLayout {
   static constexpr int kYRowBytes = BR * 2 + 16;  // [BT tokens][BR features] + pad
   static constexpr int kEpiBytes = BT * kYRowBytes;
   static constexpr int kYtRowBytes = BT * 2 + 16;  // act_mode 2's act(z)^T: [BR features][BT tokens] + pad, after it
-  static constexpr int kEpiTOff = kEpiBytes;       // (the plain tiles only: act_mode 2 does not run persistent)
+  static constexpr int kEpiTOff = kEpiBytes;
   static constexpr int kLoopBytes = kMetaOff + STAGES * kMetaBytes;
-  static_assert(PERSIST || kEpiTOff + BR * kYtRowBytes <= kLoopBytes, "both epilogue tiles fit where the pipeline was");
-  static constexpr int kEpiOff = PERSIST ? kLoopBytes : 0;  // the staged Y tile
-  static constexpr int kColsOff = PERSIST ? kLoopBytes + kEpiBytes : kLoopBytes > kEpiBytes ? kLoopBytes : kEpiBytes;
-  // Column-table slots: a persistent CTA loads the stages of its next tiles STAGES - 2 stages ahead, so up to
-  // 1 + ceil((STAGES - 2) / stages per tile) tiles have loads in flight, each reading its V block's table.
-  __host__ __device__ static int Tables(const SpmmXtParams& p) {
-    const int num_kt = (4 * p.groups + kKc - 1) / kKc;
-    return PERSIST ? 1 + (STAGES - 2 + num_kt - 1) / num_kt : 1;
-  }
-  __host__ __device__ static int TableBytes(const SpmmXtParams& p) { return (4 * p.groups + 15) / 16 * 16; }
-  // The activation table (p.act_table) after the column tables; LaunchTile's shared memory and the kernel both use it.
+  static_assert(kEpiTOff + BR * kYtRowBytes <= kLoopBytes, "both epilogue tiles fit where the pipeline was");
+  static constexpr int kColsOff = kLoopBytes > kEpiBytes ? kLoopBytes : kEpiBytes;  // the block's column bytes
+  // The activation table (p.act_table) after the column bytes; LaunchTile's shared memory and the kernel both use it.
   __host__ __device__ static int TableOff(const SpmmXtParams& p) {
-    return kColsOff + (p.cols != nullptr ? Tables(p) * TableBytes(p) : 0);
+    return kColsOff + (p.cols != nullptr ? (4 * p.groups + 15) / 16 * 16 : 0);
   }
   static_assert(kStageBytes % 1024 == 0, "swizzle atoms are 1024-byte aligned");
 };
@@ -366,16 +354,10 @@ __device__ __forceinline__ void StoreStagedTileT(const unsigned char* tile, int 
   }
 }
 
-// PERSIST (the persistent tiles p128x128 and p64x128, session 48): the grid is at most what the GPU holds at once,
-// and each CTA runs tiles blockIdx.x + j gridDim.x (features fastest, so CTAs running together share x^T rows).  Its
-// stages form one sequence across its tiles (stage g: tile g / num_kt, k stage g % num_kt), so the loads STAGES - 2
-// ahead run on into the next tile while this one finishes its products and stores its Y tile: nothing waits for a
-// pipeline to fill again, which is what a plain CTA of a short reduction (4 stages at 1024-wide inputs and M = 16)
-// spends much of its life on.  act_mode 2 does not run persistent.
-template <typename T, int BR, int BT, int STAGES, int MIN_BLOCKS, bool PERSIST = false>
+template <typename T, int BR, int BT, int STAGES, int MIN_BLOCKS>
 __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const SpmmXtParams p) {
 #ifdef JAXSPARSE_WGMMA
-  using L = XtLayout<BR, BT, STAGES, PERSIST>;
+  using L = XtLayout<BR, BT, STAGES>;
   using W = XtWarps<BR, BT>;
   constexpr int WR = W::WR, WN = W::WN, NW = W::NW, NCH = W::NCH;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -387,113 +369,86 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
   const int wg = warp >> 2, wq = warp & 3;
   const int wr = WR == 2 ? wg : 0;  // feature half of this warpgroup
   const int wt = WR == 2 ? 0 : wg;  // token half
+  const int row0 = blockIdx.x * BR;
+  const int tok0 = blockIdx.y * BT;
   const int kc_total = 4 * p.groups;
   const int num_kt = (kc_total + kKc - 1) / kKc;
-  // This CTA's tiles j = 0 .. my_tiles - 1: with PERSIST tile index blockIdx.x + j gridDim.x, features fastest;
-  // otherwise the one tile (blockIdx.x, blockIdx.y), spelled so that the compiler sees one tile.
-  const int row_tiles = p.rows / BR;
-  const int all_tiles = row_tiles * ((p.tokens + BT - 1) / BT);
-  const int my_tiles = PERSIST ? (all_tiles - static_cast<int>(blockIdx.x) + gridDim.x - 1) / gridDim.x : 1;
-  auto row_of = [&](int j) {
-    return PERSIST ? (static_cast<int>(blockIdx.x) + j * static_cast<int>(gridDim.x)) % row_tiles * BR
-                   : static_cast<int>(blockIdx.x) * BR;
-  };
-  auto tok_of = [&](int j) {
-    return PERSIST ? (static_cast<int>(blockIdx.x) + j * static_cast<int>(gridDim.x)) / row_tiles * BT
-                   : static_cast<int>(blockIdx.y) * BT;
-  };
 
-  // Tile j's V block's kept columns, one byte per condensed k (BR <= V: one block per tile), in table slot j % nslot.
-  const int nslot = L::Tables(p), slot_bytes = L::TableBytes(p);
+  // The V block's kept columns, one byte per condensed k (BR <= V: one block per CTA).
   uint8_t* scol = p.cols != nullptr ? smem + L::kColsOff : nullptr;
-  auto cols_of = [&](int j) -> const uint8_t* { return scol != nullptr ? scol + (j % nslot) * slot_bytes : nullptr; };
-  auto write_cols = [&](int j) {
-    if (scol == nullptr || j >= my_tiles) return;
-    const uint8_t* src = p.cols + static_cast<int64_t>(row_of(j) / p.v) * kc_total;
-    uint8_t* dst = scol + (j % nslot) * slot_bytes;
-    for (int i = tid; i < kc_total; i += kThreads) dst[i] = src[i];
-  };
-  for (int j = 0; j < nslot; ++j) write_cols(j);
+  if (p.cols != nullptr) {
+    const uint8_t* src = p.cols + static_cast<int64_t>(row0 / p.v) * kc_total;
+    for (int i = tid; i < kc_total; i += kThreads) scol[i] = src[i];
+  }
   __syncthreads();
 
   float acc[NCH][NW / 2];
+#pragma unroll
+  for (int c = 0; c < NCH; ++c)
+#pragma unroll
+    for (int i = 0; i < NW / 2; ++i) acc[c][i] = 0.f;
   XtMeta meta(wr, warp & 3, lane, p.groups / 8);
-  // The activation table after the column tables, its copies in the first stage's group.
+  // The activation table after the column bytes, its copies in the first stage's group.
   const int table_off = L::TableOff(p);
   const uint32_t* table = StartActTable<T>(p, smem_base + table_off, smem + table_off, tid, kThreads);
-  // Stage g of the CTA's sequence (operands and metadata words) into ring slot g % STAGES; none past the last tile.
-  auto load = [&](int g) {
-    const int j = PERSIST ? g / num_kt : 0;
-    if (PERSIST ? j >= my_tiles : g >= num_kt) return;
-    const int kt = g - j * num_kt, slot = g % STAGES;
-    LoadXtStage<T, BR, BT, kThreads>(smem_base + slot * L::kStageBytes, kt * kKc, tid, p, row_of(j), tok_of(j),
-                                     cols_of(j));
-    LoadStageMetaWords<BR, kThreads>(smem_base + L::kMetaOff + slot * L::kMetaBytes, p, row_of(j), kt, tid);
+  // Stage s (operands and metadata words) into ring slot s % STAGES.
+  auto load = [&](int s) {
+    LoadXtStage<T, BR, BT, kThreads>(smem_base + (s % STAGES) * L::kStageBytes, s * kKc, tid, p, row0, tok0, scol);
+    LoadStageMetaWords<BR, kThreads>(smem_base + L::kMetaOff + (s % STAGES) * L::kMetaBytes, p, row0, s, tid);
   };
 
 #pragma unroll
   for (int s = 0; s < STAGES - 2; ++s) {
-    load(s);
+    if (s < num_kt) load(s);
     CpAsyncCommit();
   }
-  for (int j = 0; j < my_tiles; ++j) {
-    // Tile j - 1's loads were all issued: its slot takes the table of the last tile the coming loads reach.
-    if (j > 0) write_cols(j + nslot - 1);
-    const int row0 = row_of(j), tok0 = tok_of(j), g0 = j * num_kt;
-#pragma unroll
-    for (int c = 0; c < NCH; ++c)
-#pragma unroll
-      for (int i = 0; i < NW / 2; ++i) acc[c][i] = 0.f;
-    // Stage kt of tile j (parity `odd`), stage g0 + kt of the sequence.
-    auto run_stage = [&](int kt, auto odd) {
-      const int g = g0 + kt;
-      CpAsyncWait<STAGES - 3>();  // this thread's copies of stage g landed
-      FenceProxyAsyncShared();
-      __syncthreads();  // stage g visible to all; every warpgroup's wgmmas up to stage g-2 completed
-      const uint32_t* words = reinterpret_cast<const uint32_t*>(smem + L::kMetaOff + (g % STAGES) * L::kMetaBytes);
-      meta.Load<decltype(odd)::value>(words, kt);
-      load(g + STAGES - 2);  // into the buffer of stage g-2
+  // Stage kt (parity `odd`).
+  auto run_stage = [&](int kt, auto odd) {
+    CpAsyncWait<STAGES - 3>();  // this thread's copies of stage kt landed
+    FenceProxyAsyncShared();
+    __syncthreads();  // stage kt visible to all; every warpgroup's wgmmas up to stage kt-2 completed
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(smem + L::kMetaOff + (kt % STAGES) * L::kMetaBytes);
+    meta.Load<decltype(odd)::value>(words, kt);
+    {
+      const int next = kt + STAGES - 2;  // into the buffer of stage kt-2
+      if (next < num_kt) load(next);
       CpAsyncCommit();
-#pragma unroll
-      for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
-      WgmmaFence();
-      XtStageMma<T, BR, NW, NCH>(acc, smem_base + (g % STAGES) * L::kStageBytes, wr, wt * WN / 64,
-                                 meta.Operands<decltype(odd)::value>());
-      WgmmaCommit();
-      WgmmaWait<1>();  // stage g-1's products completed
-#pragma unroll
-      for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
-    };
-    for (int kt = 0; kt < num_kt; kt += 2) {
-      run_stage(kt, std::false_type{});
-      if (kt + 1 < num_kt) run_stage(kt + 1, std::true_type{});
     }
-    WgmmaWait<0>();
 #pragma unroll
     for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
-
-    // ---------------------------------------------------------------- epilogue
-    if constexpr (!PERSIST) {
-      CpAsyncWait<0>();
-      __syncthreads();  // no wgmma or copy touches the pipeline buffers any more: reuse them as the Y tile
-      if (p.y_t) {  // act_mode 2: act'(z) [T, R] copied to y2, act(z)^T [R, T] to y
-        StageXtActTransposedAny<T, NW, NCH>(acc, smem, L::kYRowBytes, smem + L::kEpiTOff, L::kYtRowBytes, p, row0,
-                                            64 * wr, wt * WN, wq, lane, table);
-        __syncthreads();
-        StoreStagedTile<T, BT, BR, kThreads>(smem, L::kYRowBytes, static_cast<T*>(p.y2), p.tokens, p.rows, tok0,
-                                             row0, threadIdx.x);
-        StoreStagedTileT<T, BT, BR, kThreads>(smem + L::kEpiTOff, L::kYtRowBytes, static_cast<T*>(p.y), p.tokens,
-                                              tok0, row0, threadIdx.x);
-        continue;
-      }
-    }
-    // Persistent: the Y region was last read by tile j - 1's stores, before this tile's stage barriers.
-    unsigned char* epi = smem + L::kEpiOff;
-    StageXtAccumulators<T, NW, NCH>(acc, epi, L::kYRowBytes, p, row0, 64 * wr, wt * WN, wq, lane);
-    __syncthreads();
-    StoreStagedTile<T, BT, BR, kThreads>(epi, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows, tok0, row0,
-                                         threadIdx.x, Extra(p, table));
+    WgmmaFence();
+    XtStageMma<T, BR, NW, NCH>(acc, smem_base + (kt % STAGES) * L::kStageBytes, wr, wt * WN / 64,
+                               meta.Operands<decltype(odd)::value>());
+    WgmmaCommit();
+    WgmmaWait<1>();  // stage kt-1's products completed
+#pragma unroll
+    for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
+  };
+  for (int kt = 0; kt < num_kt; kt += 2) {
+    run_stage(kt, std::false_type{});
+    if (kt + 1 < num_kt) run_stage(kt + 1, std::true_type{});
   }
+  WgmmaWait<0>();
+#pragma unroll
+  for (int c = 0; c < NCH; ++c) WgmmaFenceOperands(acc[c]);
+
+  // ---------------------------------------------------------------- epilogue
+  CpAsyncWait<0>();
+  __syncthreads();  // no wgmma or copy touches the pipeline buffers any more: reuse them as the Y tile
+  if (p.y_t) {  // act_mode 2: act'(z) [T, R] copied to y2, act(z)^T [R, T] to y
+    StageXtActTransposedAny<T, NW, NCH>(acc, smem, L::kYRowBytes, smem + L::kEpiTOff, L::kYtRowBytes, p, row0,
+                                        64 * wr, wt * WN, wq, lane, table);
+    __syncthreads();
+    StoreStagedTile<T, BT, BR, kThreads>(smem, L::kYRowBytes, static_cast<T*>(p.y2), p.tokens, p.rows, tok0, row0,
+                                         threadIdx.x);
+    StoreStagedTileT<T, BT, BR, kThreads>(smem + L::kEpiTOff, L::kYtRowBytes, static_cast<T*>(p.y), p.tokens, tok0,
+                                          row0, threadIdx.x);
+    return;
+  }
+  StageXtAccumulators<T, NW, NCH>(acc, smem, L::kYRowBytes, p, row0, 64 * wr, wt * WN, wq, lane);
+  __syncthreads();
+  StoreStagedTile<T, BT, BR, kThreads>(smem, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows, tok0, row0,
+                                       threadIdx.x, Extra(p, table));
 #else
   __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
 #endif
@@ -770,9 +725,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 // Tile configurations <BR features, BT tokens, stages, CTAs per SM>; the attribute `tile` picks one
 // (0 = auto).  BR = 64 is the only choice for V = 64 (one column set per CTA).
 // 5 and 6 are the warp-specialized persistent kernel (SpmmWgmmaXtWsKernel) at 128x256 and 64x256 (the only
-// tiles that read x [T, K], x_rows 1; at 128x256 on m64n256 products there).  7 and 8 are the plain kernel's 128x128
-// and 64x128 tiles made persistent (PERSIST: one CTA an SM, a 6-stage ring whose loads run on into the CTA's next
-// tile; session 48).  The 128x128 tile runs a 4-stage ring
+// tiles that read x [T, K], x_rows 1; at 128x256 on m64n256 products there).  The 128x128 tile runs a 4-stage ring
 // (loads two stages ahead; two CTAs an SM still fit): 1-13 % faster than 3 stages in all 18 pairs of BERT-large
 // shape and epilogue mode (session 29, benchmarks/xt_tiles.py); a fifth stage for 128x256 gained nothing consistent.
 enum XtTile {
@@ -783,37 +736,21 @@ enum XtTile {
   kTile64x128 = 4,
   kTileWs128x256 = 5,
   kTileWs64x256 = 6,
-  kTileP128x128 = 7,
-  kTileP64x128 = 8,
 };
 
-// The attribute `persist`: whether the auto tile of a V:2:M weight on x^T may be a persistent one (kTileP128x128,
-// kTileP64x128) where it would be the plain 128x128 or 64x128 tile.
-enum XtPersist { kPersistAuto = 0, kPersistOn = 1, kPersistOff = 2 };
-
-template <typename T, int BR, int BT, int STAGES, int MIN_BLOCKS, bool PERSIST = false>
+template <typename T, int BR, int BT, int STAGES, int MIN_BLOCKS>
 ffi::Error LaunchTile(cudaStream_t stream, const SpmmXtParams& p) {
-  constexpr auto kernel = SpmmWgmmaXtKernel<T, BR, BT, STAGES, MIN_BLOCKS, PERSIST>;
+  constexpr auto kernel = SpmmWgmmaXtKernel<T, BR, BT, STAGES, MIN_BLOCKS>;
   if (!Sm90aImageLoaded<kernel>())
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: needs an sm_90a build on a Hopper GPU");
-  if (PERSIST && p.y_t)
-    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: act_mode 2 (y^T) does not run on the persistent tiles");
-  using L = XtLayout<BR, BT, STAGES, PERSIST>;
+  using L = XtLayout<BR, BT, STAGES>;
   const int smem = L::TableOff(p) + (p.act_table ? kActTableBytes : 0) + 1024;
   if (smem > 227 * 1024)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: K too large for the column table in shared memory (4G = " +
                                        std::to_string(4 * p.groups) + " bytes)");
   if (ffi::Error e = RaiseSmemLimit<kernel>(227 * 1024, "cudaFuncSetAttribute(SpmmWgmmaXtKernel)"); e.failure())
     return e;
-  dim3 grid(p.rows / BR, (p.tokens + BT - 1) / BT);
-  if (PERSIST) {  // as many CTAs as the GPU holds at once, at most one a tile
-    int per_sm = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) != cudaSuccess || per_sm < 1)
-      return ffi::Error::Internal("jaxsparse_spmm_xt: no persistent CTA fits an SM (" + std::to_string(smem) +
-                                  " bytes of shared memory)");
-    grid = dim3(static_cast<unsigned>(std::min<int64_t>(static_cast<int64_t>(grid.x) * grid.y,
-                                                        static_cast<int64_t>(per_sm) * SmCount())));
-  }
+  const dim3 grid(p.rows / BR, (p.tokens + BT - 1) / BT);
   kernel<<<grid, kThreads, smem, stream>>>(p);
   return LastLaunchError("SpmmWgmmaXtKernel");
 }
@@ -845,28 +782,25 @@ ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& params) {
 // gathered rows): the warp-specialized TMA kernel.  V:2:M: 128 features where V allows, else 64; 128 tokens (two
 // CTAs per SM, so one CTA's prologue and epilogue overlap the other's main loop) unless the condensed reduction is
 // long (more than 8 stages of 64), where the 256-token tile's reuse of A pays (4096x1024 at 128:2:16: 0.119 ms
-// against 0.129; 1024x4096: 0.167 against 0.162).  With `persist` on, the 128x128 and 64x128 tiles run persistent.
-int AutoTile(const SpmmXtParams& p, bool can128, bool x_rows, int persist) {
+// against 0.129; 1024x4096: 0.167 against 0.162).
+int AutoTile(const SpmmXtParams& p, bool can128, bool x_rows) {
   if (x_rows) return can128 ? kTileWs128x256 : kTileWs64x256;
   if (p.cols == nullptr) return can128 ? kTileWs128x256 : kTileWs64x256;
-  const bool on = persist == kPersistOn && !p.y_t;
-  if (!can128) return on ? kTileP64x128 : kTile64x128;  // 64:2:8 at 1024x4096: 0.328 ms against 0.375 with 64x256
-  if (4 * p.groups > 8 * kKc) return kTile128x256;
-  return on ? kTileP128x128 : kTile128x128;
+  if (!can128) return kTile64x128;  // 64:2:8 at 1024x4096: 0.328 ms against 0.375 with 64x256
+  return 4 * p.groups > 8 * kKc ? kTile128x256 : kTile128x128;
 }
 
 template <typename T>
-ffi::Error Dispatch(cudaStream_t stream, SpmmXtParams p, int tile, bool x_rows, int persist) {
+ffi::Error Dispatch(cudaStream_t stream, SpmmXtParams p, int tile, bool x_rows) {
   const bool can128 = p.rows % 128 == 0 && (p.cols == nullptr || p.v % 128 == 0);
   if (p.y_t) {  // act_mode 2: only the plain kernel's epilogue stores y^T
-    if (x_rows || tile == kTileWs128x256 || tile == kTileWs64x256 || tile == kTileP128x128 || tile == kTileP64x128)
+    if (x_rows || tile == kTileWs128x256 || tile == kTileWs64x256)
       return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: act_mode 2 (y^T) reads x^T on tile auto, 128x256, "
-                                         "64x256, 128x128 or 64x128 (not the warp-specialized or persistent tiles, "
-                                         "not x_rows)");
+                                         "64x256, 128x128 or 64x128 (not the warp-specialized tiles, not x_rows)");
     if (tile == kTileAuto && p.cols == nullptr) tile = can128 ? kTile128x128 : kTile64x128;
   }
-  if (tile == kTileAuto) tile = AutoTile(p, can128, x_rows, persist);
-  if ((tile == kTile128x256 || tile == kTile128x128 || tile == kTileWs128x256 || tile == kTileP128x128) && !can128)
+  if (tile == kTileAuto) tile = AutoTile(p, can128, x_rows);
+  if ((tile == kTile128x256 || tile == kTile128x128 || tile == kTileWs128x256) && !can128)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: 128-feature tiles need R % 128 == 0 and V >= 128");
   if (x_rows) {  // x [T, K] as it is (M = 4): only the TMA kernel reads it
     if (tile == kTileWs128x256) return LaunchWs<T, 128, 256, 4, true, 256>(stream, p);
@@ -886,12 +820,8 @@ ffi::Error Dispatch(cudaStream_t stream, SpmmXtParams p, int tile, bool x_rows, 
       return LaunchWs<T, 128, 256, 4, false>(stream, p);
     case kTileWs64x256:
       return LaunchWs<T, 64, 256, 5, false>(stream, p);
-    case kTileP128x128:
-      return LaunchTile<T, 128, 128, 6, 1, true>(stream, p);
-    case kTileP64x128:
-      return LaunchTile<T, 64, 128, 6, 1, true>(stream, p);
     default:
-      return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T takes tile 0 (auto) to 8, got " + std::to_string(tile));
+      return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T takes tile 0 (auto) to 6, got " + std::to_string(tile));
   }
 }
 
@@ -921,11 +851,9 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer val
                       ffi::Buffer<ffi::U32> metadata, ffi::AnyBuffer bias, ffi::Buffer<ffi::S32> x_chunks,
                       ffi::Buffer<ffi::S32> y_chunks, ffi::AnyBuffer mul, ffi::Result<ffi::AnyBuffer> out,
                       ffi::Result<ffi::AnyBuffer> out2, int32_t v, int32_t m, int32_t activation, int32_t act_mode,
-                      int32_t tile, int32_t x_rows, int32_t act_table, int32_t x_blocks, int32_t persist) {
+                      int32_t tile, int32_t x_rows, int32_t act_table, int32_t x_blocks) {
   if (xt.dimensions().size() != 2 || values.dimensions().size() != 2 || out->dimensions().size() != 2)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T, values and the output must be 2-D");
-  if (persist < kPersistAuto || persist > kPersistOff)
-    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: persist must be 0 (auto), 1 (on) or 2 (off)");
   if (x_rows != 0 && x_rows != 1)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x_rows must be 0 (x^T [K, T]) or 1 (x [T, K])");
   if (x_rows && m != 4)
@@ -1003,8 +931,8 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer val
   if ((x_blocks > 1 || p.x_chunks != nullptr || p.y_chunks != nullptr) && tile != kTileAuto && tile != kTileWs128x256)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x_blocks > 1, x_chunks and y_chunks take tile auto or "
                                        "ws128x256");
-  if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, tile, x_rows == 1, persist);
-  if (dt == ffi::F16) return Dispatch<__half>(stream, p, tile, x_rows == 1, persist);
+  if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, tile, x_rows == 1);
+  if (dt == ffi::F16) return Dispatch<__half>(stream, p, tile, x_rows == 1);
   return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T must be bfloat16 or float16");
 }
 
@@ -1031,6 +959,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSpmmXt, jaxsparse::SpmmXtImpl,
                                   .Attr<int32_t>("tile")
                                   .Attr<int32_t>("x_rows")  // 0 = x^T [K, T], 1 = x [T, K] (M = 4)
                                   .Attr<int32_t>("act_table")   // 1: act and act' from the bf16 table (act_table.cuh)
-                                  .Attr<int32_t>("x_blocks")    // diagonal blocks of the weight (x_rows 1), 1 = none
-                                  .Attr<int32_t>("persist"),    // 0 auto, 1 on, 2 off: persistent auto tiles (x^T)
+                                  .Attr<int32_t>("x_blocks"),   // diagonal blocks of the weight (x_rows 1), 1 = none
                               JAXSPARSE_GRAPH_SAFE);

@@ -273,19 +273,6 @@ def test_sddmm_split_setting(monkeypatch):
         calls.sddmm_split(-1)
 
 
-def test_spmm_xt_persist_setting(monkeypatch):
-    from jaxsparse.ffi import calls
-
-    monkeypatch.delenv(calls.SPMM_XT_PERSIST_ENV, raising=False)
-    assert calls.spmm_xt_persist() == 0  # auto
-    assert calls.spmm_xt_persist("on") == 1 and calls.spmm_xt_persist("off") == 2
-    monkeypatch.setenv(calls.SPMM_XT_PERSIST_ENV, " On ")
-    assert calls.spmm_xt_persist() == 1
-    monkeypatch.setenv(calls.SPMM_XT_PERSIST_ENV, "yes")
-    with pytest.raises(ValueError, match="JAXSPARSE_SPMM_XT_PERSIST"):
-        calls.spmm_xt_persist()
-
-
 def _handler_splits(split, tiles, tokens, bt, ctas_per_sm, sms):
     """cuda/sddmm.cu's ChooseSplits and LaunchSplit's no-empty-range step, for a GPU of ``sms`` SMs."""
     all_kt = -(-tokens // bt)
@@ -576,12 +563,8 @@ def test_xt_kernel_tiles_and_row_kernel_refuse_what_they_cannot_take(monkeypatch
     monkeypatch.delenv(calls.SPMM_XT_TILE_ENV, raising=False)
     x8, sw8, _, _ = make(5, "64:2:8", k=512, r=128, tokens=(2, 8), dtype=jnp.bfloat16)
     x8 = x8.reshape(-1, 512)
-    for tile in ("ws128x256", "p128x128"):
-        with pytest.raises(ValueError, match="R % 128 == 0 and V >= 128"):
-            calls.spmm_from_xt(x8.T, sw8, tile=tile)
-    for tile in ("ws64x256", "p64x128"):  # act_mode 2 stores y^T from the plain tiles only
-        with pytest.raises(ValueError, match="a plain x\\^T tile, not " + tile):
-            calls.spmm_from_xt(x8.T, sw8, None, "gelu", tile=tile, with_derivative=True, transpose_out=True)
+    with pytest.raises(ValueError, match="R % 128 == 0 and V >= 128"):
+        calls.spmm_from_xt(x8.T, sw8, tile="ws128x256")
     x3, sw3, _, _ = make(7, "64:2:8", k=512, r=192, tokens=(2, 8), dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="the tma engine needs R % 128 == 0"):
         calls.sddmm(x3.reshape(-1, 512), jnp.ones((16, 192), jnp.bfloat16), sw3, engine="tma")

@@ -240,11 +240,8 @@ SPMM_ROW_KERNELS = ("auto", "mma", "tma")
 # At M >= 16 the view does M/4 times the condensed work and the x^T route stays ahead.
 TMA_ROW_AUTO_M = (4, 8)
 SPMM_XT_TILE_ENV = "JAXSPARSE_SPMM_XT_TILE"
-SPMM_XT_TILES = {"auto": 0, "128x256": 1, "64x256": 2, "128x128": 3, "64x128": 4, "ws128x256": 5, "ws64x256": 6,
-                 "p128x128": 7, "p64x128": 8}
+SPMM_XT_TILES = {"auto": 0, "128x256": 1, "64x256": 2, "128x128": 3, "64x128": 4, "ws128x256": 5, "ws64x256": 6}
 SPMM_ROW_TILES = ("auto", "ws128x256", "ws64x256")  # the tiles of the TMA row kernel (x [T, K])
-SPMM_XT_PERSIST_ENV = "JAXSPARSE_SPMM_XT_PERSIST"
-SPMM_XT_PERSIST = {"auto": 0, "on": 1, "off": 2}
 
 
 def spmm_x_layout(tokens: int, sw: SparseWeight, layout: str | None = None, shares_xt: bool = False) -> str:
@@ -303,30 +300,11 @@ def spmm_xt_tile(tile: str | None = None) -> int:
     ``AutoTile``),
     ``128x256``, ``64x256``, ``128x128``, ``64x128``, or ``ws128x256`` / ``ws64x256``: the warp-specialized
     persistent kernel (a producer warpgroup and two consumer warpgroups; the only tiles of the TMA row kernel,
-    which reads x [T, K]), or ``p128x128`` / ``p64x128``: the plain 128x128 and 64x128 tiles run persistent (one CTA
-    an SM whose loads run on into its next tile; not act_mode 2; see :func:`spmm_xt_persist`). ``None`` reads
-    ``JAXSPARSE_SPMM_XT_TILE``."""
+    which reads x [T, K]). ``None`` reads ``JAXSPARSE_SPMM_XT_TILE``."""
     tile = _setting(tile, SPMM_XT_TILE_ENV)
     if tile not in SPMM_XT_TILES:
         raise ValueError(f"the x^T SpMM tile ({SPMM_XT_TILE_ENV}) must be one of {sorted(SPMM_XT_TILES)}, got {tile!r}")
     return SPMM_XT_TILES[tile]
-
-
-def spmm_xt_persist(persist: str | None = None) -> int:
-    """The x^T SpMM's ``persist`` attribute: whether its ``auto`` tile runs the plain 128x128 and 64x128 tiles
-    persistent (``p128x128``, ``p64x128``; :func:`spmm_xt_tile`). ``auto`` (0), ``on`` (1) or ``off`` (2); ``None``
-    reads ``JAXSPARSE_SPMM_XT_PERSIST`` (default ``auto``, which is ``off``: cuda/spmm_xt.cu ``AutoTile``).
-    act_mode 2 (``transpose_out``) stays on the plain tiles either way."""
-    persist = _setting(persist, SPMM_XT_PERSIST_ENV)
-    if persist not in SPMM_XT_PERSIST:
-        raise ValueError(f"the x^T SpMM persist setting ({SPMM_XT_PERSIST_ENV}) must be one of "
-                         f"{sorted(SPMM_XT_PERSIST)}, got {persist!r}")
-    return SPMM_XT_PERSIST[persist]
-
-
-def _tile_features(name: str) -> str:
-    """A tile name without its kernel prefix (``ws``: warp-specialized, ``p``: persistent): ``features x tokens``."""
-    return name.removeprefix("ws").removeprefix("p")
 
 
 def spmm_from_xt(xt: jax.Array, sw: SparseWeight, bias: jax.Array | None = None, activation: str | None = None,
@@ -393,9 +371,8 @@ def transpose_out_problem(tile: str | None = None) -> str | None:
     """Why :func:`spmm_from_xt`'s ``transpose_out`` (act_mode 2) cannot run on the x^T tile ``tile`` (``None``: the
     ``JAXSPARSE_SPMM_XT_TILE`` setting), or None where it can: only the plain tiles' epilogue stores y^T."""
     name = _setting(tile, SPMM_XT_TILE_ENV)
-    if name != _tile_features(name):
-        return (f"a plain x^T tile, not {name} ({SPMM_XT_TILE_ENV}): act_mode 2 runs on the plain x^T tiles only, not "
-                "the warp-specialized or persistent ones")
+    if name.startswith("ws"):
+        return f"a plain x^T tile, not {name} ({SPMM_XT_TILE_ENV}): act_mode 2 runs on the plain x^T tiles only"
     return None
 
 
@@ -409,7 +386,7 @@ def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str |
     tokens = xt.shape[0] if x_rows else xt.shape[1]
     name = _setting(tile, SPMM_XT_TILE_ENV)
     tile_id = spmm_xt_tile(name)
-    if _tile_features(name).startswith("128x") and (sw.shape[1] % 128 or sw.spec.v == 64):
+    if name.removeprefix("ws").startswith("128x") and (sw.shape[1] % 128 or sw.spec.v == 64):
         raise ValueError(f"spmm: the x^T SpMM tile {name} needs R % 128 == 0 and V >= 128 (or 2:4), got R = "
                          f"{sw.shape[1]} and {sw.spec}")
     if x_rows and name not in SPMM_ROW_TILES:
@@ -423,7 +400,7 @@ def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str |
         _optional_operand(mul, xt.dtype), v=np.int32(sw.spec.v), m=np.int32(sw.spec.m),
         activation=np.int32(ACTIVATION_CODES[activation]), act_mode=np.int32(act_mode), tile=np.int32(tile_id),
         x_rows=np.int32(x_rows), act_table=np.int32(act_table()),
-        x_blocks=np.int32(x_blocks), persist=np.int32(spmm_xt_persist()),
+        x_blocks=np.int32(x_blocks),
     )
     return tuple(results) if act_mode != 0 else results[0]
 
