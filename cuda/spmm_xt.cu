@@ -256,16 +256,16 @@ __device__ __forceinline__ void XtStageMma(float (&acc)[NCH][NW / 2], uint32_t s
 #endif
 }
 
-// Epilogue of one warpgroup (warp wq of it): + bias, the activation (unless act_mode 1), convert, into the staged [BT][BR] tile; with
-// CHUNK > 0 only the tokens of chunk `ch` (warpgroup-local tokens [CHUNK ch, CHUNK ch + CHUNK), staged from row
-// t_base).  Each stmatrix.trans stores two 8-token blocks of the warp's 16 features (four 8x8 tiles of the
-// accumulator fragment) as 16-byte feature rows of 16 tokens: 8 instructions a thread for 64 accumulators, where
-// 2-byte stores took 64 (session 48).  The rows are row_bytes apart (BR * 2 + 16): a tile's 8 rows fall on 32
-// different banks.
-template <typename T, int NW, int NCH, int CHUNK = 0>
-__device__ __forceinline__ void StageXtAccumulators(float (&acc)[NCH][NW / 2], unsigned char* tile, int row_bytes,
-                                                    const SpmmXtParams& p, int row0, int r_base, int t_base, int wq,
-                                                    int lane, int ch = 0) {
+// Epilogue of one warpgroup (warp wq of it): + bias, the activation ACT (Activate's code, fixed at compile time),
+// convert, into the staged [BT][BR] tile; with CHUNK > 0 only the tokens of chunk `ch` (warpgroup-local tokens [CHUNK
+// ch, CHUNK ch + CHUNK), staged from row t_base).  Each stmatrix.trans stores two 8-token blocks of the warp's 16
+// features (four 8x8 tiles of the accumulator fragment) as 16-byte feature rows of 16 tokens: 8 instructions a
+// thread for 64 accumulators, where 2-byte stores took 64 (session 48).  The rows are row_bytes apart (BR * 2 + 16):
+// a tile's 8 rows fall on 32 different banks.
+template <typename T, int NW, int NCH, int CHUNK, int ACT>
+__device__ __forceinline__ void StageXtTile(float (&acc)[NCH][NW / 2], unsigned char* tile, int row_bytes,
+                                            const SpmmXtParams& p, int row0, int r_base, int t_base, int wq, int lane,
+                                            int ch) {
 #ifdef JAXSPARSE_WGMMA
   const int r_lo = r_base + 16 * wq + (lane >> 2);  // tile-local features r_lo, r_lo + 8
   const float bias_lo = BiasAt<T>(p.bias, p.bias_f32, row0 + r_lo);
@@ -274,10 +274,6 @@ __device__ __forceinline__ void StageXtAccumulators(float (&acc)[NCH][NW / 2], u
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(tile)) +
                         (t_base - (CHUNK > 0 ? CHUNK * ch : 0) + 8 * (lane >> 4) + (lane & 7)) * row_bytes +
                         2 * (r_base + 16 * wq + 8 * ((lane >> 3) & 1));
-  auto value = [&](int c, int i) {  // accumulator i of chain c, finished
-    const float v = acc[c][i] + (((i >> 1) & 1) ? bias_hi : bias_lo);
-    return p.y2 == nullptr ? Activate(p.activation, v) : v;  // act_mode 1: the stores apply it
-  };
 #pragma unroll
   for (int c = 0; c < NCH; ++c) {
 #pragma unroll
@@ -288,12 +284,27 @@ __device__ __forceinline__ void StageXtAccumulators(float (&acc)[NCH][NW / 2], u
 #pragma unroll
       for (int j = 0; j < 4; ++j) {  // tile j: 8-token block 2u + j / 2, feature half j % 2
         const int i = 4 * (2 * u + (j >> 1)) + 2 * (j & 1);
-        r[j] = PackPair<T>(value(c, i), value(c, i + 1));
+        const float b = (j & 1) ? bias_hi : bias_lo;
+        r[j] = PackPair<T>(Activate(ACT, acc[c][i] + b), Activate(ACT, acc[c][i + 1] + b));
       }
       StMatrixX4Trans(base + t16 * row_bytes, r[0], r[1], r[2], r[3]);
     }
   }
 #endif
+}
+
+// StageXtTile with the activation chosen once, outside the unrolled loops (none with act_mode 1, whose stores apply
+// it): a runtime code inside them kept its branches per element, and the input gradient's kernel ran 38 % slower.
+template <typename T, int NW, int NCH, int CHUNK = 0>
+__device__ __forceinline__ void StageXtAccumulators(float (&acc)[NCH][NW / 2], unsigned char* tile, int row_bytes,
+                                                    const SpmmXtParams& p, int row0, int r_base, int t_base, int wq,
+                                                    int lane, int ch = 0) {
+  switch (p.y2 == nullptr ? p.activation : 0) {
+    case 1: return StageXtTile<T, NW, NCH, CHUNK, 1>(acc, tile, row_bytes, p, row0, r_base, t_base, wq, lane, ch);
+    case 2: return StageXtTile<T, NW, NCH, CHUNK, 2>(acc, tile, row_bytes, p, row0, r_base, t_base, wq, lane, ch);
+    case 3: return StageXtTile<T, NW, NCH, CHUNK, 3>(acc, tile, row_bytes, p, row0, r_base, t_base, wq, lane, ch);
+    default: return StageXtTile<T, NW, NCH, CHUNK, 0>(acc, tile, row_bytes, p, row0, r_base, t_base, wq, lane, ch);
+  }
 }
 
 // act_mode 2's staging of one warpgroup's accumulators (warp wq of it): act(z) transposed into `tile_t`, [BR features]
