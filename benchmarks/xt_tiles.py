@@ -27,25 +27,17 @@ SHAPES = {"qkvo": (1024, 1024), "ffn_in": (1024, 4096), "ffn_out": (4096, 1024)}
 MODES = {"plain": {}, "act 1": {"with_derivative": True}, "act 2": {"with_derivative": True, "transpose_out": True}}
 
 
-def calls_tiles() -> list[str]:
-    """Every x^T tile name (``calls.SPMM_XT_TILES``)."""
-    from jaxsparse.ffi import calls
-
-    return list(calls.SPMM_XT_TILES)
-
-
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--specs", default="128:2:16,128:2:32")
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--tiles", default=",".join(calls_tiles()), help="comma-separated tile names (default: all)")
-    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated epilogue modes (default: all)")
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args(argv)
-
     from jaxsparse import format as F
     from jaxsparse.ffi import calls
 
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--specs", default="128:2:16,128:2:32")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--tiles", default=",".join(calls.SPMM_XT_TILES), help="comma-separated tile names (default: all)")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated epilogue modes (default: all)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
     tiles, modes = a.tiles.split(","), a.modes.split(",")
     for name, chosen, known in (("tile", tiles, calls.SPMM_XT_TILES), ("mode", modes, MODES)):
         if unknown := [c for c in chosen if c not in known]:
