@@ -256,6 +256,63 @@ __device__ __forceinline__ void XtStageMma(float (&acc)[NCH][NW / 2], uint32_t s
 #endif
 }
 
+// The plain x^T kernel's epilogue of one warpgroup (warp wq of it): + bias, the activation ACT (Activate's code, fixed
+// at compile time), convert, into the staged [BT][BR] tile. The accumulators go in groups of two 8-token blocks of the
+// warp's 16 features (four 8x8 tiles of the fragment); one stmatrix.trans stores each group as 16-byte feature rows of
+// 16 tokens: 8 instructions a thread for 64 accumulators, where StageXtAccumulators below issues 64 2-byte stores.
+// Session 48 measured both: stmatrix made the plain tile's 128:2:16 forward 6 % faster (8.22 -> 7.74 ms a step) and
+// the warp-specialized kernel no faster (its input gradient) or 2 % slower (its 64:2:8 forward), so only the plain
+// kernel takes it. The rows are row_bytes apart (BR * 2 + 16): a tile's 8 rows fall on 32 different banks.
+template <typename T, int NW, int NCH, int ACT>
+__device__ __forceinline__ void StageXtTileStMatrix(float (&acc)[NCH][NW / 2], unsigned char* tile, int row_bytes,
+                                                    const SpmmXtParams& p, int row0, int r_base, int t_base, int wq,
+                                                    int lane) {
+#ifdef JAXSPARSE_WGMMA
+  const int r_lo = r_base + 16 * wq + (lane >> 2);  // tile-local features r_lo, r_lo + 8
+  const float bias_lo = BiasAt<T>(p.bias, p.bias_f32, row0 + r_lo);
+  const float bias_hi = BiasAt<T>(p.bias, p.bias_f32, row0 + r_lo + 8);
+  // Lane l gives row l % 8 of tile l / 8: token 8 (l / 16) + l % 8 of the 16, features 8 ((l / 8) % 2) on.
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(tile)) +
+                        (t_base + 8 * (lane >> 4) + (lane & 7)) * row_bytes +
+                        2 * (r_base + 16 * wq + 8 * ((lane >> 3) & 1));
+#pragma unroll
+  for (int c = 0; c < NCH; ++c) {
+#pragma unroll
+    for (int u = 0; u < NW / 16; ++u) {
+      const int t16 = c * NW + 16 * u;  // the 16 tokens of this group
+      uint32_t r[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // tile j: 8-token block 2u + j / 2, feature half j % 2
+        const int i = 4 * (2 * u + (j >> 1)) + 2 * (j & 1);
+        const float b = (j & 1) ? bias_hi : bias_lo;
+        const T v0 = FromFloat<T>(Activate(ACT, acc[c][i] + b)), v1 = FromFloat<T>(Activate(ACT, acc[c][i + 1] + b));
+        r[j] = static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&v0)) |
+               (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&v1)) << 16);
+      }
+      StMatrixX4Trans(base + t16 * row_bytes, r[0], r[1], r[2], r[3]);
+    }
+  }
+#endif
+}
+
+// StageXtTileStMatrix with the activation chosen once, outside the unrolled loops (none with act_mode 1, whose stores
+// apply it): with the stmatrix asm inside them the compiler no longer made one copy of the loops per activation, the
+// code stayed a branch an element, and the kernels ran up to 38 % slower (session 48).
+template <typename T, int NW, int NCH>
+__device__ __forceinline__ void StageXtAccumulatorsStMatrix(float (&acc)[NCH][NW / 2], unsigned char* tile,
+                                                            int row_bytes, const SpmmXtParams& p, int row0, int r_base,
+                                                            int t_base, int wq, int lane) {
+  auto stage = [&](auto act) {
+    StageXtTileStMatrix<T, NW, NCH, decltype(act)::value>(acc, tile, row_bytes, p, row0, r_base, t_base, wq, lane);
+  };
+  switch (p.y2 == nullptr ? p.activation : 0) {
+    case 1: return stage(std::integral_constant<int, 1>{});
+    case 2: return stage(std::integral_constant<int, 2>{});
+    case 3: return stage(std::integral_constant<int, 3>{});
+    default: return stage(std::integral_constant<int, 0>{});
+  }
+}
+
 // Epilogue of one warpgroup (warp wq of it): + bias, the activation (unless act_mode 1), convert, into the staged [BT][BR] tile; with
 // CHUNK > 0 only the tokens of chunk `ch` (warpgroup-local tokens [CHUNK ch, CHUNK ch + CHUNK), staged from row
 // t_base).
@@ -445,7 +502,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
                                           row0, threadIdx.x);
     return;
   }
-  StageXtAccumulators<T, NW, NCH>(acc, smem, L::kYRowBytes, p, row0, 64 * wr, wt * WN, wq, lane);
+  StageXtAccumulatorsStMatrix<T, NW, NCH>(acc, smem, L::kYRowBytes, p, row0, 64 * wr, wt * WN, wq, lane);
   __syncthreads();
   StoreStagedTile<T, BT, BR, kThreads>(smem, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows, tok0, row0,
                                        threadIdx.x, Extra(p, table));

@@ -139,6 +139,14 @@ __device__ __forceinline__ void WgmmaWait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 __device__ __forceinline__ void FenceProxyAsyncShared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// stmatrix (sm_90): four 8x8 tiles of 16-bit values from a warp's registers into shared memory, transposed.  Register
+// j of lane l holds row l / 4, columns 2 (l % 4) and + 1 (low half first) of tile j, the layout of an MMA
+// accumulator fragment; tile j's column c is stored as the 16 bytes at the address lane 8 j + c gives.
+__device__ __forceinline__ void StMatrixX4Trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
 // mbarrier (shared::cta) and named barriers, for the warp-specialized pipelines.
 __device__ __forceinline__ void MbarInit(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
