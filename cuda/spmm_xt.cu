@@ -285,9 +285,7 @@ __device__ __forceinline__ void StageXtTileStMatrix(float (&acc)[NCH][NW / 2], u
       for (int j = 0; j < 4; ++j) {  // tile j: 8-token block 2u + j / 2, feature half j % 2
         const int i = 4 * (2 * u + (j >> 1)) + 2 * (j & 1);
         const float b = (j & 1) ? bias_hi : bias_lo;
-        const T v0 = FromFloat<T>(Activate(ACT, acc[c][i] + b)), v1 = FromFloat<T>(Activate(ACT, acc[c][i + 1] + b));
-        r[j] = static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&v0)) |
-               (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&v1)) << 16);
+        r[j] = PackPair<T>(Activate(ACT, acc[c][i] + b), Activate(ACT, acc[c][i + 1] + b));
       }
       StMatrixX4Trans(base + t16 * row_bytes, r[0], r[1], r[2], r[3]);
     }
