@@ -51,6 +51,13 @@ __device__ __forceinline__ void CpAsync4(uint32_t dst, const void* src) {
 __device__ __forceinline__ void CpAsync4Zfill(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
+// a * b as a 64-bit product of two 32-bit ints: one mul.wide.s32, where a product of two sign-extended int64s can
+// compile to a full 64-bit multiply.
+__device__ __forceinline__ int64_t MulWide(int a, int b) {
+  int64_t r;
+  asm("mul.wide.s32 %0, %1, %2;" : "=l"(r) : "r"(a), "r"(b));
+  return r;
+}
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void CpAsyncWait() {

@@ -152,15 +152,16 @@ __device__ __forceinline__ void LoadXtStage(uint32_t base, int q0, int thread, c
   }
   const int b_k = thread / kBChunks, b_c = thread % kBChunks;
   const bool b_tok_ok = tok0 + b_c * 8 < p.tokens;  // T % 8 == 0: a chunk is all in or all out
-  const T* b_src = xt + tok0 + b_c * 8;
+  const char* b_src = reinterpret_cast<const char*>(xt + tok0 + b_c * 8);
+  const int row_bytes = p.tokens * static_cast<int>(sizeof(T));  // tokens < 2^30 (SpmmXtImpl)
   const uint32_t b_base = base + (BR / 64) * kAColBytes;
 #pragma unroll
   for (int i = 0; i < kKc / kBRows; ++i) {
     const int kk = b_k + kBRows * i, q = q0 + kk;
     const bool ok = b_tok_ok && q < kc_total;
     const int krow = tcols != nullptr ? (q >> 2) * p.m + tcols[ok ? q : 0] : q;
-    CpAsync16(b_base + Sw128MnOffset(b_c * 8, kk, kColBytes), ok ? b_src + static_cast<int64_t>(krow) * p.tokens : xt,
-              ok ? 16 : 0);
+    const void* src = ok ? static_cast<const void*>(b_src + MulWide(krow, row_bytes)) : xt;
+    CpAsync16(b_base + Sw128MnOffset(b_c * 8, kk, kColBytes), src, ok ? 16 : 0);
   }
 }
 
