@@ -548,7 +548,6 @@ __global__ void __launch_bounds__(kWgThreads, 2) SddmmWgmmaKernel(const SddmmPar
 constexpr int kXtBR = 128;
 constexpr int kXtBT = 64;
 constexpr int kXtThreads = 256;
-constexpr int kXtStages = 4;
 constexpr int kXtBox = kXtBT * 128;  // one 64-token x 64-column box of 16-bit values (128-byte swizzled)
 // The bias gradient's m64n8k16 products against a tile of ones: a stage's kXtBT / 16 k16 steps are shared out over
 // kXtBT / 16 / DBK column tiles ("ways"), DBK steps each (template parameter DBK of SddmmWgmmaXtKernel; 0: none).
@@ -556,34 +555,39 @@ constexpr int kXtKSteps = kXtBT / 16;
 constexpr int DbWays(int dbk) { return dbk == 0 ? 0 : kXtKSteps / dbk; }
 
 // NC condensed columns per CTA: 256 from x rows (XROW: one B tile serves both warpgroups, m64n256 products), 128
-// from x^T (two B tiles where the warpgroups sit in different V blocks).
-template <bool XROW>
+// from x^T (two B tiles where the warpgroups sit in different V blocks). DEEP (x^T where one V block holds the CTA's
+// rows, or 2:4; session 52): one B tile, and the 16 KB that a second would take go to two more stages, so the loads
+// run four stages ahead of the products instead of two.
+template <bool XROW, bool DEEP = false>
 struct XtLayout {
+  static_assert(!(XROW && DEEP), "x rows keep four stages");
+  static constexpr int kStages = DEEP ? 6 : 4;
   static constexpr int kNC = XROW ? 256 : 128;
   static constexpr int kGC = kNC / 4;                // groups per CTA
   static constexpr int kDyHalf = kXtBox;             // one 64-row dy half: 64 token rows of 128 B
   static constexpr int kXcTile = kNC * 128;          // one B tile: NC condensed columns of 64 tokens
   static constexpr int kXcOff = 2 * kDyHalf;
-  static constexpr int kStageBytes = kXcOff + (XROW ? 1 : 2) * kXcTile;
-  static constexpr int kPipeBytes = kXtStages * kStageBytes;
+  static constexpr int kStageBytes = kXcOff + (XROW || DEEP ? 1 : 2) * kXcTile;
+  static constexpr int kPipeBytes = kStages * kStageBytes;
   static constexpr int kEpiRowFloats = kNC + 4;
   static constexpr int kEpiBytes = kXtBR * kEpiRowFloats * 4;
   static constexpr int kBarOff = kPipeBytes > kEpiBytes ? kPipeBytes : kEpiBytes;  // the stages' mbarriers
   // A 2 KB tile of ones, the B operand of the bias gradient's m64n8k16 products (16 token rows of 128 bytes: any
   // address the descriptor forms reads a one), on its own swizzle atom.
-  static constexpr int kOnesOff = (kBarOff + 8 * kXtStages + 1023) / 1024 * 1024;
+  static constexpr int kOnesOff = (kBarOff + 8 * kStages + 1023) / 1024 * 1024;
   static constexpr int kOnesBytes = 2048;
-  static constexpr int kSmemBytes = kBarOff + 8 * kXtStages + 1024;   // without the bias gradient (as before)
+  static constexpr int kSmemBytes = kBarOff + 8 * kStages + 1024;   // without the bias gradient (as before)
   static constexpr int kSmemBytesDb = kOnesOff + kOnesBytes + 1024;   // with it
   static_assert(kDyHalf % 1024 == 0 && kXcTile % 1024 == 0 && kStageBytes % 1024 == 0, "swizzle atoms");
 };
 
-template <typename T, bool XROW, int DBK = 0>
+template <typename T, bool XROW, int DBK = 0, bool DEEP = false>
 __global__ void __launch_bounds__(kXtThreads, 1)
     SddmmWgmmaXtKernel(const SddmmParams p, const __grid_constant__ CUtensorMap tma_dy,
                        const __grid_constant__ CUtensorMap tma_xt) {
 #ifdef JAXSPARSE_WGMMA
-  using L = XtLayout<XROW>;
+  using L = XtLayout<XROW, DEEP>;
+  constexpr int kXtStages = L::kStages;
   constexpr int NC = L::kNC, GC = L::kGC;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const AlignedSmem aligned = AlignSmem1024(smem_raw);
@@ -600,8 +604,9 @@ __global__ void __launch_bounds__(kXtThreads, 1)
   const int kt_begin = blockIdx.z * p.kt_per_split;
   const int num_kt = max(min(all_kt - kt_begin, p.kt_per_split), 0);
   const T* __restrict__ xt = static_cast<const T*>(p.x);  // [K][T]
-  // 2:4 keeps every column and V >= 128 puts both halves in one block: one B tile serves both warpgroups.
-  const bool one_block = p.cols == nullptr || p.v % kXtBR == 0;
+  // 2:4 keeps every column and V >= 128 puts both halves in one block: one B tile serves both warpgroups (the deep
+  // layout is launched only there).
+  const bool one_block = DEEP || p.cols == nullptr || p.v % kXtBR == 0;
   const int halves = one_block ? 1 : 2;
   // 2:4: the condensed rows are x^T's rows g0*4 .. g0*4 + 127 themselves, one TMA box; else a gather by cp.async.
   const bool x_by_tma = XROW || p.cols == nullptr;
@@ -634,7 +639,7 @@ __global__ void __launch_bounds__(kXtThreads, 1)
     const int q = xc_q + 32 * i, g = g0 + q / 4;
     xc_ok[i] = g < groups;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < (DEEP ? 1 : 2); ++h) {
       int col = q % 4;
       if (p.cols != nullptr && xc_ok[i] && h < halves) {
         const int blk = (row0 + 64 * h) / p.v;
@@ -674,7 +679,7 @@ __global__ void __launch_bounds__(kXtThreads, 1)
     if (!x_by_tma) {
       const bool tok_ok = t0 + xc_c * 8 < p.tokens;  // T % 8 == 0: a chunk is all in or all out
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
+      for (int h = 0; h < (DEEP ? 1 : 2); ++h) {
         if (h >= halves) break;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -855,14 +860,15 @@ ffi::Error LaunchSplit(cudaStream_t stream, SddmmParams p, int split, int tiles,
 
 // x^T [K, T] (x_layout = 1): the x^T engine, the only one that reads it; with XROW (2:4), the same engine on
 // x [T, K] (x_layout = 0), chosen by Dispatch. DBK > 0: with the bias gradient (DBK k16 steps a stage per CTA).
-template <typename T, bool XROW, int DBK>
+// DEEP: x^T where a CTA's rows sit in one V block (XtLayout).
+template <typename T, bool XROW, int DBK, bool DEEP = false>
 ffi::Error LaunchXtKernel(cudaStream_t stream, const SddmmParams& p, int split, const Partials& partials, float* db_out) {
-  constexpr auto kernel = SddmmWgmmaXtKernel<T, XROW, DBK>;
+  constexpr auto kernel = SddmmWgmmaXtKernel<T, XROW, DBK, DEEP>;
   const std::string what = XROW ? "jaxsparse_sddmm: the tma engine" : "jaxsparse_sddmm: x^T (x_layout 1)";
   if (!Sm90aImageLoaded<kernel>()) return ffi::Error::InvalidArgument(what + " needs an sm_90a build on a Hopper GPU");
   if (p.rows % kXtBR || (!XROW && p.tokens % 8))
     return ffi::Error::InvalidArgument(what + (XROW ? " needs R % 128 == 0" : " needs R % 128 == 0 and T % 8 == 0"));
-  using L = XtLayout<XROW>;
+  using L = XtLayout<XROW, DEEP>;
   constexpr int kSmem = DBK > 0 ? L::kSmemBytesDb : L::kSmemBytes;
   if (ffi::Error e = RaiseSmemLimit<kernel>(kSmem, "cudaFuncSetAttribute(SddmmWgmmaXtKernel)"); e.failure()) return e;
   CUtensorMap tma_dy{}, tma_xt{};
@@ -887,14 +893,23 @@ ffi::Error LaunchXtKernel(cudaStream_t stream, const SddmmParams& p, int split, 
 // With the bias gradient (db_out): the tma engine (XROW) shares a stage's four k16 steps over four column tiles (it
 // is asked for only where the grid has them); the x^T engine, whose tiles hold half as many groups, over two column
 // tiles where it has them, else every CTA takes all four.
+template <typename T, bool DEEP>
+ffi::Error LaunchXtColumns(cudaStream_t stream, const SddmmParams& p, int split, const Partials& partials,
+                           float* db_out) {
+  if (db_out == nullptr) return LaunchXtKernel<T, false, 0, DEEP>(stream, p, split, partials, nullptr);
+  if (p.groups > XtLayout<false>::kGC) return LaunchXtKernel<T, false, 2, DEEP>(stream, p, split, partials, db_out);
+  return LaunchXtKernel<T, false, 4, DEEP>(stream, p, split, partials, db_out);
+}
+
 template <typename T, bool XROW>
 ffi::Error LaunchXt(cudaStream_t stream, const SddmmParams& p, int split, const Partials& partials, float* db_out) {
-  if (db_out == nullptr) return LaunchXtKernel<T, XROW, 0>(stream, p, split, partials, nullptr);
   if constexpr (XROW) {
+    if (db_out == nullptr) return LaunchXtKernel<T, true, 0>(stream, p, split, partials, nullptr);
     return LaunchXtKernel<T, true, 1>(stream, p, split, partials, db_out);
   } else {
-    if (p.groups > XtLayout<false>::kGC) return LaunchXtKernel<T, false, 2>(stream, p, split, partials, db_out);
-    return LaunchXtKernel<T, false, 4>(stream, p, split, partials, db_out);
+    // One V block a CTA (V % 128 == 0, or 2:4): one B tile a stage, six stages deep.
+    if (p.cols == nullptr || p.v % kXtBR == 0) return LaunchXtColumns<T, true>(stream, p, split, partials, db_out);
+    return LaunchXtColumns<T, false>(stream, p, split, partials, db_out);
   }
 }
 
