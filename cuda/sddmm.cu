@@ -529,14 +529,15 @@ __global__ void __launch_bounds__(kWgThreads, 2) SddmmWgmmaKernel(const SddmmPar
 // copied straight from global memory by cp.async (16 bytes = 8 tokens of one kept column): no gather pass
 // in shared memory, the same code for every M, and 4/M of x's bytes moved instead of all of them.
 // CTA = 128 rows (two warpgroups of 64, each inside one V block) x NC condensed columns (XtLayout: 128 from x^T,
-// 256 from x rows); 64-token stages, 4 deep.  Per stage: dy [64 t][128 r] lands as two MN-major 128B-swizzled
-// 64-row halves (A, trans-a = 1, as in SddmmWgmmaKernel); each V block's condensed x^T rows [128 q][64 t] land as
-// a K-major 128B-swizzled B tile (trans-b = 0; two tiles when V = 64, one for V >= 128 and for 2:4).
+// 256 from x rows); 64-token stages, 4 deep (6 where one V block holds the CTA's rows: XtLayout's DEEP, session
+// 52).  Per stage: dy [64 t][128 r] lands as two MN-major 128B-swizzled 64-row halves (A, trans-a = 1, as in
+// SddmmWgmmaKernel); each V block's condensed x^T rows [128 q][64 t] land as a K-major 128B-swizzled B tile
+// (trans-b = 0; two tiles when V = 64, one for V >= 128 and for 2:4).
 // Loads (session 6): thread 0 brings dy by TMA (two boxes per stage) and, at 2:4, where the condensed rows
 // are x^T's own consecutive rows, x^T too (one box of 128 rows); the gathered rows of V:2:M stay on cp.async
 // (a one-row TMA box cannot land 128-byte swizzled at a shared address that is not 1024-byte aligned).
-// Pipeline: the loads for stage kt+2 are issued right after the barrier of stage kt, whose wgmmas then run
-// while one group of the previous stage may still be in flight (wgmma.wait_group 1), so the tensor cores
+// Pipeline: the loads for stage kt+2 (kt+4 when DEEP) are issued right after the barrier of stage kt, whose wgmmas
+// then run while one group of the previous stage may still be in flight (wgmma.wait_group 1), so the tensor cores
 // see back-to-back work; a buffer is refilled only after every warpgroup's wgmmas on it completed.
 // Needs T % 8 == 0 (16-byte rows of x^T) and R % 128 == 0; the Python side takes this path only then.
 // XROW (2:4 only, session 7): the same engine reads x [T, K] as XLA holds it, so the layer needs no transpose:
