@@ -891,9 +891,8 @@ ffi::Error LaunchXtKernel(cudaStream_t stream, const SddmmParams& p, int split, 
       1, db);
 }
 
-// With the bias gradient (db_out): the tma engine (XROW) shares a stage's four k16 steps over four column tiles (it
-// is asked for only where the grid has them); the x^T engine, whose tiles hold half as many groups, over two column
-// tiles where it has them, else every CTA takes all four.
+// The x^T engine with or without the bias gradient (db_out): its tiles hold half as many groups as the tma engine's,
+// so a stage's four k16 steps are shared over two column tiles where it has them, else every CTA takes all four.
 template <typename T, bool DEEP>
 ffi::Error LaunchXtColumns(cudaStream_t stream, const SddmmParams& p, int split, const Partials& partials,
                            float* db_out) {
@@ -902,6 +901,9 @@ ffi::Error LaunchXtColumns(cudaStream_t stream, const SddmmParams& p, int split,
   return LaunchXtKernel<T, false, 4, DEEP>(stream, p, split, partials, db_out);
 }
 
+// With the bias gradient (db_out): the tma engine (XROW) shares a stage's four k16 steps over four column tiles (it
+// is asked for only where the grid has them); the x^T engine as LaunchXtColumns says, six stages deep where a CTA's
+// rows sit in one V block.
 template <typename T, bool XROW>
 ffi::Error LaunchXt(cudaStream_t stream, const SddmmParams& p, int split, const Partials& partials, float* db_out) {
   if constexpr (XROW) {
