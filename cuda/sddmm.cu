@@ -570,7 +570,10 @@ struct XtLayout {
   static constexpr int kDyHalf = kXtBox;             // one 64-row dy half: 64 token rows of 128 B
   static constexpr int kXcTile = kNC * 128;          // one B tile: NC condensed columns of 64 tokens
   static constexpr int kXcOff = 2 * kDyHalf;
-  static constexpr int kStageBytes = kXcOff + (XROW || DEEP ? 1 : 2) * kXcTile;
+  // B tiles a stage: one where a CTA's rows sit in one V block (x rows: 2:4; DEEP: the host launches it only there),
+  // else one for each warpgroup's V block (V = 64).
+  static constexpr int kBTiles = XROW || DEEP ? 1 : 2;
+  static constexpr int kStageBytes = kXcOff + kBTiles * kXcTile;
   static constexpr int kPipeBytes = kStages * kStageBytes;
   static constexpr int kEpiRowFloats = kNC + 4;
   static constexpr int kEpiBytes = kXtBR * kEpiRowFloats * 4;
@@ -607,10 +610,7 @@ __global__ void __launch_bounds__(kXtThreads, 1)
   const int kt_begin = blockIdx.z * p.kt_per_split;
   const int num_kt = max(min(all_kt - kt_begin, p.kt_per_split), 0);
   const T* __restrict__ xt = static_cast<const T*>(p.x);  // [K][T]
-  // 2:4 keeps every column and V >= 128 puts both halves in one block: one B tile serves both warpgroups (the deep
-  // layout is launched only there).
-  const bool one_block = DEEP || p.cols == nullptr || p.v % kXtBR == 0;
-  const int halves = one_block ? 1 : 2;
+  constexpr int halves = L::kBTiles;  // one B tile for both warpgroups, or one for each (XtLayout)
   // 2:4: the condensed rows are x^T's rows g0*4 .. g0*4 + 127 themselves, one TMA box; else a gather by cp.async.
   const bool x_by_tma = XROW || p.cols == nullptr;
 
@@ -635,16 +635,16 @@ __global__ void __launch_bounds__(kXtThreads, 1)
   // x^T (gathered, V:2:M): per half, 128 condensed rows x 8 chunks; thread copies chunk xc_c of condensed
   // rows xc_q + 32 i.
   const int xc_q = tid >> 3, xc_c = tid & 7;
-  const T* xc_src[2][4];
+  const T* xc_src[halves][4];
   bool xc_ok[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int q = xc_q + 32 * i, g = g0 + q / 4;
     xc_ok[i] = g < groups;
 #pragma unroll
-    for (int h = 0; h < (DEEP ? 1 : 2); ++h) {
+    for (int h = 0; h < halves; ++h) {
       int col = q % 4;
-      if (p.cols != nullptr && xc_ok[i] && h < halves) {
+      if (p.cols != nullptr && xc_ok[i]) {
         const int blk = (row0 + 64 * h) / p.v;
         col = p.cols[(static_cast<int64_t>(blk) * groups + g) * 4 + q % 4];
       }
@@ -682,8 +682,7 @@ __global__ void __launch_bounds__(kXtThreads, 1)
     if (!x_by_tma) {
       const bool tok_ok = t0 + xc_c * 8 < p.tokens;  // T % 8 == 0: a chunk is all in or all out
 #pragma unroll
-      for (int h = 0; h < (DEEP ? 1 : 2); ++h) {
-        if (h >= halves) break;
+      for (int h = 0; h < halves; ++h) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const bool ok = tok_ok && xc_ok[i];
@@ -716,7 +715,7 @@ __global__ void __launch_bounds__(kXtThreads, 1)
       CpAsyncCommit();
     }
     const uint32_t a_base = smem_base + buf * L::kStageBytes + wg * L::kDyHalf;
-    const uint32_t b_base = smem_base + buf * L::kStageBytes + L::kXcOff + (one_block ? 0 : wg) * L::kXcTile;
+    const uint32_t b_base = smem_base + buf * L::kStageBytes + L::kXcOff + (halves == 1 ? 0 : wg) * L::kXcTile;
     WgmmaFenceOperands(acc);
     if constexpr (DB) WgmmaFenceOperands(acc_db);
     WgmmaFence();
@@ -1054,7 +1053,7 @@ template <typename T, bool DEEP, bool WS = false>
 ffi::Error LaunchXtColumns(cudaStream_t stream, const SddmmParams& p, int split, const Partials& partials,
                            float* db_out) {
   if (db_out == nullptr) return LaunchXtKernel<T, false, 0, DEEP, WS>(stream, p, split, partials, nullptr);
-  if (p.groups > XtLayout<false>::kGC)
+  if (p.groups > XtLayout<false, DEEP>::kGC)
     return LaunchXtKernel<T, false, 2, DEEP, WS>(stream, p, split, partials, db_out);
   return LaunchXtKernel<T, false, 4, DEEP, WS>(stream, p, split, partials, db_out);
 }
