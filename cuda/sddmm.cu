@@ -762,13 +762,15 @@ __global__ void __launch_bounds__(kXtThreads, 1)
 #endif
 }
 
-// The x^T engine warp-specialized (session 52; XtLayout<false, true>: one V block a CTA, six 32 KB stages): warpgroup 0
-// fills the ring (thread 0 brings dy by TMA, all 128 threads gather the kept x^T rows by cp.async, each marking its
-// part with cp.async.mbarrier.arrive), warpgroups 1 and 2 run the products of the two 64-row halves and give each
+// The x^T engine warp-specialized (session 52; XtLayout<false, true>: one V block a CTA, six 32 KB stages): warpgroups
+// 0 and 1 fill the ring (thread 0 brings dy by TMA, all 256 threads gather the kept x^T rows by cp.async, each marking
+// its part with cp.async.mbarrier.arrive; session 53: one producer warpgroup was 4.6 % slower than the deep kernel's
+// 256 copying threads), warpgroups 2 and 3 run the products of the two 64-row halves and give each
 // stage back on an empty barrier once their wgmma.wait_group 1 shows its products completed. So the producer refills
 // stage kt-1's buffer while stage kt's products run: five stages in flight, with neither the products drained at a
 // stage's end nor a second CTA barrier (both slower on SddmmWgmmaXtKernel: docs/kernel-notes.md, session 52).
-constexpr int kXtWsThreads = 384;
+constexpr int kXtWsProducers = 256;  // two producer warpgroups: four condensed rows' chunks a thread a stage
+constexpr int kXtWsThreads = kXtWsProducers + 256;
 struct XtWsBars {
   using L = XtLayout<false, true>;
   static constexpr int kEmptyOff = L::kBarOff + 8 * L::kStages;
@@ -812,7 +814,7 @@ __global__ void __launch_bounds__(kXtWsThreads, 1)
   }
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
-      MbarInit(full0 + 8 * s, 129);  // thread 0's expect_tx arrival and the 128 producer threads' cp.async arrivals
+      MbarInit(full0 + 8 * s, kXtWsProducers + 1);  // thread 0's expect_tx arrival and each producer's cp.async one
       MbarInit(empty0 + 8 * s, 8);   // every consumer warp done with the stage
     }
   }
@@ -823,16 +825,17 @@ __global__ void __launch_bounds__(kXtWsThreads, 1)
   for (int i = 0; i < NC / 2; ++i) acc[i] = 0.f;
   float acc_db[4] = {0.f, 0.f, 0.f, 0.f};  // m64n8: every column holds the row's sum
 
-  if (wg == 0) {  // ------------------------------------------------ producer
-    // 128 condensed rows x 8 chunks of 16 bytes a stage: thread copies chunk xc_c of condensed rows xc_q + 16 i.
+  constexpr int kRowStep = kXtWsProducers / 8, kRowsPer = 128 / kRowStep;
+  if (tid < kXtWsProducers) {  // ------------------------------------ producers
+    // 128 condensed rows x 8 chunks of 16 bytes a stage: thread copies chunk xc_c of condensed rows xc_q + kRowStep i.
     const T* __restrict__ xt = static_cast<const T*>(p.x);  // [K][T]
     const int xc_q = tid >> 3, xc_c = tid & 7;
     const int blk = row0 / p.v;
-    const T* xc_src[8];
-    bool xc_ok[8];
+    const T* xc_src[kRowsPer];
+    bool xc_ok[kRowsPer];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int q = xc_q + 16 * i, g = g0 + q / 4;
+    for (int i = 0; i < kRowsPer; ++i) {
+      const int q = xc_q + kRowStep * i, g = g0 + q / 4;
       xc_ok[i] = g < groups;
       const int col = xc_ok[i] ? p.cols[(static_cast<int64_t>(blk) * groups + g) * 4 + q % 4] : 0;
       const int64_t krow = xc_ok[i] ? static_cast<int64_t>(g) * m + col : 0;
@@ -850,15 +853,16 @@ __global__ void __launch_bounds__(kXtWsThreads, 1)
       }
       const bool tok_ok = t0 + xc_c * 8 < p.tokens;  // T % 8 == 0: a chunk is all in or all out
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
+      for (int i = 0; i < kRowsPer; ++i) {
         const bool ok = tok_ok && xc_ok[i];
-        CpAsync16(base + L::kXcOff + Sw128KOffset(xc_q + 16 * i, xc_c * 8), ok ? xc_src[i] + t0 : xt, ok ? 16 : 0);
+        CpAsync16(base + L::kXcOff + Sw128KOffset(xc_q + kRowStep * i, xc_c * 8), ok ? xc_src[i] + t0 : xt,
+                  ok ? 16 : 0);
       }
       CpAsyncMbarArrive(full);
     }
     CpAsyncWait<0>();
   } else {  // ------------------------------------------------------ consumers
-    const int cw = wg - 1;
+    const int cw = wg - kXtWsProducers / 128;
     for (int kt = 0; kt < num_kt; ++kt) {
       const int s = kt % S;
       MbarWait(full0 + 8 * s, (kt / S) & 1);
@@ -897,7 +901,7 @@ __global__ void __launch_bounds__(kXtWsThreads, 1)
 
   __syncthreads();  // every copy landed and every wgmma completed: the ring becomes the epilogue's tile
   float* tile = reinterpret_cast<float*>(smem);
-  if (wg > 0) StageWgmmaAccumulators<NC>(tile, L::kEpiRowFloats, acc, tid - 128);
+  if (tid >= kXtWsProducers) StageWgmmaAccumulators<NC>(tile, L::kEpiRowFloats, acc, tid - kXtWsProducers);
   __syncthreads();
   StoreKeptPairs<T, kXtBR, GC, kXtWsThreads>(p, tile, L::kEpiRowFloats, row0, g0);
 #else
