@@ -354,10 +354,12 @@ struct WgLayout {
 };
 
 // Both wgmma engines' epilogue: each warpgroup's m64nNk16 float32 accumulators (rows 64 * warpgroup + ...,
-// the fragment layout in wgmma.cuh) into the shared tile [128][row_floats] that StoreKeptPairs reads.
+// the fragment layout in wgmma.cuh) into the shared tile [128][row_floats] that StoreKeptPairs reads. `t`: the
+// thread's index among the CTA's two consumer warpgroups (threadIdx.x, or that less the producer's 128 threads).
 template <int N>
-__device__ __forceinline__ void StageWgmmaAccumulators(float* tile, int row_floats, const float (&acc)[N / 2]) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+__device__ __forceinline__ void StageWgmmaAccumulators(float* tile, int row_floats, const float (&acc)[N / 2],
+                                                       int t = threadIdx.x) {
+  const int warp = t >> 5, lane = t & 31;
   const int wg = warp >> 2, wq = warp & 3;
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) {
@@ -760,6 +762,153 @@ __global__ void __launch_bounds__(kXtThreads, 1)
 #endif
 }
 
+// The x^T engine warp-specialized (session 52; XtLayout<false, true>: one V block a CTA, six 32 KB stages): warpgroups
+// 0 and 1 fill the ring (thread 0 brings dy by TMA, all 256 threads gather the kept x^T rows by cp.async, each marking
+// its part with cp.async.mbarrier.arrive; session 53: one producer warpgroup was 4.6 % slower than the deep kernel's
+// 256 copying threads), warpgroups 2 and 3 run the products of the two 64-row halves and give each
+// stage back on an empty barrier once their wgmma.wait_group 1 shows its products completed. So the producer refills
+// stage kt-1's buffer while stage kt's products run: five stages in flight, with neither the products drained at a
+// stage's end nor a second CTA barrier (both slower on SddmmWgmmaXtKernel: docs/kernel-notes.md, session 52).
+constexpr int kXtWsProducers = 256;  // two producer warpgroups: four condensed rows' chunks a thread a stage
+constexpr int kXtWsThreads = kXtWsProducers + 256;
+struct XtWsBars {
+  using L = XtLayout<false, true>;
+  static constexpr int kEmptyOff = L::kBarOff + 8 * L::kStages;
+  static constexpr int kOnesOff = (kEmptyOff + 8 * L::kStages + 1023) / 1024 * 1024;
+  static constexpr int kSmemBytes = kEmptyOff + 8 * L::kStages + 1024;
+  static constexpr int kSmemBytesDb = kOnesOff + L::kOnesBytes + 1024;
+};
+
+template <typename T, int DBK = 0>
+__global__ void __launch_bounds__(kXtWsThreads, 1)
+    SddmmWgmmaXtWsKernel(const SddmmParams p, const __grid_constant__ CUtensorMap tma_dy,
+                         const __grid_constant__ CUtensorMap /*tma_xt: unused, the rows are gathered*/) {
+#ifdef JAXSPARSE_WGMMA
+  using L = XtLayout<false, true>;
+  using B = XtWsBars;
+  constexpr int S = L::kStages, NC = L::kNC, GC = L::kGC;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const AlignedSmem aligned = AlignSmem1024(smem_raw);
+  unsigned char* smem = aligned.ptr;
+  const uint32_t smem_base = aligned.addr;
+  const uint32_t full0 = smem_base + L::kBarOff, empty0 = smem_base + B::kEmptyOff;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+  const int row0 = blockIdx.x * kXtBR;
+  const int g0 = blockIdx.y * GC;
+  const int groups = p.groups, m = p.k / p.groups;
+  const int all_kt = (p.tokens + kXtBT - 1) / kXtBT;
+  const int kt_begin = blockIdx.z * p.kt_per_split;
+  const int num_kt = max(min(all_kt - kt_begin, p.kt_per_split), 0);
+
+  constexpr bool DB = DBK > 0;
+  constexpr int kWays = DbWays(DBK);
+  static_assert(DBK == 0 || DBK == 1 || DBK == 2 || DBK == 4, "DBK divides a stage's kXtKSteps = 4 k16 steps");
+  const uint32_t ones = smem_base + B::kOnesOff;
+  const uint32_t db_ks0 = blockIdx.y % (DB ? kWays : 1) * DBK;
+  if constexpr (DB) {
+    const uint32_t one2 = std::is_same<T, __half>::value ? 0x3C003C00u : 0x3F803F80u;  // two 16-bit ones
+    for (int i = tid; i < L::kOnesBytes / 4; i += kXtWsThreads)
+      reinterpret_cast<uint32_t*>(smem + B::kOnesOff)[i] = one2;
+    FenceProxyAsyncShared();  // the ones, written here, before any wgmma reads them
+  }
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      MbarInit(full0 + 8 * s, kXtWsProducers + 1);  // thread 0's expect_tx arrival and each producer's cp.async one
+      MbarInit(empty0 + 8 * s, 8);   // every consumer warp done with the stage
+    }
+  }
+  __syncthreads();
+
+  float acc[NC / 2];
+#pragma unroll
+  for (int i = 0; i < NC / 2; ++i) acc[i] = 0.f;
+  float acc_db[4] = {0.f, 0.f, 0.f, 0.f};  // m64n8: every column holds the row's sum
+
+  constexpr int kRowStep = kXtWsProducers / 8, kRowsPer = 128 / kRowStep;
+  if (tid < kXtWsProducers) {  // ------------------------------------ producers
+    // 128 condensed rows x 8 chunks of 16 bytes a stage: thread copies chunk xc_c of condensed rows xc_q + kRowStep i.
+    const T* __restrict__ xt = static_cast<const T*>(p.x);  // [K][T]
+    const int xc_q = tid >> 3, xc_c = tid & 7;
+    const int blk = row0 / p.v;
+    const T* xc_src[kRowsPer];
+    bool xc_ok[kRowsPer];
+#pragma unroll
+    for (int i = 0; i < kRowsPer; ++i) {
+      const int q = xc_q + kRowStep * i, g = g0 + q / 4;
+      xc_ok[i] = g < groups;
+      const int col = xc_ok[i] ? p.cols[(static_cast<int64_t>(blk) * groups + g) * 4 + q % 4] : 0;
+      const int64_t krow = xc_ok[i] ? static_cast<int64_t>(g) * m + col : 0;
+      xc_src[i] = xt + krow * p.tokens + xc_c * 8;
+    }
+    for (int j = 0; j < num_kt; ++j) {
+      const int s = j % S;
+      const uint32_t base = smem_base + s * L::kStageBytes, full = full0 + 8 * s;
+      if (j >= S) MbarWait(empty0 + 8 * s, ((j / S) & 1) ^ 1);  // the consumers gave the slot back
+      const int t0 = (kt_begin + j) * kXtBT;
+      if (tid == 0) {
+        MbarArriveExpectTx(full, 2 * L::kDyHalf);
+        TmaLoad2d(base, &tma_dy, row0, t0, full);
+        TmaLoad2d(base + L::kDyHalf, &tma_dy, row0 + 64, t0, full);
+      }
+      const bool tok_ok = t0 + xc_c * 8 < p.tokens;  // T % 8 == 0: a chunk is all in or all out
+#pragma unroll
+      for (int i = 0; i < kRowsPer; ++i) {
+        const bool ok = tok_ok && xc_ok[i];
+        CpAsync16(base + L::kXcOff + Sw128KOffset(xc_q + kRowStep * i, xc_c * 8), ok ? xc_src[i] + t0 : xt,
+                  ok ? 16 : 0);
+      }
+      CpAsyncMbarArrive(full);
+    }
+    CpAsyncWait<0>();
+  } else {  // ------------------------------------------------------ consumers
+    const int cw = wg - kXtWsProducers / 128;
+    for (int kt = 0; kt < num_kt; ++kt) {
+      const int s = kt % S;
+      MbarWait(full0 + 8 * s, (kt / S) & 1);
+      FenceProxyAsyncShared();  // the producers' cp.async writes, seen through the barrier, before wgmma reads
+      const uint32_t a_base = smem_base + s * L::kStageBytes + cw * L::kDyHalf;
+      const uint32_t b_base = smem_base + s * L::kStageBytes + L::kXcOff;
+      WgmmaFenceOperands(acc);
+      if constexpr (DB) WgmmaFenceOperands(acc_db);
+      WgmmaFence();
+#pragma unroll
+      for (int ks = 0; ks < kXtKSteps; ++ks)
+        Wgmma<NC, T, 0>::Run(acc, WgmmaDescSw128(a_base + ks * 2048, L::kDyHalf, 1024),
+                             WgmmaDescSw128(b_base + ks * 32, 16, 1024));
+      if constexpr (DB) {
+#pragma unroll
+        for (int jj = 0; jj < DBK; ++jj)
+          Wgmma<8, T, 1>::Run(acc_db, WgmmaDescSw128(a_base + (db_ks0 + jj) * 2048, L::kDyHalf, 1024),
+                              WgmmaDescSw128(ones, kXtBox, 1024));
+      }
+      WgmmaCommit();
+      WgmmaWait<1>();  // stage kt-1's products of this warp completed
+      WgmmaFenceOperands(acc);
+      if constexpr (DB) WgmmaFenceOperands(acc_db);
+      if (lane == 0 && kt > 0) MbarArrive(empty0 + 8 * ((kt - 1) % S));
+    }
+    WgmmaWait<0>();
+    WgmmaFenceOperands(acc);
+    if constexpr (DB) WgmmaFenceOperands(acc_db);
+    if (DB && blockIdx.y < kWays && (tid & 3) == 0) {  // rows 16 wq + lane / 4 and + 8 of the warpgroup's 64
+      const int r = 64 * cw + 16 * (warp & 3) + (lane >> 2);
+      float* plane = p.db_partial + (static_cast<int64_t>(blockIdx.z) * kWays + blockIdx.y) * p.rows + row0;
+      plane[r] = acc_db[0];
+      plane[r + 8] = acc_db[2];
+    }
+  }
+
+  __syncthreads();  // every copy landed and every wgmma completed: the ring becomes the epilogue's tile
+  float* tile = reinterpret_cast<float*>(smem);
+  if (tid >= kXtWsProducers) StageWgmmaAccumulators<NC>(tile, L::kEpiRowFloats, acc, tid - kXtWsProducers);
+  __syncthreads();
+  StoreKeptPairs<T, kXtBR, GC, kXtWsThreads>(p, tile, L::kEpiRowFloats, row0, g0);
+#else
+  __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
+#endif
+}
+
 // The four floats at src summed over `planes` planes n floats apart, in plane order (so the result does not depend on
 // the grid).
 __device__ __forceinline__ float4 SumPlanes(const float* __restrict__ src, int64_t n, int planes) {
@@ -860,16 +1009,28 @@ ffi::Error LaunchSplit(cudaStream_t stream, SddmmParams p, int split, int tiles,
 
 // x^T [K, T] (x_layout = 1): the x^T engine, the only one that reads it; with XROW (2:4), the same engine on
 // x [T, K] (x_layout = 0), chosen by Dispatch. DBK > 0: with the bias gradient (DBK k16 steps a stage per CTA).
-// DEEP: x^T where a CTA's rows sit in one V block (XtLayout).
-template <typename T, bool XROW, int DBK, bool DEEP = false>
+// DEEP: x^T where a CTA's rows sit in one V block (XtLayout). WS (with DEEP, gathered rows): the warp-specialized
+// kernel, SddmmWgmmaXtWsKernel.
+template <typename T, bool XROW, int DBK, bool DEEP, bool WS>
+constexpr auto XtKernel() {
+  if constexpr (WS)
+    return SddmmWgmmaXtWsKernel<T, DBK>;
+  else
+    return SddmmWgmmaXtKernel<T, XROW, DBK, DEEP>;
+}
+
+template <typename T, bool XROW, int DBK, bool DEEP = false, bool WS = false>
 ffi::Error LaunchXtKernel(cudaStream_t stream, const SddmmParams& p, int split, const Partials& partials, float* db_out) {
-  constexpr auto kernel = SddmmWgmmaXtKernel<T, XROW, DBK, DEEP>;
+  static_assert(!WS || (DEEP && !XROW), "the warp-specialized kernel runs the deep x^T layout");
+  constexpr auto kernel = XtKernel<T, XROW, DBK, DEEP, WS>();
   const std::string what = XROW ? "jaxsparse_sddmm: the tma engine" : "jaxsparse_sddmm: x^T (x_layout 1)";
   if (!Sm90aImageLoaded<kernel>()) return ffi::Error::InvalidArgument(what + " needs an sm_90a build on a Hopper GPU");
   if (p.rows % kXtBR || (!XROW && p.tokens % 8))
     return ffi::Error::InvalidArgument(what + (XROW ? " needs R % 128 == 0" : " needs R % 128 == 0 and T % 8 == 0"));
   using L = XtLayout<XROW, DEEP>;
-  constexpr int kSmem = DBK > 0 ? L::kSmemBytesDb : L::kSmemBytes;
+  constexpr int kSmem = WS ? (DBK > 0 ? XtWsBars::kSmemBytesDb : XtWsBars::kSmemBytes)
+                           : (DBK > 0 ? L::kSmemBytesDb : L::kSmemBytes);
+  constexpr int kThreads = WS ? kXtWsThreads : kXtThreads;
   if (ffi::Error e = RaiseSmemLimit<kernel>(kSmem, "cudaFuncSetAttribute(SddmmWgmmaXtKernel)"); e.failure()) return e;
   CUtensorMap tma_dy{}, tma_xt{};
   if (!MakeTensorMap2d(&tma_dy, p.dy, p.tokens, p.rows, kXtBT) ||
@@ -884,7 +1045,7 @@ ffi::Error LaunchXtKernel(cudaStream_t stream, const SddmmParams& p, int split, 
   return LaunchSplit<T>(
       stream, p, split, (p.rows / kXtBR) * gy, kXtBT, partials,
       [&](const SddmmParams& q, int z) {
-        kernel<<<dim3(p.rows / kXtBR, gy, z), kXtThreads, kSmem, stream>>>(q, tma_dy, tma_xt);
+        kernel<<<dim3(p.rows / kXtBR, gy, z), kThreads, kSmem, stream>>>(q, tma_dy, tma_xt);
         return LastLaunchError("SddmmWgmmaXtKernel");
       },
       1, db);
@@ -892,13 +1053,13 @@ ffi::Error LaunchXtKernel(cudaStream_t stream, const SddmmParams& p, int split, 
 
 // The x^T engine with or without the bias gradient (db_out): its tiles hold half as many groups as the tma engine's,
 // so a stage's four k16 steps are shared over two column tiles where it has them, else every CTA takes all four.
-template <typename T, bool DEEP>
+template <typename T, bool DEEP, bool WS = false>
 ffi::Error LaunchXtColumns(cudaStream_t stream, const SddmmParams& p, int split, const Partials& partials,
                            float* db_out) {
-  if (db_out == nullptr) return LaunchXtKernel<T, false, 0, DEEP>(stream, p, split, partials, nullptr);
+  if (db_out == nullptr) return LaunchXtKernel<T, false, 0, DEEP, WS>(stream, p, split, partials, nullptr);
   if (p.groups > XtLayout<false, DEEP>::kGC)
-    return LaunchXtKernel<T, false, 2, DEEP>(stream, p, split, partials, db_out);
-  return LaunchXtKernel<T, false, 4, DEEP>(stream, p, split, partials, db_out);
+    return LaunchXtKernel<T, false, 2, DEEP, WS>(stream, p, split, partials, db_out);
+  return LaunchXtKernel<T, false, 4, DEEP, WS>(stream, p, split, partials, db_out);
 }
 
 // With the bias gradient (db_out): the tma engine (XROW) shares a stage's four k16 steps over four column tiles (it
@@ -910,8 +1071,10 @@ ffi::Error LaunchXt(cudaStream_t stream, const SddmmParams& p, int split, const 
     if (db_out == nullptr) return LaunchXtKernel<T, true, 0>(stream, p, split, partials, nullptr);
     return LaunchXtKernel<T, true, 1>(stream, p, split, partials, db_out);
   } else {
-    // One V block a CTA (V % 128 == 0, or 2:4): one B tile a stage, six stages deep.
-    if (p.cols == nullptr || p.v % kXtBR == 0) return LaunchXtColumns<T, true>(stream, p, split, partials, db_out);
+    // One V block a CTA (V % 128 == 0, or 2:4): one B tile a stage, six stages deep; gathered rows (V:2:M) by the
+    // warp-specialized kernel.
+    if (p.cols != nullptr && p.v % kXtBR == 0) return LaunchXtColumns<T, true, true>(stream, p, split, partials, db_out);
+    if (p.cols == nullptr) return LaunchXtColumns<T, true>(stream, p, split, partials, db_out);
     return LaunchXtColumns<T, false>(stream, p, split, partials, db_out);
   }
 }
