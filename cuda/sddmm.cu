@@ -121,6 +121,18 @@ __device__ __forceinline__ void StorePair(const SddmmParams& p, int row, int g, 
   }
 }
 
+// This CTA's token tiles of BT tokens, [begin, begin + count) of the whole range: range blockIdx.z of the token split
+// (count 0 past the last tile).
+struct TokenTiles {
+  int begin, count;
+};
+template <int BT>
+__device__ __forceinline__ TokenTiles CtaTokenTiles(const SddmmParams& p) {
+  const int all = (p.tokens + BT - 1) / BT;
+  const int begin = blockIdx.z * p.kt_per_split;
+  return {begin, max(min(all - begin, p.kt_per_split), 0)};
+}
+
 // Epilogue of both engines: `tile` [ROWS][row_floats] holds C[r, 4*gl + p] for the CTA's rows and GC groups;
 // per (row, group) the metadata nibble picks the 2 kept of the 4 products, stored by StorePair.
 template <typename T, int ROWS, int GC, int THREADS>
@@ -157,10 +169,7 @@ __global__ void __launch_bounds__(kSdThreads) SddmmKernel(const SddmmParams p) {
   const int row0 = blockIdx.x * kSdBR;
   const int g0 = blockIdx.y * GC;
   const int groups = p.groups;
-  // This CTA's token tiles: [kt_begin, kt_begin + num_kt) of the whole range.
-  const int all_kt = (p.tokens + kSdBT - 1) / kSdBT;
-  const int kt_begin = blockIdx.z * p.kt_per_split;
-  const int num_kt = max(min(all_kt - kt_begin, p.kt_per_split), 0);
+  const auto [kt_begin, num_kt] = CtaTokenTiles<kSdBT>(p);  // this CTA's token tiles
   const T* __restrict__ x = static_cast<const T*>(p.x);
   const T* __restrict__ dy = static_cast<const T*>(p.dy);
 
@@ -385,9 +394,7 @@ __global__ void __launch_bounds__(kWgThreads, 2) SddmmWgmmaKernel(const SddmmPar
   const int row0 = blockIdx.x * kWgBR;
   const int g0 = blockIdx.y * GC;
   const int groups = p.groups;
-  const int all_kt = (p.tokens + kWgBT - 1) / kWgBT;
-  const int kt_begin = blockIdx.z * p.kt_per_split;
-  const int num_kt = max(min(all_kt - kt_begin, p.kt_per_split), 0);
+  const auto [kt_begin, num_kt] = CtaTokenTiles<kWgBT>(p);  // this CTA's token tiles
   const T* __restrict__ x = static_cast<const T*>(p.x);
   const T* __restrict__ dy = static_cast<const T*>(p.dy);
 
@@ -557,6 +564,49 @@ constexpr int kXtBox = kXtBT * 128;  // one 64-token x 64-column box of 16-bit v
 constexpr int kXtKSteps = kXtBT / 16;
 constexpr int DbWays(int dbk) { return dbk == 0 ? 0 : kXtKSteps / dbk; }
 
+// The x^T engine's bias gradient (DBK > 0), shared by SddmmWgmmaXtKernel and SddmmWgmmaXtWsKernel: every CTA adds k16
+// steps (column tile % ways) DBK + [0, DBK) of every stage, so the first `ways` column tiles together cover every
+// token; only those write their sums (the others' products keep the CTAs alike). Each such step is an m64n8k16 product
+// of the warpgroup's dy^T half against a tile of ones, so every column of acc_db holds the row's sum.
+#ifdef JAXSPARSE_WGMMA
+template <typename T, int DBK>
+struct XtBiasGrad {
+  static constexpr int kWays = DbWays(DBK);
+  static_assert(DBK == 0 || DBK == 1 || DBK == 2 || DBK == 4, "DBK divides a stage's kXtKSteps = 4 k16 steps");
+  uint32_t ones;  // shared-memory address of the tile of ones
+  uint32_t ks0;   // this column tile's first k16 step of a stage
+
+  // Fills the tile of ones (bytes at `ones_ptr`, address `ones_addr`) with `threads` threads, the caller's barrier
+  // following; the async-proxy fence makes the ones visible to wgmma.
+  __device__ __forceinline__ XtBiasGrad(unsigned char* ones_ptr, uint32_t ones_addr, int bytes, int tid, int threads)
+      : ones(ones_addr), ks0(blockIdx.y % (DBK > 0 ? kWays : 1) * DBK) {
+    if constexpr (DBK > 0) {
+      const uint32_t one2 = std::is_same<T, __half>::value ? 0x3C003C00u : 0x3F803F80u;  // two 16-bit ones
+      for (int i = tid; i < bytes / 4; i += threads) reinterpret_cast<uint32_t*>(ones_ptr)[i] = one2;
+      FenceProxyAsyncShared();
+    }
+  }
+
+  // A stage's DBK products of the warpgroup's dy^T half (its 64-row box at a_base, 2048 bytes a k16 step) into acc.
+  __device__ __forceinline__ void Products(float (&acc)[4], uint32_t a_base) const {
+#pragma unroll
+    for (int j = 0; j < DBK; ++j)
+      Wgmma<8, T, 1>::Run(acc, WgmmaDescSw128(a_base + (ks0 + j) * 2048, kXtBox, 1024),
+                          WgmmaDescSw128(ones, kXtBox, 1024));
+  }
+
+  // After the last products completed: the sums of the warpgroup `wg`'s 64 rows (rows 16 wq + lane / 4 and + 8 of
+  // them, from the thread's index `t` among the consumer warpgroups) into this CTA's plane of p.db_partial.
+  __device__ __forceinline__ void Store(const SddmmParams& p, const float (&acc)[4], int row0, int t) const {
+    if (DBK == 0 || blockIdx.y >= kWays || (t & 3) != 0) return;
+    const int r = 64 * (t >> 7) + 16 * ((t >> 5) & 3) + ((t & 31) >> 2);
+    float* plane = p.db_partial + (static_cast<int64_t>(blockIdx.z) * kWays + blockIdx.y) * p.rows + row0;
+    plane[r] = acc[0];
+    plane[r + 8] = acc[2];
+  }
+};
+#endif  // JAXSPARSE_WGMMA
+
 // NC condensed columns per CTA: 256 from x rows (XROW: one B tile serves both warpgroups, m64n256 products), 128
 // from x^T (two B tiles where the warpgroups sit in different V blocks). DEEP (x^T where one V block holds the CTA's
 // rows, or 2:4; session 52): one B tile, and the 16 KB that a second would take go to two more stages, so the loads
@@ -606,28 +656,15 @@ __global__ void __launch_bounds__(kXtThreads, 1)
   const int row0 = blockIdx.x * kXtBR;
   const int g0 = blockIdx.y * GC;
   const int groups = p.groups, m = p.k / p.groups;
-  const int all_kt = (p.tokens + kXtBT - 1) / kXtBT;
-  const int kt_begin = blockIdx.z * p.kt_per_split;
-  const int num_kt = max(min(all_kt - kt_begin, p.kt_per_split), 0);
+  const auto [kt_begin, num_kt] = CtaTokenTiles<kXtBT>(p);  // this CTA's token tiles
   const T* __restrict__ xt = static_cast<const T*>(p.x);  // [K][T]
   constexpr int halves = L::kBTiles;  // one B tile for both warpgroups, or one for each (XtLayout)
   // 2:4: the condensed rows are x^T's rows g0*4 .. g0*4 + 127 themselves, one TMA box; else a gather by cp.async.
   const bool x_by_tma = XROW || p.cols == nullptr;
 
-  // The bias gradient (DBK > 0): every CTA adds k16 steps (column tile % ways) DBK + [0, DBK) of every stage, so the
-  // first `ways` column tiles together cover every token; only those write their sums (the others' products keep
-  // the CTAs alike).
-  constexpr bool DB = DBK > 0;
-  constexpr int kWays = DbWays(DBK);
-  static_assert(DBK == 0 || DBK == 1 || DBK == 2 || DBK == 4, "DBK divides a stage's kXtKSteps = 4 k16 steps");
+  constexpr bool DB = DBK > 0;  // the bias gradient (XtBiasGrad)
   static_assert(kXtKSteps == 4, "a stage of four k16 steps");
-  const uint32_t ones = smem_base + L::kOnesOff;
-  const uint32_t db_ks0 = blockIdx.y % (DB ? kWays : 1) * DBK;
-  if constexpr (DB) {
-    const uint32_t one2 = std::is_same<T, __half>::value ? 0x3C003C00u : 0x3F803F80u;  // two 16-bit ones
-    for (int i = tid; i < L::kOnesBytes / 4; i += kXtThreads)
-      reinterpret_cast<uint32_t*>(smem + L::kOnesOff)[i] = one2;  // made visible to wgmma by the loop's proxy fence
-  }
+  const XtBiasGrad<T, DBK> bias(smem + L::kOnesOff, smem_base + L::kOnesOff, L::kOnesBytes, tid, kXtThreads);
   if (tid == 0)
     for (int s = 0; s < kXtStages; ++s) MbarInit(full0 + 8 * s, 1);  // thread 0's expect_tx arrival
   __syncthreads();
@@ -730,12 +767,7 @@ __global__ void __launch_bounds__(kXtThreads, 1)
         Wgmma<NC, T, 0>::Run(acc, da, db);
       }
     }
-    if constexpr (DB) {
-#pragma unroll
-      for (int j = 0; j < DBK; ++j)
-        Wgmma<8, T, 1>::Run(acc_db, WgmmaDescSw128(a_base + (db_ks0 + j) * 2048, L::kDyHalf, 1024),
-                            WgmmaDescSw128(ones, kXtBox, 1024));
-    }
+    if constexpr (DB) bias.Products(acc_db, a_base);
     WgmmaCommit();
     WgmmaWait<1>();  // stage kt-1's wgmmas of this warpgroup completed
     WgmmaFenceOperands(acc);
@@ -744,12 +776,7 @@ __global__ void __launch_bounds__(kXtThreads, 1)
   WgmmaWait<0>();
   WgmmaFenceOperands(acc);
   if constexpr (DB) WgmmaFenceOperands(acc_db);
-  if (DB && blockIdx.y < kWays && (tid & 3) == 0) {  // rows 16 wq + lane / 4 and + 8 of the warpgroup's 64
-    const int r = 64 * wg + 16 * (warp & 3) + ((tid & 31) >> 2);
-    float* plane = p.db_partial + (static_cast<int64_t>(blockIdx.z) * kWays + blockIdx.y) * p.rows + row0;
-    plane[r] = acc_db[0];
-    plane[r + 8] = acc_db[2];
-  }
+  bias.Store(p, acc_db, row0, tid);
 
   CpAsyncWait<0>();
   __syncthreads();  // no wgmma or copy reads or writes the pipeline buffers any more
@@ -797,21 +824,10 @@ __global__ void __launch_bounds__(kXtWsThreads, 1)
   const int row0 = blockIdx.x * kXtBR;
   const int g0 = blockIdx.y * GC;
   const int groups = p.groups, m = p.k / p.groups;
-  const int all_kt = (p.tokens + kXtBT - 1) / kXtBT;
-  const int kt_begin = blockIdx.z * p.kt_per_split;
-  const int num_kt = max(min(all_kt - kt_begin, p.kt_per_split), 0);
+  const auto [kt_begin, num_kt] = CtaTokenTiles<kXtBT>(p);  // this CTA's token tiles
 
-  constexpr bool DB = DBK > 0;
-  constexpr int kWays = DbWays(DBK);
-  static_assert(DBK == 0 || DBK == 1 || DBK == 2 || DBK == 4, "DBK divides a stage's kXtKSteps = 4 k16 steps");
-  const uint32_t ones = smem_base + B::kOnesOff;
-  const uint32_t db_ks0 = blockIdx.y % (DB ? kWays : 1) * DBK;
-  if constexpr (DB) {
-    const uint32_t one2 = std::is_same<T, __half>::value ? 0x3C003C00u : 0x3F803F80u;  // two 16-bit ones
-    for (int i = tid; i < L::kOnesBytes / 4; i += kXtWsThreads)
-      reinterpret_cast<uint32_t*>(smem + B::kOnesOff)[i] = one2;
-    FenceProxyAsyncShared();  // the ones, written here, before any wgmma reads them
-  }
+  constexpr bool DB = DBK > 0;  // the bias gradient (XtBiasGrad)
+  const XtBiasGrad<T, DBK> bias(smem + B::kOnesOff, smem_base + B::kOnesOff, L::kOnesBytes, tid, kXtWsThreads);
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
       MbarInit(full0 + 8 * s, kXtWsProducers + 1);  // thread 0's expect_tx arrival and each producer's cp.async one
@@ -876,12 +892,7 @@ __global__ void __launch_bounds__(kXtWsThreads, 1)
       for (int ks = 0; ks < kXtKSteps; ++ks)
         Wgmma<NC, T, 0>::Run(acc, WgmmaDescSw128(a_base + ks * 2048, L::kDyHalf, 1024),
                              WgmmaDescSw128(b_base + ks * 32, 16, 1024));
-      if constexpr (DB) {
-#pragma unroll
-        for (int jj = 0; jj < DBK; ++jj)
-          Wgmma<8, T, 1>::Run(acc_db, WgmmaDescSw128(a_base + (db_ks0 + jj) * 2048, L::kDyHalf, 1024),
-                              WgmmaDescSw128(ones, kXtBox, 1024));
-      }
+      if constexpr (DB) bias.Products(acc_db, a_base);
       WgmmaCommit();
       WgmmaWait<1>();  // stage kt-1's products of this warp completed
       WgmmaFenceOperands(acc);
@@ -891,12 +902,7 @@ __global__ void __launch_bounds__(kXtWsThreads, 1)
     WgmmaWait<0>();
     WgmmaFenceOperands(acc);
     if constexpr (DB) WgmmaFenceOperands(acc_db);
-    if (DB && blockIdx.y < kWays && (tid & 3) == 0) {  // rows 16 wq + lane / 4 and + 8 of the warpgroup's 64
-      const int r = 64 * cw + 16 * (warp & 3) + (lane >> 2);
-      float* plane = p.db_partial + (static_cast<int64_t>(blockIdx.z) * kWays + blockIdx.y) * p.rows + row0;
-      plane[r] = acc_db[0];
-      plane[r + 8] = acc_db[2];
-    }
+    bias.Store(p, acc_db, row0, tid - kXtWsProducers);
   }
 
   __syncthreads();  // every copy landed and every wgmma completed: the ring becomes the epilogue's tile
