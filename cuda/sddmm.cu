@@ -364,7 +364,7 @@ struct WgLayout {
 
 // Both wgmma engines' epilogue: each warpgroup's m64nNk16 float32 accumulators (rows 64 * warpgroup + ...,
 // the fragment layout in wgmma.cuh) into the shared tile [128][row_floats] that StoreKeptPairs reads. `t`: the
-// thread's index among the CTA's two consumer warpgroups (threadIdx.x, or that less the producer's 128 threads).
+// thread's index among the CTA's two consumer warpgroups (threadIdx.x, or that less the producer warpgroups' threads).
 template <int N>
 __device__ __forceinline__ void StageWgmmaAccumulators(float* tile, int row_floats, const float (&acc)[N / 2],
                                                        int t = threadIdx.x) {
@@ -595,8 +595,9 @@ struct XtBiasGrad {
                           WgmmaDescSw128(ones, kXtBox, 1024));
   }
 
-  // After the last products completed: the sums of the warpgroup `wg`'s 64 rows (rows 16 wq + lane / 4 and + 8 of
-  // them, from the thread's index `t` among the consumer warpgroups) into this CTA's plane of p.db_partial.
+  // After the last products completed: the row sums of the thread's consumer warpgroup (its index `t` among the
+  // consumer warpgroups: warpgroup t / 128, rows 16 wq + lane / 4 and + 8 of its 64) into this CTA's plane of
+  // p.db_partial.
   __device__ __forceinline__ void Store(const SddmmParams& p, const float (&acc)[4], int row0, int t) const {
     if (DBK == 0 || blockIdx.y >= kWays || (t & 3) != 0) return;
     const int r = 64 * (t >> 7) + 16 * ((t >> 5) & 3) + ((t & 31) >> 2);
