@@ -638,6 +638,47 @@ struct XtLayout {
   static_assert(kDyHalf % 1024 == 0 && kXcTile % 1024 == 0 && kStageBytes % 1024 == 0, "swizzle atoms");
 };
 
+#ifdef JAXSPARSE_WGMMA
+// The kept x^T rows of one 128-row B tile (V:2:M), gathered by cp.async from x^T [K, T] into the K-major 128B-swizzled
+// tile: 128 condensed rows x 8 chunks of 16 bytes a 64-token stage over kXtThreads threads; thread t copies chunk
+// t % 8 of condensed rows t / 8 + 32 i. Rows of groups past G, and tokens past T (T % 8 == 0: a chunk is all in or
+// all out), arrive as zeros. Both x^T kernels gather through it (the warp-specialized one from its producers).
+template <typename T>
+struct XtRowGather {
+  static_assert(kXtThreads == 256, "32 rows x 8 chunks a pass, four passes");
+  const T* xt;
+  const T* src[4];  // chunk c of each of the thread's rows at token 0
+  bool ok[4];
+  int q, c;
+
+  // Thread t's rows of V block `blk` (its kept columns p.cols[blk, g, :]) for the groups from g0.
+  __device__ __forceinline__ void Init(const SddmmParams& p, int t, int blk, int g0) {
+    xt = static_cast<const T*>(p.x);
+    q = t >> 3;
+    c = t & 7;
+    const int groups = p.groups, m = p.k / p.groups;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int qi = q + 32 * i, g = g0 + qi / 4;
+      ok[i] = g < groups;
+      const int col = ok[i] ? p.cols[(static_cast<int64_t>(blk) * groups + g) * 4 + qi % 4] : 0;
+      const int64_t krow = ok[i] ? static_cast<int64_t>(g) * m + col : 0;
+      src[i] = xt + krow * p.tokens + c * 8;
+    }
+  }
+
+  // The copies of tokens t0 .. t0 + 63 into the tile at shared-memory address `tile`.
+  __device__ __forceinline__ void Issue(uint32_t tile, int t0, int tokens) const {
+    const bool tok_ok = t0 + c * 8 < tokens;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const bool in = tok_ok && ok[i];
+      CpAsync16(tile + Sw128KOffset(q + 32 * i, c * 8), in ? src[i] + t0 : xt, in ? 16 : 0);
+    }
+  }
+};
+#endif  // JAXSPARSE_WGMMA
+
 template <typename T, bool XROW, int DBK = 0, bool DEEP = false>
 __global__ void __launch_bounds__(kXtThreads, 1)
     SddmmWgmmaXtKernel(const SddmmParams p, const __grid_constant__ CUtensorMap tma_dy,
@@ -656,12 +697,11 @@ __global__ void __launch_bounds__(kXtThreads, 1)
   const int wg = warp >> 2;
   const int row0 = blockIdx.x * kXtBR;
   const int g0 = blockIdx.y * GC;
-  const int groups = p.groups, m = p.k / p.groups;
   const auto [kt_begin, num_kt] = CtaTokenTiles<kXtBT>(p);  // this CTA's token tiles
-  const T* __restrict__ xt = static_cast<const T*>(p.x);  // [K][T]
   constexpr int halves = L::kBTiles;  // one B tile for both warpgroups, or one for each (XtLayout)
-  // 2:4: the condensed rows are x^T's rows g0*4 .. g0*4 + 127 themselves, one TMA box; else a gather by cp.async.
-  const bool x_by_tma = XROW || p.cols == nullptr;
+  // x rows (XROW) and the deep layout (launched here only for 2:4, where the condensed rows are x^T's rows g0*4 ..
+  // g0*4 + 127 themselves): TMA boxes; else (V = 64) a gather by cp.async. LaunchXtKernel checks the pattern.
+  constexpr bool x_by_tma = XROW || DEEP;
 
   constexpr bool DB = DBK > 0;  // the bias gradient (XtBiasGrad)
   static_assert(kXtKSteps == 4, "a stage of four k16 steps");
@@ -670,26 +710,11 @@ __global__ void __launch_bounds__(kXtThreads, 1)
     for (int s = 0; s < kXtStages; ++s) MbarInit(full0 + 8 * s, 1);  // thread 0's expect_tx arrival
   __syncthreads();
 
-  // x^T (gathered, V:2:M): per half, 128 condensed rows x 8 chunks; thread copies chunk xc_c of condensed
-  // rows xc_q + 32 i.
-  const int xc_q = tid >> 3, xc_c = tid & 7;
-  const T* xc_src[halves][4];
-  bool xc_ok[4];
+  // x^T (gathered, V:2:M): one B tile for each warpgroup's V block.
+  XtRowGather<T> gather[halves];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int q = xc_q + 32 * i, g = g0 + q / 4;
-    xc_ok[i] = g < groups;
-#pragma unroll
-    for (int h = 0; h < halves; ++h) {
-      int col = q % 4;
-      if (p.cols != nullptr && xc_ok[i]) {
-        const int blk = (row0 + 64 * h) / p.v;
-        col = p.cols[(static_cast<int64_t>(blk) * groups + g) * 4 + q % 4];
-      }
-      const int64_t krow = xc_ok[i] ? static_cast<int64_t>(g) * m + col : 0;
-      xc_src[h][i] = xt + krow * p.tokens + xc_c * 8;
-    }
-  }
+  for (int h = 0; h < halves; ++h)
+    if constexpr (!x_by_tma) gather[h].Init(p, tid, (row0 + 64 * h) / p.v, g0);
 
   // Thread 0 loads dy by TMA (two boxes of 64 tokens x 64 rows: the MN-major 128B-swizzled halves) and, at
   // 2:4, x^T too (one box of 64 tokens x 128 rows, K-major 128B-swizzled) or x's columns (XROW: NC / 64 boxes of
@@ -717,17 +742,9 @@ __global__ void __launch_bounds__(kXtThreads, 1)
         TmaLoad2d(base + L::kXcOff, &tma_xt, t0, 4 * g0, full);
       }
     }
-    if (!x_by_tma) {
-      const bool tok_ok = t0 + xc_c * 8 < p.tokens;  // T % 8 == 0: a chunk is all in or all out
+    if constexpr (!x_by_tma) {
 #pragma unroll
-      for (int h = 0; h < halves; ++h) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const bool ok = tok_ok && xc_ok[i];
-          const uint32_t dst = L::kXcOff + h * L::kXcTile + Sw128KOffset(xc_q + 32 * i, xc_c * 8);
-          CpAsync16(base + dst, ok ? xc_src[h][i] + t0 : xt, ok ? 16 : 0);
-        }
-      }
+      for (int h = 0; h < halves; ++h) gather[h].Issue(base + L::kXcOff + h * L::kXcTile, t0, p.tokens);
     }
   };
 
@@ -824,7 +841,6 @@ __global__ void __launch_bounds__(kXtWsThreads, 1)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
   const int row0 = blockIdx.x * kXtBR;
   const int g0 = blockIdx.y * GC;
-  const int groups = p.groups, m = p.k / p.groups;
   const auto [kt_begin, num_kt] = CtaTokenTiles<kXtBT>(p);  // this CTA's token tiles
 
   constexpr bool DB = DBK > 0;  // the bias gradient (XtBiasGrad)
@@ -842,22 +858,10 @@ __global__ void __launch_bounds__(kXtWsThreads, 1)
   for (int i = 0; i < NC / 2; ++i) acc[i] = 0.f;
   float acc_db[4] = {0.f, 0.f, 0.f, 0.f};  // m64n8: every column holds the row's sum
 
-  constexpr int kRowStep = kXtWsProducers / 8, kRowsPer = 128 / kRowStep;
+  static_assert(kXtWsProducers == kXtThreads, "the producers gather as the deep kernel's threads do (XtRowGather)");
   if (tid < kXtWsProducers) {  // ------------------------------------ producers
-    // 128 condensed rows x 8 chunks of 16 bytes a stage: thread copies chunk xc_c of condensed rows xc_q + kRowStep i.
-    const T* __restrict__ xt = static_cast<const T*>(p.x);  // [K][T]
-    const int xc_q = tid >> 3, xc_c = tid & 7;
-    const int blk = row0 / p.v;
-    const T* xc_src[kRowsPer];
-    bool xc_ok[kRowsPer];
-#pragma unroll
-    for (int i = 0; i < kRowsPer; ++i) {
-      const int q = xc_q + kRowStep * i, g = g0 + q / 4;
-      xc_ok[i] = g < groups;
-      const int col = xc_ok[i] ? p.cols[(static_cast<int64_t>(blk) * groups + g) * 4 + q % 4] : 0;
-      const int64_t krow = xc_ok[i] ? static_cast<int64_t>(g) * m + col : 0;
-      xc_src[i] = xt + krow * p.tokens + xc_c * 8;
-    }
+    XtRowGather<T> gather;
+    gather.Init(p, tid, row0 / p.v, g0);  // one V block holds the CTA's rows
     for (int j = 0; j < num_kt; ++j) {
       const int s = j % S;
       const uint32_t base = smem_base + s * L::kStageBytes, full = full0 + 8 * s;
@@ -868,13 +872,7 @@ __global__ void __launch_bounds__(kXtWsThreads, 1)
         TmaLoad2d(base, &tma_dy, row0, t0, full);
         TmaLoad2d(base + L::kDyHalf, &tma_dy, row0 + 64, t0, full);
       }
-      const bool tok_ok = t0 + xc_c * 8 < p.tokens;  // T % 8 == 0: a chunk is all in or all out
-#pragma unroll
-      for (int i = 0; i < kRowsPer; ++i) {
-        const bool ok = tok_ok && xc_ok[i];
-        CpAsync16(base + L::kXcOff + Sw128KOffset(xc_q + kRowStep * i, xc_c * 8), ok ? xc_src[i] + t0 : xt,
-                  ok ? 16 : 0);
-      }
+      gather.Issue(base + L::kXcOff, t0, p.tokens);
       CpAsyncMbarArrive(full);
     }
     CpAsyncWait<0>();
@@ -1032,6 +1030,8 @@ ffi::Error LaunchXtKernel(cudaStream_t stream, const SddmmParams& p, int split, 
   constexpr auto kernel = XtKernel<T, XROW, DBK, DEEP, WS>();
   const std::string what = XROW ? "jaxsparse_sddmm: the tma engine" : "jaxsparse_sddmm: x^T (x_layout 1)";
   if (!Sm90aImageLoaded<kernel>()) return ffi::Error::InvalidArgument(what + " needs an sm_90a build on a Hopper GPU");
+  if (!XROW && !WS && DEEP != (p.cols == nullptr))  // the deep kernel takes x^T's rows by TMA, the other gathers them
+    return ffi::Error::Internal(what + ": the deep layout is for 2:4, the gathering one for V:2:M (LaunchXt)");
   if (p.rows % kXtBR || (!XROW && p.tokens % 8))
     return ffi::Error::InvalidArgument(what + (XROW ? " needs R % 128 == 0" : " needs R % 128 == 0 and T % 8 == 0"));
   using L = XtLayout<XROW, DEEP>;
