@@ -8,7 +8,10 @@ one process, dense (XLA) and sparse (``jaxsparse.ops.sparse_linear``, masks chos
 * ``fused, split``: one layer whose weight is the three side by side, its output split into q, k and v and its
   cotangent their concatenation (what a model would have to do, since the attention takes three arrays);
 * ``fused, whole``: the same layer with y and dy whole, no split and no concatenation: the bound that a kernel
-  writing and reading the three parts itself could reach.
+  writing and reading the three parts itself could reach;
+* ``shared dx`` (sparse only): the three layers as one ``jaxsparse.ops.shared_linear``, what ``models/bert.py`` runs
+  on compressed layers: three forwards and weight gradients, and one input-gradient product whose reduction runs over
+  the three ``dy`` (``JAXSPARSE_SHARED_DX``; dx written once instead of three times and summed by XLA).
 
 The fused sparse weight is the three masks side by side (a V-row block never straddles two parts when ``hidden`` is a
 multiple of V), so the fused layer computes what the three do; the script checks that before it times anything. Each
@@ -40,6 +43,7 @@ from linear import floors  # noqa: E402
 
 PARTS = 3  # q, k, v
 VARIANTS = ("three", "fused, split", "fused, whole")
+SPARSE_VARIANTS = VARIANTS + ("shared dx",)
 
 
 def _rel(a: jax.Array, ref: jax.Array) -> float:
@@ -77,6 +81,11 @@ def layers(w: jax.Array, b: jax.Array, spec: str | None) -> dict[str, tuple[Call
         fused = lambda x, v, bias: ops.sparse_linear(x, sw.replace(values=v), bias)
         part = lambda i, x, v, bias: ops.sparse_linear(x, parts[i].replace(values=v), bias)
 
+        def shared(x, dy, ws):
+            y, g = jax.vjp(lambda x, ws, bs: ops.shared_linear(x, [p.replace(values=v) for p, v in zip(parts, ws)], bs),
+                           x, ws, bs)
+            return y, g(tuple(dy))
+
     def three(x, dy, ws):
         y, g = jax.vjp(lambda x, ws, bs: tuple(part(i, x, *wb) for i, wb in enumerate(zip(ws, bs))), x, ws, bs)
         return y, g(tuple(dy))
@@ -89,9 +98,30 @@ def layers(w: jax.Array, b: jax.Array, spec: str | None) -> dict[str, tuple[Call
         y, g = jax.vjp(fused, x, wf, b)
         return y, g(dy)
 
+    fns = {"three": (three, part_weights), "fused, split": (split, fused_weight), "fused, whole": (whole, fused_weight)}
     if spec is not None:
         check_fused(three, split, parts, sw, hidden)
-    return {"three": (three, part_weights), "fused, split": (split, fused_weight), "fused, whole": (whole, fused_weight)}
+        check_shared(three, shared, parts)
+        fns["shared dx"] = (shared, part_weights)
+    return fns
+
+
+def check_shared(three: Callable, shared: Callable, parts: Sequence[F.SparseWeight], tokens: int = 128,
+                 tol: float = 2e-2) -> dict:
+    """``shared dx`` against the three layers on fresh random bf16 inputs: y, dx, dW and db within ``tol``; raises
+    otherwise."""
+    hidden = parts[0].shape[0]
+    kx, kd = jax.random.split(jax.random.key(12))
+    x = jax.random.normal(kx, (tokens, hidden), jnp.float32).astype(jnp.bfloat16)
+    dy = [d.astype(jnp.bfloat16) for d in jax.random.normal(kd, (PARTS, tokens, hidden), jnp.float32)]
+    ws = [p.values for p in parts]
+    (y3, g3), (ys, gs) = jax.jit(three)(x, dy, ws), jax.jit(shared)(x, dy, ws)
+    err = dict(y=max(_rel(a, r) for a, r in zip(ys, y3)), dx=_rel(gs[0], g3[0]),
+               dw=max(_rel(a, r) for a, r in zip(gs[1], g3[1])), db=max(_rel(a, r) for a, r in zip(gs[2], g3[2])))
+    bad = {k: v for k, v in err.items() if not v <= tol}  # NaN fails too
+    if bad:
+        raise SystemExit(f"shared_linear is not the three layers: relative errors {bad} (tolerance {tol})")
+    return err
 
 
 def check_fused(three: Callable, split: Callable, parts: Sequence[F.SparseWeight], sw: F.SparseWeight,
@@ -117,6 +147,9 @@ def floor_ms(variant: str, tokens: int, hidden: int, spec: str | None) -> float:
     m, v = (None, 1) if vnm is None else (vnm.m, vnm.v)
     if variant == "three":
         return PARTS * floors("fwd+bwd", tokens, hidden, hidden, m, v)["floor_ms"]
+    if variant == "shared dx":  # the three forwards and weight gradients, one dX over the three dy
+        one = sum(floors(p, tokens, hidden, hidden, m, v)["floor_ms"] for p in ("fwd", "dW"))
+        return PARTS * one + floors("dX", tokens, hidden, PARTS * hidden, m, v)["floor_ms"]
     return floors("fwd+bwd", tokens, hidden, PARTS * hidden, m, v)["floor_ms"]
 
 
@@ -135,7 +168,7 @@ def _time_all(args: argparse.Namespace) -> list[dict]:
         # the dense layers take the sparse layer's masked weight: the same numbers, XLA's dense products
         fns = layers(wd, b, spec)
         three_ms = None
-        for variant in VARIANTS:
+        for variant in VARIANTS if spec is None else SPARSE_VARIANTS:
             fn, weight = fns[variant]
             dy_of = (lambda dy: jnp.concatenate(dy, axis=-1)) if variant == "fused, whole" else (lambda dy: dy)
             ms = common.time_jax(jax.jit(fn), [(x, dy_of(dy), weight) for x, dy in zip(xs, dys)])

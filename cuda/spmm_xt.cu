@@ -68,6 +68,12 @@ struct SpmmXtParams {
   const int32_t* y_chunks;  // [R/64] or null (no y2): feature f is stored at y's column y_chunks[f/64] * 64 + f % 64
   const void* mul = nullptr;  // [T, R] or null (the warp-specialized kernel on x [T, K], act_mode 0, no y_chunks):
                               // y = (x W + b) * mul, the product in float32 rounded to T (the backward's dz)
+  // x_parts P > 1 (the warp-specialized kernel on x [T, K], x_blocks 1, no x_chunks): the reduction runs over P
+  // operands of one shape [T, K/P], xt and x_part[0 .. P-2], in that order: y = sum_i x_i W_i for the weight
+  // [W_0; W_1; ...] (the input gradient of layers sharing their input, ops.shared_linear).  K/P % 64 == 0, so no
+  // k-step straddles two operands.
+  int x_parts = 1;
+  const void* x_part[2] = {nullptr, nullptr};
 };
 
 // The stores' extra work for act_mode 1 (none without y2; act_mode 2 stages act and act' itself); `table` is the
@@ -602,7 +608,8 @@ template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, in
 __global__ void __launch_bounds__(kWsThreads, 1)
     SpmmWgmmaXtWsKernel(const SpmmXtParams p, const __grid_constant__ CUtensorMap tma_a,
                         const __grid_constant__ CUtensorMap tma_x, const __grid_constant__ CUtensorMap tma_m,
-                        const __grid_constant__ CUtensorMap tma_mul) {
+                        const __grid_constant__ CUtensorMap tma_mul, const __grid_constant__ CUtensorMap tma_x1,
+                        const __grid_constant__ CUtensorMap tma_x2) {
 #ifdef JAXSPARSE_WGMMA
   using L = XtWsLayout<BR, BT, STAGES>;
   using W = XtWarps<BR, BT, NWMAX>;  // over the two consumer warpgroups
@@ -659,9 +666,15 @@ __global__ void __launch_bounds__(kWsThreads, 1)
           if (meta_box)  // words 2 kt .. 2 kt + 3 of the tile's rows: 4 kt in 16-bit columns
             TmaLoad2d(smem_base + L::kMetaOff + s * L::kMetaBytes, &tma_m, 4 * kt, row0, full);
           if (XROW) {  // x [T, K]: BT rows of the stage's 64 k
-            const int xcol = xch != nullptr ? xnext * kKc : xk0 + kt * kKc;
+            int xcol = xch != nullptr ? xnext * kKc : xk0 + kt * kKc;
             if (xch != nullptr && kt + 1 < num_kt) xnext = __ldg(xch + kt + 1);
-            TmaLoad2d(stage + L::kABytes, &tma_x, xcol, tok0, full);
+            const CUtensorMap* xmap = &tma_x;
+            if (p.x_parts > 1) {  // operand kt / (num_kt / P), at its own column
+              const int per = num_kt / p.x_parts, part = kt / per;
+              xcol = (kt - part * per) * kKc;
+              xmap = part == 0 ? &tma_x : part == 1 ? &tma_x1 : &tma_x2;
+            }
+            TmaLoad2d(stage + L::kABytes, xmap, xcol, tok0, full);
           } else if (x_by_tma) {
 #pragma unroll
             for (int c = 0; c < BT / 64; ++c) TmaLoad2d(stage + L::kABytes + c * kColBytes, &tma_x, tok0 + 64 * c, kt * kKc, full);
@@ -821,16 +834,18 @@ ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& params) {
   constexpr int smem = XtWsLayout<BR, BT, STAGES>::kBytes + 1024;
   static_assert(smem <= 227 * 1024, "shared memory");
   if (ffi::Error e = RaiseSmemLimit<kernel>(smem, "cudaFuncSetAttribute(SpmmWgmmaXtWsKernel)"); e.failure()) return e;
-  CUtensorMap tma_a{}, tma_x{}, tma_m{}, tma_mul{};
+  CUtensorMap tma_a{}, tma_x{}, tma_m{}, tma_mul{}, tma_x1{}, tma_x2{};
   if (!MakeTensorMap2d(&tma_a, p.values, p.rows, 2 * static_cast<uint64_t>(p.groups), BR, kKc / 2) ||
       (p.meta_pairs && !MakeTensorMap2d(&tma_m, p.meta, p.rows, p.groups / 4, BR, 8)) ||  // words as 16-bit pairs
       (XROW && !MakeTensorMap2d(&tma_x, p.xt, p.tokens, static_cast<uint64_t>(p.k) * p.x_blocks, BT)) ||
+      (p.x_parts > 1 && !MakeTensorMap2d(&tma_x1, p.x_part[0], p.tokens, p.k, BT)) ||
+      (p.x_parts > 2 && !MakeTensorMap2d(&tma_x2, p.x_part[1], p.tokens, p.k, BT)) ||
       (!XROW && p.cols == nullptr && !MakeTensorMap2d(&tma_x, p.xt, p.k, p.tokens, 64)) ||
       (p.mul != nullptr &&  // [kEpiTokens tokens][BR features] boxes, unswizzled
        !MakeTensorMap2d(&tma_mul, p.mul, p.tokens, p.rows, XtWsLayout<BR, BT, STAGES>::kEpiTokens, BR, false)))
     return ffi::Error::Internal("jaxsparse_spmm_xt: cuTensorMapEncodeTiled failed for the warp-specialized tile");
   const int tiles = (p.tokens + BT - 1) / BT * (p.rows / BR);
-  kernel<<<std::min(tiles, SmCount()), kWsThreads, smem, stream>>>(p, tma_a, tma_x, tma_m, tma_mul);
+  kernel<<<std::min(tiles, SmCount()), kWsThreads, smem, stream>>>(p, tma_a, tma_x, tma_m, tma_mul, tma_x1, tma_x2);
   return LastLaunchError("SpmmWgmmaXtWsKernel");
 }
 
@@ -905,7 +920,8 @@ ffi::Error CheckActMode(int32_t act_mode, int32_t activation, int64_t tokens, in
 
 ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer values, ffi::Buffer<ffi::U8> columns,
                       ffi::Buffer<ffi::U32> metadata, ffi::AnyBuffer bias, ffi::Buffer<ffi::S32> x_chunks,
-                      ffi::Buffer<ffi::S32> y_chunks, ffi::AnyBuffer mul, ffi::Result<ffi::AnyBuffer> out,
+                      ffi::Buffer<ffi::S32> y_chunks, ffi::AnyBuffer mul, ffi::AnyBuffer x1, ffi::AnyBuffer x2,
+                      ffi::Result<ffi::AnyBuffer> out,
                       ffi::Result<ffi::AnyBuffer> out2, int32_t v, int32_t m, int32_t activation, int32_t act_mode,
                       int32_t tile, int32_t x_rows, int32_t act_table, int32_t x_blocks) {
   if (xt.dimensions().size() != 2 || values.dimensions().size() != 2 || out->dimensions().size() != 2)
@@ -920,6 +936,21 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer val
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x [T, x_blocks K] needs its width to be a multiple of "
                                        "x_blocks = " + std::to_string(x_blocks) + ", got " + ShapeString(xt));
   const int64_t k = Dim(xt, x_rows ? 1 : 0) / x_blocks, tokens = Dim(xt, x_rows ? 0 : 1), rows = Dim(values, 0);
+  // x_parts: x1 and x2, when not empty, continue the reduction after x (SpmmXtParams::x_parts).
+  const int x_parts = 1 + (x1.element_count() != 0) + (x2.element_count() != 0);
+  if (x_parts > 1) {
+    const auto same = [&](const ffi::AnyBuffer& b) {
+      return b.element_count() == 0 ||
+             (b.dimensions().size() == 2 && Dim(b, 0) == Dim(xt, 0) && Dim(b, 1) == Dim(xt, 1) &&
+              b.element_type() == xt.element_type());
+    };
+    if (!x_rows || x_blocks != 1 || x_chunks.element_count() != 0 || k % kKc || x1.element_count() == 0 ||
+        !same(x1) || !same(x2) || (tile != kTileAuto && tile != kTileWs128x256 && tile != kTileWs64x256))
+      return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x1 and x2 (the reduction's further operands) need x [T, K] "
+                                         "(x_rows 1), x_blocks 1, no x_chunks, K % 64 == 0, a warp-specialized tile, "
+                                         "x1 before x2, and each of x's shape and dtype, got x " + ShapeString(xt) +
+                                         ", x1 " + ShapeString(x1) + ", x2 " + ShapeString(x2));
+  }
   if (x_blocks > 1 && (rows % (128 * static_cast<int64_t>(x_blocks)) || k % kKc))
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x_blocks = " + std::to_string(x_blocks) +
                                        " diagonal blocks need R % (128 x_blocks) == 0 and K % 64 == 0 (per block), "
@@ -943,7 +974,7 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer val
                                        ShapeString(mul) + " for T = " + std::to_string(tokens) + ", R = " +
                                        std::to_string(rows));
   if (ffi::Error e = CheckSpec("jaxsparse_spmm_xt", v, m); e.failure()) return e;
-  const int64_t groups = k / m;
+  const int64_t groups = x_parts * k / m;
   if (k % m || Dim(values, 1) != 2 * groups || rows % 64)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: inconsistent shapes: x^T " + ShapeString(xt) + ", values " +
                                        ShapeString(values) + " (need values [R, 2K/M], R % 64 == 0)");
@@ -984,6 +1015,9 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer val
   p.x_chunks = x_chunks.element_count() != 0 ? x_chunks.typed_data() : nullptr;
   p.y_chunks = y_chunks.element_count() != 0 ? y_chunks.typed_data() : nullptr;
   p.mul = mul.element_count() != 0 ? mul.untyped_data() : nullptr;
+  p.x_parts = x_parts;
+  p.x_part[0] = x_parts > 1 ? x1.untyped_data() : nullptr;
+  p.x_part[1] = x_parts > 2 ? x2.untyped_data() : nullptr;
   if ((x_blocks > 1 || p.x_chunks != nullptr || p.y_chunks != nullptr) && tile != kTileAuto && tile != kTileWs128x256)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x_blocks > 1, x_chunks and y_chunks take tile auto or "
                                        "ws128x256");
@@ -1006,6 +1040,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSpmmXt, jaxsparse::SpmmXtImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // x_chunks [x_blocks, K/64] or [0]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // y_chunks [R/64] or [0]
                                   .Arg<xla::ffi::AnyBuffer>()               // mul [T, R] or [0]
+                                  .Arg<xla::ffi::AnyBuffer>()               // x1 [T, K] or [0] (x_parts)
+                                  .Arg<xla::ffi::AnyBuffer>()               // x2 [T, K] or [0] (x_parts)
                                   .Ret<xla::ffi::AnyBuffer>()               // y [T, R] ([R, T] for act_mode 2)
                                   .Ret<xla::ffi::AnyBuffer>()               // act'(z) [T, R] (act_mode 1, 2) or [0]
                                   .Attr<int32_t>("v")

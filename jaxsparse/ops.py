@@ -27,6 +27,7 @@ from jaxsparse.format import block_dx_operands, check_blocks_shape, check_chunks
 
 __all__ = ["decompress", "transpose_2_4", "spmm", "sddmm", "spmm_t", "dx_route",
            "dx_route_scope", "linear_x_layout", "mlp_hidden_layout", "mlp_hidden_scope", "sparse_linear", "sparse_mlp",
+           "shared_linear", "shared_dx", "shared_dx_scope",
            "FUSED_ACTIVATIONS", "masked_linear", "spmm_unsupported", "diagonal_linear", "transpose_blocks",
            "diagonal_mlp"]
 
@@ -338,6 +339,96 @@ def sparse_linear(x: jax.Array, sw: SparseWeight, bias: Optional[jax.Array] = No
     _check_bias(bias, sw)
     y = _linear(_flatten(x), sw, bias)
     return y.reshape(*x.shape[:-1], sw.shape[1])
+
+
+# ----------------------------------------------------------------------------- layers sharing their input
+
+SHARED_DX_ENV = "JAXSPARSE_SHARED_DX"
+SHARED_DX_SETTINGS = ("auto", "on", "off")
+
+
+def shared_dx(setting: Optional[str] = None) -> bool:
+    """Whether :func:`shared_linear`'s backward computes the input gradient of its layers as one product
+    (``sum_i dy_i W_i^T``, :func:`jaxsparse.ffi.calls.spmm_sum`: the sum accumulated in float32 and written once)
+    where it can: on the ``"transposed"`` route of :func:`dx_route` with a Hopper GPU. ``setting`` ``None`` reads
+    ``JAXSPARSE_SHARED_DX``: ``auto`` (the default) and ``on`` do; ``off`` runs one product per layer and lets XLA add
+    them (for A/B timings)."""
+    setting = cuda_calls._setting(setting, SHARED_DX_ENV)
+    if setting not in SHARED_DX_SETTINGS:
+        raise ValueError(f"the shared input-gradient setting ({SHARED_DX_ENV}) must be one of {SHARED_DX_SETTINGS}, "
+                         f"got {setting!r}")
+    return setting != "off"
+
+
+@contextlib.contextmanager
+def shared_dx_scope(setting: Optional[str]) -> Iterator[None]:
+    """Sets ``JAXSPARSE_SHARED_DX`` for the block (read when :func:`shared_linear` is traced, so trace inside the
+    block); ``None`` changes nothing."""
+    if setting is not None:
+        shared_dx(setting)  # raises ValueError on a bad setting
+    with dispatch.env_scope({SHARED_DX_ENV: setting}):
+        yield
+
+
+def _shared_input_grad(dys: tuple, sws: tuple) -> jax.Array:
+    """``sum_i dys[i] @ W_i^T`` (flattened ``dys``): one :func:`jaxsparse.ffi.calls.spmm_sum` over the ``W_i^T``
+    2:4 views where :func:`shared_dx` says so and the kernel takes them, else one :func:`spmm_t` per layer."""
+    if not (shared_dx() and dx_route() == "transposed"):
+        return functools.reduce(jnp.add, (spmm_t(dy, sw) for dy, sw in zip(dys, sws)))
+    with jax.named_scope("jaxsparse_spmm_t"):
+        views = tuple(transpose_2_4(sw) for sw in sws)
+        return dispatch.call("spmm", reference.spmm_sum, cuda_calls.spmm_sum, dys, views,
+                             unsupported=cuda_calls.spmm_sum_unsupported(dys[0].shape[0], views))
+
+
+@jax.custom_vjp
+def _shared(x2: jax.Array, sws: tuple, biases: tuple) -> tuple:
+    return tuple(spmm(x2, sw, b) for sw, b in zip(sws, biases))
+
+
+def _shared_fwd(x2, sws, biases):
+    outs = [_forward_keeping_x(x2, sw, b) for sw, b in zip(sws, biases)]  # on the x^T route XLA keeps one x^T
+    return tuple(y for y, _ in outs), (tuple(kept for _, kept in outs), sws, biases)
+
+
+def _shared_bwd(residuals, dys):
+    kept, sws, biases = residuals
+    grads = [_weight_cotangents(dy, sw, b, *_sddmm_kept(k, dy, sw, b)) for k, dy, sw, b in zip(kept, dys, sws, biases)]
+    return _shared_input_grad(tuple(dys), sws), tuple(g[0] for g in grads), tuple(g[1] for g in grads)
+
+
+_shared.defvjp(_shared_fwd, _shared_bwd)
+
+
+def shared_linear(x: jax.Array, sws, biases=None) -> tuple:
+    """``x @ W_i + b_i`` for compressed layers that share their input (attention's query, key and value),
+    differentiable in ``x``, every ``sw.values`` and bias, as :func:`sparse_linear` is for each.
+
+    The forward and the weight gradients are :func:`sparse_linear`'s, layer by layer. The input gradient is their
+    sum; with :func:`shared_dx` on the ``"transposed"`` route of :func:`dx_route` a Hopper GPU computes it as one
+    product over the layers' transposed views (:func:`jaxsparse.ffi.calls.spmm_sum`, at most
+    :data:`jaxsparse.ffi.calls.SPMM_SUM_MAX` layers of one shape): ``dx`` is written once instead of once a layer and
+    summed by XLA.
+
+    Args:
+      x: ``[..., K]`` in the values' dtype.
+      sws: a sequence of compressed weights, each ``(K, R_i)``.
+      biases: None, or a sequence as long as ``sws`` of ``[R_i]`` arrays or None.
+
+    Returns:
+      A tuple of ``[..., R_i]``.
+    """
+    sws = tuple(sws)
+    biases = (None,) * len(sws) if biases is None else tuple(biases)
+    if not sws or len(biases) != len(sws):
+        raise ValueError(f"shared_linear: needs at least one weight and one bias (or None) per weight, got "
+                         f"{len(sws)} weights and {len(biases)} biases")
+    for sw, b in zip(sws, biases):
+        _check_weight(sw)
+        _check_activation(x, sw, "x", sw.shape[0])
+        _check_bias(b, sw)
+    ys = _shared(_flatten(x), sws, biases)
+    return tuple(y.reshape(*x.shape[:-1], sw.shape[1]) for y, sw in zip(ys, sws))
 
 
 # ----------------------------------------------------------------------------- diagonal 2:4 blocks

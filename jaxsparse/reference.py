@@ -38,6 +38,12 @@ def spmm(x: jax.Array, sw: SparseWeight, bias: Optional[jax.Array] = None, activ
     return _epilogue(y, bias, activation, x.dtype)
 
 
+def spmm_sum(xs, sws) -> jax.Array:
+    """``sum_i xs[i] @ W_i`` accumulated in float32 and rounded once to ``xs[0]``'s dtype: ``[T, K_i] -> [T, R]``."""
+    y = sum(jnp.dot(x, decompress(sw).astype(x.dtype), preferred_element_type=jnp.float32) for x, sw in zip(xs, sws))
+    return y.astype(xs[0].dtype)
+
+
 def _epilogue(y: jax.Array, bias: Optional[jax.Array], activation: Optional[str], dtype) -> jax.Array:
     """``act(y + bias)`` of a float32 product ``y``, in ``dtype``."""
     if bias is not None:

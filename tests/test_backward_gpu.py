@@ -689,3 +689,102 @@ def test_sparse_mlp_transposed_hidden_drops_the_transpose_of_h(monkeypatch, hidd
     assert not layout_moves(text), layout_moves(text)
     assert text.count('custom_call_target="jaxsparse_transpose"') == (1 if hidden == "col" else 2)
     assert len(re.findall(r"act_mode = 2 ", text)) == (1 if hidden == "col" else 0)
+
+
+# ----------------------------------------------------------------------------- layers sharing their input
+#
+# calls.spmm_sum: sum_i x_i @ W_i for up to three 2:4 weights of one shape, one jaxsparse_spmm_xt call whose reduction
+# runs over the products in turn (the input gradient of ops.shared_linear, on W^T's views). Hopper only.
+
+
+def _sum_ref(xs, sws):
+    return sum(jnp.dot(x.astype(jnp.float32), F.decompress(sw).astype(jnp.float32), precision=HIGHEST)
+               for x, sw in zip(xs, sws))
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("t, k, r", [(1000, 128, 384), (200, 64, 192), (4096, 1024, 256)])
+def test_spmm_sum_kernel(parts, dtype, t, k, r):
+    """One call against the float32 sum of the products, output poisoned: a token tail on the 256-token tiles (1000,
+    200), one 64-k step a product (K = 64), 128- and 64-feature tiles (R = 384, 192), and BERT's 1024-deep parts."""
+    _skip_unless_col()
+    xs, sws = [], []
+    for i in range(parts):
+        x, _, sw = _make(key("spmm-sum", parts, str(dtype), t, k, r, i), t, k, r, "2:4", dtype)
+        xs.append(x)
+        sws.append(sw)
+    poison((t, r), dtype)
+    y = jax.jit(calls.spmm_sum)(xs, sws)
+    assert y.shape == (t, r) and y.dtype == dtype
+    _compare(y, _sum_ref(xs, sws), TOL[dtype], f"spmm_sum of {parts}")
+
+
+def test_spmm_sum_refuses_what_the_kernel_cannot_take():
+    _skip_unless_col()
+    x, _, sw = _make(key("spmm-sum-bad"), 64, 128, 128, "2:4", jnp.bfloat16)
+    _, _, sw8 = _make(key("spmm-sum-bad8"), 64, 128, 128, "64:2:8", jnp.bfloat16)
+    _, _, wide = _make(key("spmm-sum-badr"), 64, 128, 256, "2:4", jnp.bfloat16)
+    x96, _, sw96 = _make(key("spmm-sum-bad96"), 64, 96, 128, "2:4", jnp.bfloat16)
+    with pytest.raises(ValueError, match="2:4 weights"):
+        calls.spmm_sum([x, x], [sw, sw8])
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        calls.spmm_sum([x, x], [sw, wide])
+    with pytest.raises(ValueError, match="K % 64"):
+        calls.spmm_sum([x96, x96], [sw96, sw96])
+    with pytest.raises(ValueError, match="one to 3"):
+        calls.spmm_sum([x] * 4, [sw] * 4)
+    with pytest.raises(ValueError, match="every x must be"):
+        calls.spmm_sum([x, x[:32]], [sw, sw])
+
+
+def _shared_grads(monkeypatch, spec: str, dtype, t: int, shared: str):
+    """``jax.grad`` under ``jit`` of three layers of one input through ``ops.shared_linear`` (every product on its GPU
+    path, the transposed dX route, ``JAXSPARSE_SHARED_DX=shared``), outputs poisoned first; and what it takes."""
+    from jaxsparse import ops
+
+    _force_backward_kernels(monkeypatch, "transposed")
+    monkeypatch.setenv(ops.SHARED_DX_ENV, shared)
+    k = r = 256
+    parts = [_make(key("shared", spec, str(dtype), t, i), t, k, r, spec, dtype, transposable=True) for i in range(3)]
+    x, sws = parts[0][0], [sw for _, _, sw in parts]
+    biases, targets = zip(*(_bias_and_target(key("shared-bt", spec, str(dtype), t, i), t, r, dtype) for i in range(3)))
+
+    def loss(x, values, biases):
+        ys = ops.shared_linear(x, [sw.replace(values=v) for sw, v in zip(sws, values)], biases)
+        return sum(jnp.sum(y.astype(jnp.float32) * tg) for y, tg in zip(ys, targets))
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    poison(x.shape, dtype)
+    _, grads = grad(x, [sw.values for sw in sws], list(biases))
+    return grads, (x, sws, targets), grad.lower(x, [sw.values for sw in sws], list(biases)).compile().as_text()
+
+
+@pytest.mark.parametrize("spec", ["2:4", "64:2:8", "128:2:16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("t", [17, 1000])
+def test_shared_linear_grads_on_kernels(monkeypatch, spec, dtype, t):
+    """The three layers' gradients through ``shared_linear`` against the float32 references: dx the sum of the three
+    products (one ``spmm_sum`` call), each layer's values and bias gradients."""
+    _skip_unless_col()
+    (gx, gv, gb), (x, sws, targets), _ = _shared_grads(monkeypatch, spec, dtype, t, "auto")
+    dense = [F.decompress(sw).astype(jnp.float32) for sw in sws]
+    assert gx.dtype == dtype
+    _compare(gx, sum(jnp.dot(tg, d.T, precision=HIGHEST) for tg, d in zip(targets, dense)), TOL[dtype], "dx")
+    for g, b, sw, tg in zip(gv, gb, sws, targets):
+        _compare(g, F.compress_like(jnp.dot(x.astype(jnp.float32).T, tg, precision=HIGHEST), sw), TOL[dtype],
+                 "dvalues")
+        _compare(b[None], tg.sum(0)[None], TOL[dtype], "dbias")
+
+
+def test_shared_linear_runs_one_input_gradient_product(monkeypatch):
+    """With ``JAXSPARSE_SHARED_DX`` on, the gradient holds two ``jaxsparse_spmm_xt`` calls fewer than with it off (one
+    input-gradient product for the three layers instead of three), and XLA puts no transpose or copy kernel around
+    the calls."""
+    _skip_unless_col()
+    counts = {}
+    for shared in ("auto", "off"):
+        *_, text = _shared_grads(monkeypatch, "2:4", jnp.bfloat16, 256, shared)
+        counts[shared] = text.count('custom_call_target="jaxsparse_spmm_xt"')
+        assert not standalone_layout_moves(text), standalone_layout_moves(text)
+    assert counts["auto"] == counts["off"] - 2, counts

@@ -855,3 +855,102 @@ def test_sparse_mlp_with_a_diagonal_second_layer():
     assert rel_err(dv2, F.compress_like(F.stack_diagonal_blocks(rw2, blocks), sw2)) < 1e-4
     with pytest.raises(ValueError, match="diagonal"):
         ops.sparse_mlp(x1, sw1, b1, sw2, b2, "gelu_erf", blocks=4)
+
+
+# ----------------------------------------------------------------------------- layers sharing their input
+
+
+def _shared_case(seed: int, spec: str, dtype, use_bias: bool, k: int = 128, r: int = 128):
+    """x and three transposable layers of one input, each with its masked dense kernel (float32)."""
+    layers = [make(seed + i, spec, k=k, r=r, dtype=dtype, transposable=True) for i in range(3)]
+    x = layers[0][0]
+    sws = [sw for _, sw, _, _ in layers]
+    biases = [b if use_bias else None for _, _, b, _ in layers]
+    return x, sws, biases, [d for _, _, _, d in layers]
+
+
+@pytest.mark.parametrize("spec", ["2:4", "64:2:8", "128:2:16"])
+@pytest.mark.parametrize("route, shared", [("transposed", "auto"), ("transposed", "off"), ("dense", "auto")])
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_shared_linear_is_the_layers_and_their_gradients(monkeypatch, spec, route, shared, dtype, tol, use_bias):
+    """``shared_linear`` under ``jit``: each output is its layer's ``x @ W_i + b_i`` and ``jax.grad`` gives the masked
+    dense gradients: dx the sum over the layers (one summed product on the transposed route unless
+    ``JAXSPARSE_SHARED_DX=off``), each values' gradient gathered at its mask, each bias gradient."""
+    monkeypatch.setenv(ops.DX_ROUTE_ENV, route)
+    monkeypatch.setenv(ops.SHARED_DX_ENV, shared)
+    x, sws, biases, dense = _shared_case(31, spec, dtype, use_bias)
+    targets = jax.random.normal(jax.random.PRNGKey(32), (3, *x.shape[:-1], sws[0].shape[1]))
+
+    def sparse_loss(x, values, biases):
+        ys = ops.shared_linear(x, [sw.replace(values=v) for sw, v in zip(sws, values)], biases)
+        return sum(jnp.sum(jnp.tanh(y.astype(jnp.float32)) * t) for y, t in zip(ys, targets))
+
+    def dense_loss(x, ws, biases):
+        return sum(jnp.sum(jnp.tanh(x @ w + (0 if b is None else b)) * t) for w, b, t in zip(ws, biases, targets))
+
+    values = [sw.values for sw in sws]
+    ys = jax.jit(ops.shared_linear)(x, sws, biases)
+    for y, w, b in zip(ys, dense, biases):
+        assert y.shape == (*x.shape[:-1], w.shape[1]) and y.dtype == dtype
+        assert rel_err(y, x.astype(jnp.float32) @ w + (0 if b is None else b.astype(jnp.float32))) < tol
+    gx, gv, gb = jax.jit(jax.grad(sparse_loss, argnums=(0, 1, 2)))(x, values, biases)
+    b32 = [None if b is None else b.astype(jnp.float32) for b in biases]
+    dx, dw, db = jax.grad(dense_loss, argnums=(0, 1, 2))(x.astype(jnp.float32), dense, b32)
+    assert gx.dtype == dtype and rel_err(gx, dx) < tol
+    for g, d, sw, w in zip(gv, dw, sws, dense):
+        assert rel_err(g, F.compress_like(jnp.where(w != 0, d, 0), sw)) < tol
+    for g, d in zip(gb, db):
+        assert (g is None) if not use_bias else rel_err(g, d) < tol
+
+
+def test_shared_linear_input_gradient_is_one_summed_product(monkeypatch):
+    """On the transposed route the backward's input gradient is one ``reference.spmm_sum`` over the three ``W^T`` views
+    (one product, rounded once), and with ``JAXSPARSE_SHARED_DX=off`` three ``spmm_t`` products added in the dtype."""
+    monkeypatch.setenv(ops.DX_ROUTE_ENV, "transposed")
+    x, sws, biases, _ = _shared_case(33, "64:2:8", jnp.bfloat16, True)
+    calls = []
+    monkeypatch.setattr(reference, "spmm_sum", lambda xs, ws, f=reference.spmm_sum: calls.append(len(xs)) or f(xs, ws))
+    dys = tuple(jax.random.normal(k, (*x.shape[:-1], 128)).astype(jnp.bfloat16)
+                for k in jax.random.split(jax.random.PRNGKey(34), 3))
+
+    def dx_of():
+        return jax.vjp(lambda x: ops.shared_linear(x, sws, biases), x)[1](dys)[0]
+
+    one = dx_of()
+    assert calls == [3]
+    monkeypatch.setenv(ops.SHARED_DX_ENV, "off")
+    three = dx_of()
+    assert calls == [3]
+    flat = [d.reshape(-1, 128) for d in dys]
+    views = [F.transpose_2_4(sw) for sw in sws]
+    want = reference.spmm_sum(flat, views).reshape(one.shape)
+    np.testing.assert_array_equal(np.asarray(one, np.float32), np.asarray(want, np.float32))
+    assert rel_err(three, want) < 2e-2 and one.dtype == three.dtype == jnp.bfloat16
+
+
+def test_reference_spmm_sum_is_the_products_summed_in_float32():
+    """``reference.spmm_sum`` accumulates every product in float32 and rounds once."""
+    parts = [make(40 + i, "2:4", k=128, r=64, dtype=jnp.bfloat16) for i in range(3)]
+    xs = [x.reshape(-1, 128) for x, _, _, _ in parts]
+    got = reference.spmm_sum(xs, [sw for _, sw, _, _ in parts])
+    want = sum(x.astype(jnp.float32) @ d for x, (_, _, _, d) in zip(xs, parts))
+    assert got.dtype == jnp.bfloat16 and rel_err(got, want) < 4e-3
+
+
+def test_shared_linear_refuses_bad_input(monkeypatch):
+    x, sws, biases, _ = _shared_case(35, "2:4", jnp.float32, True)
+    with pytest.raises(ValueError, match="one bias"):
+        ops.shared_linear(x, sws, biases[:2])
+    with pytest.raises(ValueError, match="at least one weight"):
+        ops.shared_linear(x, [], [])
+    with pytest.raises(ValueError, match="last dimension"):
+        ops.shared_linear(x[..., :64], sws, biases)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        ops.shared_linear(x, sws, [biases[0][:5], None, None])
+    monkeypatch.setenv(ops.SHARED_DX_ENV, "sometimes")
+    with pytest.raises(ValueError, match="JAXSPARSE_SHARED_DX"):
+        ops.shared_dx()
+    with pytest.raises(ValueError, match="must be one of"):
+        with ops.shared_dx_scope("never"):
+            pass

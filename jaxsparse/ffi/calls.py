@@ -377,11 +377,12 @@ def transpose_out_problem(tile: str | None = None) -> str | None:
 
 
 def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str | None = None,
-                  x_rows: bool = False, act_mode: int = 0, x_blocks: int = 1, x_chunks=None, y_chunks=None, mul=None):
+                  x_rows: bool = False, act_mode: int = 0, x_blocks: int = 1, x_chunks=None, y_chunks=None, mul=None,
+                  x_parts: tuple[jax.Array, ...] = ()):
     """The ``jaxsparse_spmm_xt`` call, operands checked: ``xt`` is x^T [K, T], or x [T, K] with ``x_rows``
     (``[T, x_blocks K]`` for a weight of ``x_blocks`` diagonal blocks, :func:`spmm_blocks`, which also passes the
-    chunk tables and ``mul``). ``act_mode`` 1 returns ``(act(z), act'(z))``, 2 ``(act(z)^T, act'(z))``
-    (cuda/spmm_xt.cu)."""
+    chunk tables and ``mul``; with ``x_parts``, up to two more ``[T, K]`` operands that continue the reduction,
+    :func:`spmm_sum`). ``act_mode`` 1 returns ``(act(z), act'(z))``, 2 ``(act(z)^T, act'(z))`` (cuda/spmm_xt.cu)."""
     b = _optional_operand(bias, xt.dtype)
     tokens = xt.shape[0] if x_rows else xt.shape[1]
     name = _setting(tile, SPMM_XT_TILE_ENV)
@@ -397,12 +398,55 @@ def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str |
     results = _call_results(
         "jaxsparse_spmm_xt", [first, out if act_mode != 0 else ((0,), xt.dtype)], xt, sw.values,
         _columns_operand(sw), sw.metadata, b, _chunks_operand(x_chunks), _chunks_operand(y_chunks),
-        _optional_operand(mul, xt.dtype), v=np.int32(sw.spec.v), m=np.int32(sw.spec.m),
+        _optional_operand(mul, xt.dtype), *(_optional_operand(x_parts[i] if i < len(x_parts) else None, xt.dtype)
+                                            for i in range(2)),
+        v=np.int32(sw.spec.v), m=np.int32(sw.spec.m),
         activation=np.int32(ACTIVATION_CODES[activation]), act_mode=np.int32(act_mode), tile=np.int32(tile_id),
         x_rows=np.int32(x_rows), act_table=np.int32(act_table()),
         x_blocks=np.int32(x_blocks),
     )
     return tuple(results) if act_mode != 0 else results[0]
+
+
+SPMM_SUM_MAX = 3
+"""The most products :func:`spmm_sum` runs as one call (the operands the warp-specialized kernel takes by TMA)."""
+
+
+def spmm_sum_unsupported(tokens: int, sws) -> str | None:
+    """Why :func:`spmm_sum` cannot take these weights for ``tokens``-row operands (None when it can)."""
+    if not 1 <= len(sws) <= SPMM_SUM_MAX:
+        return f"one to {SPMM_SUM_MAX} products, got {len(sws)}"
+    first = sws[0]
+    for sw in sws:
+        if problem := spmm_unsupported(sw):
+            return problem
+        if sw.spec.m != 4:
+            return f"2:4 weights (the TMA row kernel reads x as it is), got {sw.spec}"
+        if sw.shape != first.shape or jnp.dtype(sw.values.dtype) != jnp.dtype(first.values.dtype):
+            return f"weights of one shape and dtype, got {first.shape} {first.values.dtype} and {sw.shape} {sw.values.dtype}"
+    if first.shape[0] % 64:
+        return f"K % 64 == 0 (no k-step of 64 straddles two products), got K = {first.shape[0]}"
+    if not hopper_gpu():
+        return "a Hopper GPU (the warp-specialized TMA row kernel)"
+    return None
+
+
+def spmm_sum(xs, sws) -> jax.Array:
+    """``sum_i xs[i] @ W_i`` for up to :data:`SPMM_SUM_MAX` 2:4 weights of one shape ``(K, R)``, each ``xs[i]``
+    ``[T, K]``: one ``jaxsparse_spmm_xt`` call on the warp-specialized TMA row kernel whose reduction runs over the
+    products in turn (the values and metadata concatenated along K, each x loaded by its own TMA descriptor), so the
+    sum is accumulated in float32 and ``[T, R]`` is written once, in x's dtype. The input gradient of layers that
+    share their input (:func:`jaxsparse.ops.shared_linear`). Constraints: :func:`spmm_sum_unsupported`."""
+    if problem := spmm_sum_unsupported(xs[0].shape[0], sws):
+        raise ValueError(f"spmm_sum: needs {problem}")
+    for x in xs:
+        if x.ndim != 2 or x.shape != xs[0].shape or x.shape[1] != sws[0].shape[0] or x.dtype != sws[0].values.dtype:
+            raise ValueError(f"spmm_sum: every x must be [T, {sws[0].shape[0]}] in {sws[0].values.dtype}, got "
+                             f"{[(a.shape, str(a.dtype)) for a in xs]}")
+    k, r = sws[0].shape
+    cat = SparseWeight(jnp.concatenate([sw.values for sw in sws], axis=1), None,
+                       jnp.concatenate([sw.metadata for sw in sws], axis=1), (len(sws) * k, r), sws[0].spec)
+    return _spmm_xt_call(xs[0], cat, None, None, x_rows=True, x_parts=tuple(xs[1:]))
 
 
 SDDMM_SPLIT_ENV = "JAXSPARSE_SDDMM_SPLIT"

@@ -316,9 +316,14 @@ class BertAttention(_Sparse):
             return t.reshape(t.shape[:-1] + (heads, d))
 
         chunked = self.chunked_blocks(ffn=False)
-        q = split(self.dense(cfg.hidden_size, "query", chunked_blocks=chunked)(h))
-        k = split(self.dense(cfg.hidden_size, "key", chunked_blocks=chunked)(h))
-        v = split(self.dense(cfg.hidden_size, "value", chunked_blocks=chunked)(h))
+        names = ("query", "key", "value")
+        if self.compressed and self.sparsity is not None and chunked == 1:
+            # One layer call for the three: its backward sums their input gradients in one product (ops.shared_dx).
+            operands = [self.dense(cfg.hidden_size, n, return_operands=True)(h) for n in names]
+            dtype = operands[0][0].values.dtype
+            q, k, v = map(split, ops.shared_linear(h.astype(dtype), [o[0] for o in operands], [o[1] for o in operands]))
+        else:
+            q, k, v = (split(self.dense(cfg.hidden_size, n, chunked_blocks=chunked)(h)) for n in names)
         if cfg.attention_impl == "fused":
             ctx = fused_attention(q, k, v, padding).reshape(h.shape)
         else:
