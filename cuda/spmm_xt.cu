@@ -666,15 +666,18 @@ __global__ void __launch_bounds__(kWsThreads, 1)
           if (meta_box)  // words 2 kt .. 2 kt + 3 of the tile's rows: 4 kt in 16-bit columns
             TmaLoad2d(smem_base + L::kMetaOff + s * L::kMetaBytes, &tma_m, 4 * kt, row0, full);
           if (XROW) {  // x [T, K]: BT rows of the stage's 64 k
-            int xcol = xch != nullptr ? xnext * kKc : xk0 + kt * kKc;
+            const int xcol = xch != nullptr ? xnext * kKc : xk0 + kt * kKc;
             if (xch != nullptr && kt + 1 < num_kt) xnext = __ldg(xch + kt + 1);
-            const CUtensorMap* xmap = &tma_x;
-            if (p.x_parts > 1) {  // operand kt / (num_kt / P), at its own column
-              const int per = num_kt / p.x_parts, part = kt / per;
-              xcol = (kt - part * per) * kKc;
-              xmap = part == 0 ? &tma_x : part == 1 ? &tma_x1 : &tma_x2;
+            // x_parts: operand kt / (num_kt / P), at its own column.  Each TMA names its map's parameter statically:
+            // one map pointer chosen at run time made every warp-specialized kernel 3.4x slower (session 54, call 2).
+            const int per = num_kt / p.x_parts, part = kt / per;
+            if (part == 0) {
+              TmaLoad2d(stage + L::kABytes, &tma_x, xcol, tok0, full);
+            } else if (part == 1) {
+              TmaLoad2d(stage + L::kABytes, &tma_x1, (kt - per) * kKc, tok0, full);
+            } else {
+              TmaLoad2d(stage + L::kABytes, &tma_x2, (kt - 2 * per) * kKc, tok0, full);
             }
-            TmaLoad2d(stage + L::kABytes, xmap, xcol, tok0, full);
           } else if (x_by_tma) {
 #pragma unroll
             for (int c = 0; c < BT / 64; ++c) TmaLoad2d(stage + L::kABytes + c * kColBytes, &tma_x, tok0 + 64 * c, kt * kKc, full);

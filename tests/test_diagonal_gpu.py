@@ -220,7 +220,9 @@ def test_dz_epilogue_equals_xlas_multiply(monkeypatch, spec, blocks, sddmm_bias)
         with ops.dx_route_scope("transposed"):
             fn = jax.jit(lambda *a: grads(*a))  # a new function each time: the setting is read when it is traced
             calls_xt = [line for line in fn.lower(*args).as_text().splitlines() if "jaxsparse_spmm_xt" in line]
-            with_mul = [line for line in calls_xt if f"tensor<{t}x{f}xbf16>) ->" in line]
+            # mul is the operand before the two empty x_parts operands (calls._spmm_xt_call)
+            with_mul = [line for line in calls_xt
+                        if f"tensor<{t}x{f}xbf16>, tensor<0xbf16>, tensor<0xbf16>) ->" in line]
             assert len(with_mul) == int(in_epilogue), (setting, calls_xt)
             poison((t, f), jnp.bfloat16)
             got[setting] = [np.asarray(_f32(g)) for g in jax.block_until_ready(fn(*args))]
