@@ -434,7 +434,9 @@ int Main() {
     const uint32_t *d_constant = problem.Device(constant), *d_random = problem.Device(random),
                    *d_staged = problem.Device(staged);
     // The extension's kernel: the reference outputs, and (on the random metadata) the time to beat.
-    const Launcher ref_launch = LaunchWs<__nv_bfloat16, 128, 256, 4, true, 256>;
+    const Launcher ref_launch = [](cudaStream_t s, const SpmmXtParams& q) {
+      return LaunchWs<__nv_bfloat16, 128, 256, 4, true, 256>(s, q);
+    };
     std::vector<unsigned char> ref_constant, ref_random, got;
     problem.RunPoisoned(ref_launch, problem.Params(d_constant), ref_constant);
     problem.RunPoisoned(ref_launch, problem.Params(d_random), ref_random);

@@ -68,12 +68,19 @@ struct SpmmXtParams {
   const int32_t* y_chunks;  // [R/64] or null (no y2): feature f is stored at y's column y_chunks[f/64] * 64 + f % 64
   const void* mul = nullptr;  // [T, R] or null (the warp-specialized kernel on x [T, K], act_mode 0, no y_chunks):
                               // y = (x W + b) * mul, the product in float32 rounded to T (the backward's dz)
-  // x_parts P > 1 (the warp-specialized kernel on x [T, K], x_blocks 1, no x_chunks): the reduction runs over P
-  // operands of one shape [T, K/P], xt and x_part[0 .. P-2], in that order: y = sum_i x_i W_i for the weight
-  // [W_0; W_1; ...] (the input gradient of layers sharing their input, ops.shared_linear).  K/P % 64 == 0, so no
-  // k-step straddles two operands.
-  int x_parts = 1;
-  const void* x_part[2] = {nullptr, nullptr};
+};
+// 128 bytes, as it was when the warp-specialized kernel was measured fast: a 152-byte version (x_parts as two fields
+// here, session 54) made every warp-specialized kernel 3.4x slower with its code unchanged (docs/kernel-notes.md,
+// session 54, calls 2-6). New fields go into a parameter of their own, as XtParts does.
+static_assert(sizeof(SpmmXtParams) == 128, "SpmmXtParams: keep it 128 bytes (see above)");
+
+// The warp-specialized kernel on x [T, K], x_blocks 1, no x_chunks, with count P > 1: the reduction runs over P
+// operands of one shape [T, K/P], p.xt then x[0 .. P-2], in that order: y = sum_i x_i W_i for the weight [W_0; W_1;
+// ...] (the input gradient of layers sharing their input, ops.shared_linear).  K/P % 64 == 0, so no k-step straddles
+// two operands.
+struct XtParts {
+  int count = 1;
+  const void* x[2] = {nullptr, nullptr};
 };
 
 // The stores' extra work for act_mode 1 (none without y2; act_mode 2 stages act and act' itself); `table` is the
@@ -604,12 +611,13 @@ bool MetaPairsFit(const SpmmXtParams& p) {
   return STAGES % 2 == 0 && (p.groups / 8) % 4 == 0;
 }
 
+// x_parts: XtParts::count (tma_x1, tma_x2: its operands' maps).
 template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0>
 __global__ void __launch_bounds__(kWsThreads, 1)
     SpmmWgmmaXtWsKernel(const SpmmXtParams p, const __grid_constant__ CUtensorMap tma_a,
                         const __grid_constant__ CUtensorMap tma_x, const __grid_constant__ CUtensorMap tma_m,
                         const __grid_constant__ CUtensorMap tma_mul, const __grid_constant__ CUtensorMap tma_x1,
-                        const __grid_constant__ CUtensorMap tma_x2) {
+                        const __grid_constant__ CUtensorMap tma_x2, const int x_parts) {
 #ifdef JAXSPARSE_WGMMA
   using L = XtWsLayout<BR, BT, STAGES>;
   using W = XtWarps<BR, BT, NWMAX>;  // over the two consumer warpgroups
@@ -668,9 +676,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
           if (XROW) {  // x [T, K]: BT rows of the stage's 64 k
             const int xcol = xch != nullptr ? xnext * kKc : xk0 + kt * kKc;
             if (xch != nullptr && kt + 1 < num_kt) xnext = __ldg(xch + kt + 1);
-            // x_parts: operand kt / (num_kt / P), at its own column.  Each TMA names its map's parameter statically:
-            // one map pointer chosen at run time made every warp-specialized kernel 3.4x slower (session 54, call 2).
-            const int per = num_kt / p.x_parts, part = kt / per;
+            // x_parts: operand kt / (num_kt / P), at its own column; each TMA names its map's parameter.
+            const int per = num_kt / x_parts, part = kt / per;
             if (part == 0) {
               TmaLoad2d(stage + L::kABytes, &tma_x, xcol, tok0, full);
             } else if (part == 1) {
@@ -828,7 +835,7 @@ ffi::Error LaunchTile(cudaStream_t stream, const SpmmXtParams& p) {
 }
 
 template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0>
-ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& params) {
+ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& params, const XtParts& parts = {}) {
   constexpr auto kernel = SpmmWgmmaXtWsKernel<T, BR, BT, STAGES, XROW, NWMAX, PROBE>;
   SpmmXtParams p = params;
   p.meta_pairs = p.meta_pairs && MetaPairsFit<STAGES>(p);
@@ -841,14 +848,15 @@ ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& params) {
   if (!MakeTensorMap2d(&tma_a, p.values, p.rows, 2 * static_cast<uint64_t>(p.groups), BR, kKc / 2) ||
       (p.meta_pairs && !MakeTensorMap2d(&tma_m, p.meta, p.rows, p.groups / 4, BR, 8)) ||  // words as 16-bit pairs
       (XROW && !MakeTensorMap2d(&tma_x, p.xt, p.tokens, static_cast<uint64_t>(p.k) * p.x_blocks, BT)) ||
-      (p.x_parts > 1 && !MakeTensorMap2d(&tma_x1, p.x_part[0], p.tokens, p.k, BT)) ||
-      (p.x_parts > 2 && !MakeTensorMap2d(&tma_x2, p.x_part[1], p.tokens, p.k, BT)) ||
+      (parts.count > 1 && !MakeTensorMap2d(&tma_x1, parts.x[0], p.tokens, p.k, BT)) ||
+      (parts.count > 2 && !MakeTensorMap2d(&tma_x2, parts.x[1], p.tokens, p.k, BT)) ||
       (!XROW && p.cols == nullptr && !MakeTensorMap2d(&tma_x, p.xt, p.k, p.tokens, 64)) ||
       (p.mul != nullptr &&  // [kEpiTokens tokens][BR features] boxes, unswizzled
        !MakeTensorMap2d(&tma_mul, p.mul, p.tokens, p.rows, XtWsLayout<BR, BT, STAGES>::kEpiTokens, BR, false)))
     return ffi::Error::Internal("jaxsparse_spmm_xt: cuTensorMapEncodeTiled failed for the warp-specialized tile");
   const int tiles = (p.tokens + BT - 1) / BT * (p.rows / BR);
-  kernel<<<std::min(tiles, SmCount()), kWsThreads, smem, stream>>>(p, tma_a, tma_x, tma_m, tma_mul, tma_x1, tma_x2);
+  kernel<<<std::min(tiles, SmCount()), kWsThreads, smem, stream>>>(p, tma_a, tma_x, tma_m, tma_mul, tma_x1, tma_x2,
+                                                                     parts.count);
   return LastLaunchError("SpmmWgmmaXtWsKernel");
 }
 
@@ -865,7 +873,7 @@ int AutoTile(const SpmmXtParams& p, bool can128, bool x_rows) {
 }
 
 template <typename T>
-ffi::Error Dispatch(cudaStream_t stream, SpmmXtParams p, int tile, bool x_rows) {
+ffi::Error Dispatch(cudaStream_t stream, SpmmXtParams p, int tile, bool x_rows, const XtParts& parts) {
   const bool can128 = p.rows % 128 == 0 && (p.cols == nullptr || p.v % 128 == 0);
   if (p.y_t) {  // act_mode 2: only the plain kernel's epilogue stores y^T
     if (x_rows || tile == kTileWs128x256 || tile == kTileWs64x256)
@@ -877,8 +885,8 @@ ffi::Error Dispatch(cudaStream_t stream, SpmmXtParams p, int tile, bool x_rows) 
   if ((tile == kTile128x256 || tile == kTile128x128 || tile == kTileWs128x256) && !can128)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: 128-feature tiles need R % 128 == 0 and V >= 128");
   if (x_rows) {  // x [T, K] as it is (M = 4): only the TMA kernel reads it
-    if (tile == kTileWs128x256) return LaunchWs<T, 128, 256, 4, true, 256>(stream, p);
-    if (tile == kTileWs64x256) return LaunchWs<T, 64, 256, 5, true>(stream, p);
+    if (tile == kTileWs128x256) return LaunchWs<T, 128, 256, 4, true, 256>(stream, p, parts);
+    if (tile == kTileWs64x256) return LaunchWs<T, 64, 256, 5, true>(stream, p, parts);
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x [T, K] (x_rows 1) takes tile auto, ws128x256 or ws64x256");
   }
   switch (tile) {
@@ -939,7 +947,7 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer val
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x [T, x_blocks K] needs its width to be a multiple of "
                                        "x_blocks = " + std::to_string(x_blocks) + ", got " + ShapeString(xt));
   const int64_t k = Dim(xt, x_rows ? 1 : 0) / x_blocks, tokens = Dim(xt, x_rows ? 0 : 1), rows = Dim(values, 0);
-  // x_parts: x1 and x2, when not empty, continue the reduction after x (SpmmXtParams::x_parts).
+  // x_parts: x1 and x2, when not empty, continue the reduction after x (XtParts).
   const int x_parts = 1 + (x1.element_count() != 0) + (x2.element_count() != 0);
   if (x_parts > 1) {
     const auto same = [&](const ffi::AnyBuffer& b) {
@@ -1018,14 +1026,15 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer val
   p.x_chunks = x_chunks.element_count() != 0 ? x_chunks.typed_data() : nullptr;
   p.y_chunks = y_chunks.element_count() != 0 ? y_chunks.typed_data() : nullptr;
   p.mul = mul.element_count() != 0 ? mul.untyped_data() : nullptr;
-  p.x_parts = x_parts;
-  p.x_part[0] = x_parts > 1 ? x1.untyped_data() : nullptr;
-  p.x_part[1] = x_parts > 2 ? x2.untyped_data() : nullptr;
+  XtParts parts;
+  parts.count = x_parts;
+  parts.x[0] = x_parts > 1 ? x1.untyped_data() : nullptr;
+  parts.x[1] = x_parts > 2 ? x2.untyped_data() : nullptr;
   if ((x_blocks > 1 || p.x_chunks != nullptr || p.y_chunks != nullptr) && tile != kTileAuto && tile != kTileWs128x256)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x_blocks > 1, x_chunks and y_chunks take tile auto or "
                                        "ws128x256");
-  if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, tile, x_rows == 1);
-  if (dt == ffi::F16) return Dispatch<__half>(stream, p, tile, x_rows == 1);
+  if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, tile, x_rows == 1, parts);
+  if (dt == ffi::F16) return Dispatch<__half>(stream, p, tile, x_rows == 1, parts);
   return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T must be bfloat16 or float16");
 }
 
