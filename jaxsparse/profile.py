@@ -88,6 +88,7 @@ class OpInfo:
       custom_call_target: the target of a custom call ("" otherwise).
       io_bytes: the bytes of its operands and results as the module declares them (each counted once: the
         traffic of an instruction that reads each input and writes each output once; 0 when a shape is unknown).
+      operand_bytes: each operand's bytes, in order (0 for an empty or unknown one).
     """
 
     opcode: str
@@ -97,6 +98,7 @@ class OpInfo:
     fused_opcodes: frozenset = frozenset()
     custom_call_target: str = ""
     io_bytes: int = 0
+    operand_bytes: tuple[int, ...] = ()
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\([^=]*?\)|\S+)\s+(?P<op>[\w\-]+)\((?P<rest>.*)$")
@@ -190,15 +192,17 @@ def parse_hlo(text: str) -> dict[str, OpInfo]:
             return has, contracting, frozenset(ops)
         return False, (), frozenset({op})
 
-    def io_bytes(name: str, rest: str) -> int:
-        """Result bytes plus each operand's: written beside it (``bf16[8]{0} %p``) or its definition's result."""
-        total = result_bytes.get(name, 0)
+    def operand_bytes(rest: str) -> tuple[int, ...]:
+        """Each operand's bytes: written beside it (``bf16[8]{0} %p``) or its definition's result."""
+        out = []
         for operand in _operands(rest).split(", "):
             if _ARRAY.search(operand):
-                total += _shape_bytes(operand)
-            elif ref := re.search(r"%([\w.\-]+)\s*$", operand):
-                total += result_bytes.get(ref.group(1), 0)
-        return total
+                out.append(_shape_bytes(operand))
+            elif ref := re.search(r"%?([\w.\-]+)\s*$", operand):  # "%name" (compiled) or "name" (lowered)
+                out.append(result_bytes.get(ref.group(1), 0))
+            else:
+                out.append(0)
+        return tuple(out)
 
     out: dict[str, OpInfo] = {}
     for instrs in comps.values():
@@ -206,9 +210,11 @@ def parse_hlo(text: str) -> dict[str, OpInfo]:
             has, contracting, ops = _instr_summary(op, rest, 0)
             op_name = re.search(r'op_name="((?:[^"\\]|\\.)*)"', rest)
             target = re.search(r'custom_call_target="([^"]*)"', rest)
+            operands = operand_bytes(rest)
             out[name] = OpInfo(op, op_name.group(1) if op_name else "", has, contracting,
                                ops if op in ("fusion", "call") else frozenset({op}),
-                               target.group(1) if target else "", io_bytes(name, rest))
+                               target.group(1) if target else "", result_bytes.get(name, 0) + sum(operands),
+                               operands)
     return out
 
 
@@ -442,14 +448,22 @@ _SPMM_TARGETS = ("jaxsparse_spmm", "jaxsparse_spmm_xt")
 _FORWARD_KERNEL_NAME = re.compile(r"spmm", re.I)  # the SpMM kernels (not the 2:4 view's or decompression's)
 
 
+_SPMM_XT_PARTS = slice(8, 10)
+"""Where ``jaxsparse_spmm_xt`` takes the further operands of a summed product (x1, x2; ``calls._spmm_xt_call``)."""
+
+
 def _spmm_calls(hlo: Mapping[str, OpInfo]) -> tuple[int, int]:
     """The forward-kernel custom calls of one step in the compiled HLO: (forward products, input-gradient products).
 
     The input-gradient products are those of the transposed dX route: one per ``jaxsparse_transpose_2_4`` call (the
-    route builds W^T once for its one product). The count, not the calls' ``op_name``: custom calls lose their named
-    scopes on the way to the compiled module."""
+    route builds W^T once for its one product), less one for each further operand of a summed product (a
+    ``jaxsparse_spmm_xt`` call with a non-empty x1 or x2: ``ops.shared_linear``'s one product over the W^T of each of
+    its layers). The count, not the calls' ``op_name``: custom calls lose their named scopes on the way to the
+    compiled module."""
     calls = sum(info.custom_call_target in _SPMM_TARGETS for info in hlo.values())
-    dx = sum(info.custom_call_target == "jaxsparse_transpose_2_4" for info in hlo.values())
+    shared = sum(sum(b > 0 for b in info.operand_bytes[_SPMM_XT_PARTS]) for info in hlo.values()
+                 if info.custom_call_target == "jaxsparse_spmm_xt")
+    dx = sum(info.custom_call_target == "jaxsparse_transpose_2_4" for info in hlo.values()) - shared
     return calls - dx, dx
 
 

@@ -158,6 +158,38 @@ def test_transposed_route_hlo_has_one_w_t_build_per_input_gradient(monkeypatch, 
     assert profile._spmm_calls(hlo) == (2, 2), targets
 
 
+@pytest.mark.parametrize("shared", ["auto", "off"])
+def test_shared_input_gradient_counts_as_one_product(monkeypatch, shared):
+    """Three 2:4 layers of one input through ``ops.shared_linear``, lowered for a Hopper GPU: three W^T builds feed one
+    summed input-gradient product (``JAXSPARSE_SHARED_DX`` on) or three (off); the split counts the products, 3
+    forward and 1 or 3 input gradients."""
+    from jaxsparse import ffi, format as fmt, ops
+    from jaxsparse.ffi import calls
+
+    monkeypatch.setattr(ffi, "available", lambda: True)
+    monkeypatch.setattr(calls, "register", lambda: None)
+    monkeypatch.setattr(calls, "hopper_gpu", lambda: True)
+    monkeypatch.setenv(ops.SHARED_DX_ENV, shared)
+    k, r, t = 128, 128, 64
+    sws = []
+    for i in range(3):
+        w = jax.random.normal(jax.random.PRNGKey(i), (k, r), jnp.float32)
+        sws.append(fmt.compress(w.astype(jnp.bfloat16), fmt.select_mask(jnp.abs(w), "2:4", transposable=True), "2:4"))
+    x = jax.random.normal(jax.random.PRNGKey(5), (t, k), jnp.bfloat16)
+
+    def loss(x, values):
+        ys = ops.shared_linear(x, [s.replace(values=v) for s, v in zip(sws, values)])
+        return sum(jnp.sum(jnp.square(y.astype(jnp.float32))) for y in ys)
+
+    with ops.dx_route_scope("transposed"):
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, [s.values for s in sws]).lower(
+            lowering_platforms=("cuda",))
+    hlo = profile.parse_hlo(lowered.as_text(dialect="hlo"))
+    targets = [i.custom_call_target for i in hlo.values() if i.custom_call_target]
+    assert targets.count("jaxsparse_transpose_2_4") == 3, targets
+    assert profile._spmm_calls(hlo) == (3, 1 if shared == "auto" else 3), targets
+
+
 def test_parse_hlo_reads_dots_scopes_and_contracting_dims():
     def f(x, w, v):
         with jax.named_scope("optimizer"):
