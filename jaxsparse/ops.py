@@ -372,13 +372,15 @@ def shared_dx_scope(setting: Optional[str]) -> Iterator[None]:
 
 def _shared_input_grad(dys: tuple, sws: tuple) -> jax.Array:
     """``sum_i dys[i] @ W_i^T`` (flattened ``dys``): one :func:`jaxsparse.ffi.calls.spmm_sum` over the ``W_i^T``
-    2:4 views where :func:`shared_dx` says so and the kernel takes them, else one :func:`spmm_t` per layer."""
-    if not (shared_dx() and dx_route() == "transposed"):
-        return functools.reduce(jnp.add, (spmm_t(dy, sw) for dy, sw in zip(dys, sws)))
-    with jax.named_scope("jaxsparse_spmm_t"):
-        views = tuple(transpose_2_4(sw) for sw in sws)
-        return dispatch.call("spmm", reference.spmm_sum, cuda_calls.spmm_sum, dys, views,
-                             unsupported=cuda_calls.spmm_sum_unsupported(dys[0].shape[0], views))
+    2:4 views where :func:`shared_dx` says so and the kernel takes them
+    (:func:`jaxsparse.ffi.calls.spmm_sum_unsupported`: a Hopper GPU among them), else one :func:`spmm_t` per layer,
+    added by XLA."""
+    if shared_dx() and dx_route() == "transposed":
+        with jax.named_scope("jaxsparse_spmm_t"):
+            views = tuple(transpose_2_4(sw) for sw in sws)
+            if cuda_calls.spmm_sum_unsupported(dys[0].shape[0], views) is None:
+                return dispatch.call("spmm", reference.spmm_sum, cuda_calls.spmm_sum, dys, views)
+    return functools.reduce(jnp.add, (spmm_t(dy, sw) for dy, sw in zip(dys, sws)))
 
 
 @jax.custom_vjp

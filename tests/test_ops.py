@@ -905,12 +905,18 @@ def test_shared_linear_is_the_layers_and_their_gradients(monkeypatch, spec, rout
 
 
 def test_shared_linear_input_gradient_is_one_summed_product(monkeypatch):
-    """On the transposed route the backward's input gradient is one ``reference.spmm_sum`` over the three ``W^T`` views
-    (one product, rounded once), and with ``JAXSPARSE_SHARED_DX=off`` three ``spmm_t`` products added in the dtype."""
+    """On the transposed route, where the summed kernel can run (a Hopper GPU, here pretended), the backward's input
+    gradient is one ``reference.spmm_sum`` over the three ``W^T`` views (one product, rounded once) on a machine
+    without the kernel; with ``JAXSPARSE_SHARED_DX=off``, or without a Hopper GPU, three ``spmm_t`` products added in
+    the dtype."""
+    from jaxsparse.ffi import calls
+
     monkeypatch.setenv(ops.DX_ROUTE_ENV, "transposed")
+    monkeypatch.setattr(calls, "hopper_gpu", lambda: True)
     x, sws, biases, _ = _shared_case(33, "64:2:8", jnp.bfloat16, True)
-    calls = []
-    monkeypatch.setattr(reference, "spmm_sum", lambda xs, ws, f=reference.spmm_sum: calls.append(len(xs)) or f(xs, ws))
+    calls_seen = []
+    monkeypatch.setattr(reference, "spmm_sum",
+                        lambda xs, ws, f=reference.spmm_sum: calls_seen.append(len(xs)) or f(xs, ws))
     dys = tuple(jax.random.normal(k, (*x.shape[:-1], 128)).astype(jnp.bfloat16)
                 for k in jax.random.split(jax.random.PRNGKey(34), 3))
 
@@ -918,10 +924,14 @@ def test_shared_linear_input_gradient_is_one_summed_product(monkeypatch):
         return jax.vjp(lambda x: ops.shared_linear(x, sws, biases), x)[1](dys)[0]
 
     one = dx_of()
-    assert calls == [3]
+    assert calls_seen == [3]
     monkeypatch.setenv(ops.SHARED_DX_ENV, "off")
     three = dx_of()
-    assert calls == [3]
+    assert calls_seen == [3]
+    monkeypatch.setenv(ops.SHARED_DX_ENV, "auto")
+    monkeypatch.setattr(calls, "hopper_gpu", lambda: False)
+    np.testing.assert_array_equal(np.asarray(dx_of(), np.float32), np.asarray(three, np.float32))
+    assert calls_seen == [3]
     flat = [d.reshape(-1, 128) for d in dys]
     views = [F.transpose_2_4(sw) for sw in sws]
     want = reference.spmm_sum(flat, views).reshape(one.shape)

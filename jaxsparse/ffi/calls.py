@@ -423,7 +423,8 @@ def spmm_sum_unsupported(tokens: int, sws) -> str | None:
         if sw.spec.m != 4:
             return f"2:4 weights (the TMA row kernel reads x as it is), got {sw.spec}"
         if sw.shape != first.shape or jnp.dtype(sw.values.dtype) != jnp.dtype(first.values.dtype):
-            return f"weights of one shape and dtype, got {first.shape} {first.values.dtype} and {sw.shape} {sw.values.dtype}"
+            return (f"weights of one shape and dtype, got {first.shape} {first.values.dtype} and {sw.shape} "
+                    f"{sw.values.dtype}")
     if first.shape[0] % 64:
         return f"K % 64 == 0 (no k-step of 64 straddles two products), got K = {first.shape[0]}"
     if not hopper_gpu():
