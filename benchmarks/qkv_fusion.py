@@ -110,17 +110,27 @@ def check_shared(three: Callable, shared: Callable, parts: Sequence[F.SparseWeig
                  tol: float = 2e-2) -> dict:
     """``shared dx`` against the three layers on fresh random bf16 inputs: y, dx, dW and db within ``tol``; raises
     otherwise."""
-    hidden = parts[0].shape[0]
-    kx, kd = jax.random.split(jax.random.key(12))
-    x = jax.random.normal(kx, (tokens, hidden), jnp.float32).astype(jnp.bfloat16)
-    dy = [d.astype(jnp.bfloat16) for d in jax.random.normal(kd, (PARTS, tokens, hidden), jnp.float32)]
+    x, dy = _check_inputs(12, tokens, parts[0].shape[0])
     ws = [p.values for p in parts]
     (y3, g3), (ys, gs) = jax.jit(three)(x, dy, ws), jax.jit(shared)(x, dy, ws)
     err = dict(y=max(_rel(a, r) for a, r in zip(ys, y3)), dx=_rel(gs[0], g3[0]),
                dw=max(_rel(a, r) for a, r in zip(gs[1], g3[1])), db=max(_rel(a, r) for a, r in zip(gs[2], g3[2])))
-    bad = {k: v for k, v in err.items() if not v <= tol}  # NaN fails too
+    return _within(err, tol, "shared_linear is not the three layers")
+
+
+def _check_inputs(seed: int, tokens: int, hidden: int) -> tuple[jax.Array, list[jax.Array]]:
+    """Fresh random bf16 ``x [tokens, hidden]`` and the three parts' cotangents, for the checks before timing."""
+    kx, kd = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (tokens, hidden), jnp.float32).astype(jnp.bfloat16)
+    return x, [d.astype(jnp.bfloat16) for d in jax.random.normal(kd, (PARTS, tokens, hidden), jnp.float32)]
+
+
+def _within(err: dict, tol: float, what: str) -> dict:
+    """``err`` when every relative error is within ``tol`` (NaN is not); raises ``SystemExit`` naming ``what``
+    otherwise."""
+    bad = {k: v for k, v in err.items() if not v <= tol}
     if bad:
-        raise SystemExit(f"shared_linear is not the three layers: relative errors {bad} (tolerance {tol})")
+        raise SystemExit(f"{what}: relative errors {bad} (tolerance {tol})")
     return err
 
 
@@ -128,17 +138,12 @@ def check_fused(three: Callable, split: Callable, parts: Sequence[F.SparseWeight
                 hidden: int, tokens: int = 128, tol: float = 2e-2) -> dict:
     """The fused sparse layer against the three on fresh random bf16 inputs: y, dx, the dense weight gradients and
     the bias gradients within ``tol`` (relative, float32 accumulation in both); raises otherwise."""
-    kx, kd = jax.random.split(jax.random.key(11))
-    x = jax.random.normal(kx, (tokens, hidden), jnp.float32).astype(jnp.bfloat16)
-    dy = [d.astype(jnp.bfloat16) for d in jax.random.normal(kd, (PARTS, tokens, hidden), jnp.float32)]
+    x, dy = _check_inputs(11, tokens, hidden)
     (y3, g3), (yf, gf) = jax.jit(three)(x, dy, [p.values for p in parts]), jax.jit(split)(x, dy, sw.values)
     dw3 = jnp.concatenate([F.decompress(p.replace(values=v)) for p, v in zip(parts, g3[1])], axis=1)
     err = dict(y=max(_rel(a, r) for a, r in zip(yf, y3)), dx=_rel(gf[0], g3[0]),
                dw=_rel(F.decompress(sw.replace(values=gf[1])), dw3), db=_rel(gf[2], jnp.concatenate(g3[2])))
-    bad = {k: v for k, v in err.items() if not v <= tol}  # NaN fails too
-    if bad:
-        raise SystemExit(f"the fused sparse layer is not the three: relative errors {bad} (tolerance {tol})")
-    return err
+    return _within(err, tol, "the fused sparse layer is not the three")
 
 
 def floor_ms(variant: str, tokens: int, hidden: int, spec: str | None) -> float:

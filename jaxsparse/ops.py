@@ -378,7 +378,7 @@ def _shared_input_grad(dys: tuple, sws: tuple) -> jax.Array:
     if shared_dx() and dx_route() == "transposed":
         with jax.named_scope("jaxsparse_spmm_t"):
             views = tuple(transpose_2_4(sw) for sw in sws)
-            if cuda_calls.spmm_sum_unsupported(dys[0].shape[0], views) is None:
+            if cuda_calls.spmm_sum_unsupported(views) is None:
                 return dispatch.call("spmm", reference.spmm_sum, cuda_calls.spmm_sum, dys, views)
     return functools.reduce(jnp.add, (spmm_t(dy, sw) for dy, sw in zip(dys, sws)))
 

@@ -412,8 +412,8 @@ SPMM_SUM_MAX = 3
 """The most products :func:`spmm_sum` runs as one call (the operands the warp-specialized kernel takes by TMA)."""
 
 
-def spmm_sum_unsupported(tokens: int, sws) -> str | None:
-    """Why :func:`spmm_sum` cannot take these weights for ``tokens``-row operands (None when it can)."""
+def spmm_sum_unsupported(sws) -> str | None:
+    """Why :func:`spmm_sum` cannot take these weights (None when it can); any token count is fine."""
     if not 1 <= len(sws) <= SPMM_SUM_MAX:
         return f"one to {SPMM_SUM_MAX} products, got {len(sws)}"
     first = sws[0]
@@ -438,7 +438,7 @@ def spmm_sum(xs, sws) -> jax.Array:
     products in turn (the values and metadata concatenated along K, each x loaded by its own TMA descriptor), so the
     sum is accumulated in float32 and ``[T, R]`` is written once, in x's dtype. The input gradient of layers that
     share their input (:func:`jaxsparse.ops.shared_linear`). Constraints: :func:`spmm_sum_unsupported`."""
-    if problem := spmm_sum_unsupported(xs[0].shape[0], sws):
+    if problem := spmm_sum_unsupported(sws):
         raise ValueError(f"spmm_sum: needs {problem}")
     for x in xs:
         if x.ndim != 2 or x.shape != xs[0].shape or x.shape[1] != sws[0].shape[0] or x.dtype != sws[0].values.dtype:
