@@ -154,15 +154,29 @@ ffi::Error As24Impl(cudaStream_t stream, ffi::AnyBuffer values, ffi::Buffer<ffi:
 // shapes (64:2:8), 2.2-2.8x an XLA pass of the same bytes.  This kernel: 3.5 and 8.8 us.  Two variants measured and not
 // kept: that thread's rows split over 4 lanes (4.3 and 10.7 us), and this one with 1, 2 or 4 groups a warp chosen at
 // launch to keep the grid within one wave (4.2 and 9.3 us: the runtime tile cost more than the second wave).
-constexpr int kT24Groups = 8;  // groups per CTA, one per warp
-__global__ void __launch_bounds__(32 * kT24Groups) Transpose24Kernel(const uint32_t* __restrict__ value_pairs,
-                                                                     const uint8_t* __restrict__ columns,
-                                                                     const uint32_t* __restrict__ metadata,
-                                                                     uint16_t* __restrict__ values_t,
+// Stacked views (session 55): one call builds the W^T of up to kT24MaxParts weights of one shape and pattern, part p
+// (blockIdx.y) into columns [p R/2, (p+1) R/2) of each W^T values row and [p R/32, (p+1) R/32) of each metadata row,
+// so the views come out concatenated along their reduction, as the summed input-gradient product reads them
+// (calls.spmm_t_sum), without a launch per weight and an XLA concatenation after them.
+constexpr int kT24Groups = 8;    // groups per CTA, one per warp
+constexpr int kT24MaxParts = 3;  // the most weights one call stacks (calls.SPMM_SUM_MAX)
+struct T24Inputs {               // each part's compressed weight
+  const uint32_t* value_pairs[kT24MaxParts];
+  const uint8_t* columns[kT24MaxParts];
+  const uint32_t* metadata[kT24MaxParts];
+};
+__global__ void __launch_bounds__(32 * kT24Groups) Transpose24Kernel(const T24Inputs in, uint16_t* __restrict__ values_t,
                                                                      uint32_t* __restrict__ meta_t, int rows,
                                                                      int groups, int v, int m, uint16_t nan) {
   __shared__ uint32_t pairs_s[32][kT24Groups + 1];  // +1: the 8 rows one warp's load reads sit in 8 banks
   __shared__ uint32_t meta_s[32];                   // the rows' metadata words of these 8 groups
+  const int part = static_cast<int>(blockIdx.y), parts = static_cast<int>(gridDim.y);
+  const uint32_t* __restrict__ value_pairs = part == 0 ? in.value_pairs[0] : part == 1 ? in.value_pairs[1]
+                                                                                          : in.value_pairs[2];
+  const uint8_t* __restrict__ columns = part == 0 ? in.columns[0] : part == 1 ? in.columns[1] : in.columns[2];
+  const uint32_t* __restrict__ metadata = part == 0 ? in.metadata[0] : part == 1 ? in.metadata[1] : in.metadata[2];
+  values_t += static_cast<int64_t>(part) * (rows / 2);
+  meta_t += static_cast<int64_t>(part) * (rows / 32);
   const int tiles = groups / kT24Groups;            // G % 8 == 0
   const int chunk = static_cast<int>(blockIdx.x / tiles), g0 = static_cast<int>(blockIdx.x % tiles) * kT24Groups;
   const int r0 = 32 * chunk, lane = threadIdx.x % 32, gl = threadIdx.x / 32;
@@ -173,7 +187,8 @@ __global__ void __launch_bounds__(32 * kT24Groups) Transpose24Kernel(const uint3
       meta_s[threadIdx.x] = metadata[static_cast<int64_t>(r0 + threadIdx.x) * (groups / 8) + g0 / 8];
   }
   __syncthreads();
-  const int64_t row_t = rows / 2, words_t = rows / 32;  // W^T's values and metadata words per input feature
+  // W^T's values and metadata words per input feature, every part's
+  const int64_t row_t = static_cast<int64_t>(parts) * (rows / 2), words_t = static_cast<int64_t>(parts) * (rows / 32);
   const int quad = lane / 4, q = lane % 4, g = g0 + gl;
   int c = q;  // M = 4: the group's columns are the kept ones
   uint32_t kept = 0xF;
@@ -222,34 +237,65 @@ __global__ void __launch_bounds__(32 * kT24Groups) Transpose24Kernel(const uint3
   }
 }
 
+// further: the stacked weights after the first, as (values, columns, metadata) triples of the first's shapes, dtype
+// and pattern (none for one weight's W^T).
 ffi::Error Transpose24Impl(cudaStream_t stream, ffi::AnyBuffer values, ffi::Buffer<ffi::U8> columns,
-                           ffi::Buffer<ffi::U32> metadata, ffi::Result<ffi::AnyBuffer> values_t,
-                           ffi::Result<ffi::Buffer<ffi::U32>> meta_t, int32_t v, int32_t m) {
+                           ffi::Buffer<ffi::U32> metadata, ffi::RemainingArgs further,
+                           ffi::Result<ffi::AnyBuffer> values_t, ffi::Result<ffi::Buffer<ffi::U32>> meta_t, int32_t v,
+                           int32_t m) {
+  const char* name = "jaxsparse_transpose_2_4";
   if (values.dimensions().size() != 2 || values_t->dimensions().size() != 2)
     return ffi::Error::InvalidArgument("jaxsparse_transpose_2_4: values and W^T's values must be 2-D");
   const int64_t rows = Dim(values, 0), groups = Dim(values, 1) / 2, k = groups * m;
-  if (ffi::Error e = CheckSparseWeight("jaxsparse_transpose_2_4", rows, groups, columns, metadata, v, m); e.failure())
-    return e;
+  if (ffi::Error e = CheckSparseWeight(name, rows, groups, columns, metadata, v, m); e.failure()) return e;
+  if (further.size() % 3 || further.size() / 3 + 1 > kT24MaxParts)
+    return ffi::Error::InvalidArgument("jaxsparse_transpose_2_4: the further weights come as (values, columns, "
+                                       "metadata) triples, at most " + std::to_string(kT24MaxParts - 1) + ", got " +
+                                       std::to_string(further.size()) + " operands");
+  const int parts = static_cast<int>(further.size() / 3) + 1;
+  T24Inputs in{};
+  for (int p = 0; p < kT24MaxParts; ++p) {  // unused parts repeat the first weight (never read: blockIdx.y < parts)
+    in.value_pairs[p] = static_cast<const uint32_t*>(values.untyped_data());
+    in.columns[p] = columns.typed_data();
+    in.metadata[p] = metadata.typed_data();
+  }
+  for (int p = 1; p < parts; ++p) {
+    auto pv = further.get<ffi::AnyBuffer>(3 * (p - 1));
+    auto pc = further.get<ffi::Buffer<ffi::U8>>(3 * (p - 1) + 1);
+    auto pm = further.get<ffi::Buffer<ffi::U32>>(3 * (p - 1) + 2);
+    if (pv.has_error()) return pv.error();
+    if (pc.has_error()) return pc.error();
+    if (pm.has_error()) return pm.error();
+    if (pv->element_type() != values.element_type() || pv->dimensions().size() != 2 || Dim(*pv, 0) != rows ||
+        Dim(*pv, 1) != 2 * groups || pc->element_count() != columns.element_count())
+      return ffi::Error::InvalidArgument("jaxsparse_transpose_2_4: stacked weight " + std::to_string(p) +
+                                         " differs from the first: values " + ShapeString(*pv) + " against " +
+                                         ShapeString(values) + ", columns " + ShapeString(*pc) + " against " +
+                                         ShapeString(columns));
+    if (ffi::Error e = CheckSparseWeight(name, rows, groups, *pc, *pm, v, m); e.failure()) return e;
+    in.value_pairs[p] = static_cast<const uint32_t*>(pv->untyped_data());
+    in.columns[p] = pc->typed_data();
+    in.metadata[p] = pm->typed_data();
+  }
   if (rows % 32)
     return ffi::Error::InvalidArgument("jaxsparse_transpose_2_4: needs R % 32 == 0 (W^T's metadata words hold 32 "
                                        "output features), got R = " + std::to_string(rows));
-  if (values_t->dimensions()[0] != k || values_t->dimensions()[1] != rows / 2 || meta_t->dimensions().size() != 2 ||
-      meta_t->dimensions()[0] != k || meta_t->dimensions()[1] != rows / 32)
+  if (values_t->dimensions()[0] != k || values_t->dimensions()[1] != parts * rows / 2 ||
+      meta_t->dimensions().size() != 2 || meta_t->dimensions()[0] != k || meta_t->dimensions()[1] != parts * rows / 32)
     return ffi::Error::InvalidArgument("jaxsparse_transpose_2_4: inconsistent shapes: values " + ShapeString(values) +
-                                       ", W^T's values " + ShapeString(*values_t) + ", W^T's metadata " +
-                                       ShapeString(*meta_t));
+                                       " (" + std::to_string(parts) + " stacked), W^T's values " +
+                                       ShapeString(*values_t) + ", W^T's metadata " + ShapeString(*meta_t));
   if (values.element_type() != values_t->element_type() ||
       (values.element_type() != ffi::BF16 && values.element_type() != ffi::F16))
     return ffi::Error::InvalidArgument("jaxsparse_transpose_2_4: values and W^T's values must share bf16 or fp16");
-  if (rows >= (int64_t(1) << 30) || k >= (int64_t(1) << 30))
+  if (parts * rows >= (int64_t(1) << 30) || k >= (int64_t(1) << 30))
     return ffi::Error::InvalidArgument("jaxsparse_transpose_2_4: shape too large");
   const int64_t blocks = rows / 32 * (groups / kT24Groups);
   if (blocks == 0) return ffi::Error::Success();
   const uint16_t nan = values.element_type() == ffi::BF16 ? 0x7FC0 : 0x7E00;
-  Transpose24Kernel<<<static_cast<unsigned>(blocks), 32 * kT24Groups, 0, stream>>>(
-      static_cast<const uint32_t*>(values.untyped_data()), columns.typed_data(), metadata.typed_data(),
-      static_cast<uint16_t*>(values_t->untyped_data()), meta_t->typed_data(), static_cast<int>(rows),
-      static_cast<int>(groups), v, m, nan);
+  Transpose24Kernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(parts)), 32 * kT24Groups, 0,
+                      stream>>>(in, static_cast<uint16_t*>(values_t->untyped_data()), meta_t->typed_data(),
+                                static_cast<int>(rows), static_cast<int>(groups), v, m, nan);
   return LastLaunchError("Transpose24Kernel");
 }
 
@@ -275,8 +321,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseTranspose24, jaxsparse::Transpose24Impl,
                                   .Arg<xla::ffi::AnyBuffer>()               // values [R, 2G], bf16 or fp16
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // columns [R/V, G, 4]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // metadata [R, G/8]
-                                  .Ret<xla::ffi::AnyBuffer>()               // W^T's values [K, R/2]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()   // W^T's metadata [K, R/32]
+                                  .RemainingArgs()                          // up to 2 more (values, columns, metadata)
+                                  .Ret<xla::ffi::AnyBuffer>()               // W^T's values [K, n R/2]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()   // W^T's metadata [K, n R/32]
                                   .Attr<int32_t>("v")
                                   .Attr<int32_t>("m"),
                               JAXSPARSE_GRAPH_SAFE);

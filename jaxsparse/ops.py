@@ -349,7 +349,7 @@ SHARED_DX_SETTINGS = ("auto", "on", "off")
 
 def shared_dx(setting: Optional[str] = None) -> bool:
     """Whether :func:`shared_linear`'s backward computes the input gradient of its layers as one product
-    (``sum_i dy_i W_i^T``, :func:`jaxsparse.ffi.calls.spmm_sum`: the sum accumulated in float32 and written once)
+    (``sum_i dy_i W_i^T``, :func:`jaxsparse.ffi.calls.spmm_t_sum`: the sum accumulated in float32 and written once)
     where it can: on the ``"transposed"`` route of :func:`dx_route` with a Hopper GPU. ``setting`` ``None`` reads
     ``JAXSPARSE_SHARED_DX``: ``auto`` (the default) and ``on`` do; ``off`` runs one product per layer and lets XLA add
     them (for A/B timings)."""
@@ -371,15 +371,13 @@ def shared_dx_scope(setting: Optional[str]) -> Iterator[None]:
 
 
 def _shared_input_grad(dys: tuple, sws: tuple) -> jax.Array:
-    """``sum_i dys[i] @ W_i^T`` (flattened ``dys``): one :func:`jaxsparse.ffi.calls.spmm_sum` over the ``W_i^T``
-    2:4 views where :func:`shared_dx` says so and the kernel takes them
-    (:func:`jaxsparse.ffi.calls.spmm_sum_unsupported`: a Hopper GPU among them), else one :func:`spmm_t` per layer,
-    added by XLA."""
-    if shared_dx() and dx_route() == "transposed":
+    """``sum_i dys[i] @ W_i^T`` (flattened ``dys``): one :func:`jaxsparse.ffi.calls.spmm_t_sum` (every ``W_i^T`` 2:4
+    view built by one call, then one product over them) where :func:`shared_dx` says so and the kernels take the
+    weights (:func:`jaxsparse.ffi.calls.spmm_t_sum_unsupported`: a Hopper GPU among them), else one :func:`spmm_t` per
+    layer, added by XLA."""
+    if shared_dx() and dx_route() == "transposed" and cuda_calls.spmm_t_sum_unsupported(sws) is None:
         with jax.named_scope("jaxsparse_spmm_t"):
-            views = tuple(transpose_2_4(sw) for sw in sws)
-            if cuda_calls.spmm_sum_unsupported(views) is None:
-                return dispatch.call("spmm", reference.spmm_sum, cuda_calls.spmm_sum, dys, views)
+            return dispatch.call("spmm", reference.spmm_t_sum, cuda_calls.spmm_t_sum, dys, sws)
     return functools.reduce(jnp.add, (spmm_t(dy, sw) for dy, sw in zip(dys, sws)))
 
 
@@ -408,9 +406,9 @@ def shared_linear(x: jax.Array, sws, biases=None) -> tuple:
 
     The forward and the weight gradients are :func:`sparse_linear`'s, layer by layer. The input gradient is their
     sum; with :func:`shared_dx` on the ``"transposed"`` route of :func:`dx_route` a Hopper GPU computes it as one
-    product over the layers' transposed views (:func:`jaxsparse.ffi.calls.spmm_sum`, at most
-    :data:`jaxsparse.ffi.calls.SPMM_SUM_MAX` layers of one shape): ``dx`` is written once instead of once a layer and
-    summed by XLA.
+    product over the layers' transposed views (:func:`jaxsparse.ffi.calls.spmm_t_sum`, at most
+    :data:`jaxsparse.ffi.calls.SPMM_SUM_MAX` layers of one shape and pattern; one call builds all their views): ``dx``
+    is written once instead of once a layer and summed by XLA.
 
     Args:
       x: ``[..., K]`` in the values' dtype.

@@ -448,22 +448,15 @@ _SPMM_TARGETS = ("jaxsparse_spmm", "jaxsparse_spmm_xt")
 _FORWARD_KERNEL_NAME = re.compile(r"spmm", re.I)  # the SpMM kernels (not the 2:4 view's or decompression's)
 
 
-_SPMM_XT_PARTS = slice(8, 10)
-"""Where ``jaxsparse_spmm_xt`` takes the further operands of a summed product (x1, x2; ``calls._spmm_xt_call``)."""
-
-
 def _spmm_calls(hlo: Mapping[str, OpInfo]) -> tuple[int, int]:
     """The forward-kernel custom calls of one step in the compiled HLO: (forward products, input-gradient products).
 
     The input-gradient products are those of the transposed dX route: one per ``jaxsparse_transpose_2_4`` call (the
-    route builds W^T once for its one product), less one for each further operand of a summed product (a
-    ``jaxsparse_spmm_xt`` call with a non-empty x1 or x2: ``ops.shared_linear``'s one product over the W^T of each of
-    its layers). The count, not the calls' ``op_name``: custom calls lose their named scopes on the way to the
-    compiled module."""
+    route builds W^T once for its one product; ``ops.shared_linear``'s summed product builds the W^T of all its layers
+    in one call, ``calls.spmm_t_sum``). The count, not the calls' ``op_name``: custom calls lose their named scopes on
+    the way to the compiled module."""
     calls = sum(info.custom_call_target in _SPMM_TARGETS for info in hlo.values())
-    shared = sum(sum(b > 0 for b in info.operand_bytes[_SPMM_XT_PARTS]) for info in hlo.values()
-                 if info.custom_call_target == "jaxsparse_spmm_xt")
-    dx = sum(info.custom_call_target == "jaxsparse_transpose_2_4" for info in hlo.values()) - shared
+    dx = sum(info.custom_call_target == "jaxsparse_transpose_2_4" for info in hlo.values())
     return calls - dx, dx
 
 

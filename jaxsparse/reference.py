@@ -11,7 +11,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jaxsparse.format import SparseWeight, chunk_columns, compress_like, decompress
+from jaxsparse.format import SparseWeight, chunk_columns, compress_like, decompress, transpose_2_4
 
 __all__ = ["ACTIVATIONS", "activation_with_derivative", "spmm", "sddmm", "spmm_t", "bias_grad", "spmm_blocks",
            "sddmm_blocks"]
@@ -42,6 +42,12 @@ def spmm_sum(xs, sws) -> jax.Array:
     """``sum_i xs[i] @ W_i`` accumulated in float32 and rounded once to ``xs[0]``'s dtype: ``[T, K_i] -> [T, R]``."""
     y = sum(jnp.dot(x, decompress(sw).astype(x.dtype), preferred_element_type=jnp.float32) for x, sw in zip(xs, sws))
     return y.astype(xs[0].dtype)
+
+
+def spmm_t_sum(dys, sws) -> jax.Array:
+    """``sum_i dys[i] @ W_i^T`` over the ``W_i^T`` 2:4 views (:func:`jaxsparse.format.transpose_2_4`: NaN where a mask
+    is not transposable), as :func:`spmm_sum`: ``[T, R] -> [T, K]``."""
+    return spmm_sum(dys, tuple(transpose_2_4(sw) for sw in sws))
 
 
 def _epilogue(y: jax.Array, bias: Optional[jax.Array], activation: Optional[str], dtype) -> jax.Array:

@@ -694,7 +694,8 @@ def test_sparse_mlp_transposed_hidden_drops_the_transpose_of_h(monkeypatch, hidd
 # ----------------------------------------------------------------------------- layers sharing their input
 #
 # calls.spmm_sum: sum_i x_i @ W_i for up to three 2:4 weights of one shape, one jaxsparse_spmm_xt call whose reduction
-# runs over the products in turn (the input gradient of ops.shared_linear, on W^T's views). Hopper only.
+# runs over the products in turn; calls.spmm_t_sum: the same over W^T's views, all built by one
+# jaxsparse_transpose_2_4 call (the input gradient of ops.shared_linear). Hopper only.
 
 
 def _sum_ref(xs, sws):
@@ -738,6 +739,44 @@ def test_spmm_sum_refuses_what_the_kernel_cannot_take():
         calls.spmm_sum([x, x[:32]], [sw, sw])
 
 
+@pytest.mark.parametrize("parts", [1, 2, 3])
+@pytest.mark.parametrize("spec", ["2:4", "128:2:16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_spmm_t_sum_kernel(parts, spec, dtype):
+    """``calls.spmm_t_sum`` (one stacked W^T build, one summed product) against the float32 ``sum_i dy_i W_i^T``,
+    output poisoned, with a token tail; the compiled function holds exactly one call of each."""
+    _skip_unless_col()
+    t, k, r = 1000, 256, 256
+    dys, sws = [], []
+    for i in range(parts):
+        _, dy, sw = _make(key("spmm-t-sum", parts, spec, str(dtype), i), t, k, r, spec, dtype, transposable=True)
+        dys.append(dy)
+        sws.append(sw)
+    f = jax.jit(calls.spmm_t_sum).lower(dys, sws).compile()
+    text = f.as_text()
+    assert text.count('custom_call_target="jaxsparse_transpose_2_4"') == 1
+    assert text.count('custom_call_target="jaxsparse_spmm_xt"') == 1
+    poison((t, k), dtype)
+    y = f(dys, sws)
+    assert y.shape == (t, k) and y.dtype == dtype
+    _compare(y, sum(_spmm_t_ref(dy, sw) for dy, sw in zip(dys, sws)), TOL[dtype], f"spmm_t_sum of {parts}")
+
+
+def test_spmm_t_sum_refuses_what_the_kernels_cannot_take():
+    _skip_unless_col()
+    _, dy, sw = _make(key("spmm-t-sum-bad"), 64, 128, 128, "2:4", jnp.bfloat16, transposable=True)
+    _, _, sw16 = _make(key("spmm-t-sum-bad16"), 64, 128, 128, "128:2:16", jnp.bfloat16, transposable=True)
+    _, dy96, sw96 = _make(key("spmm-t-sum-bad96"), 64, 128, 96, "2:4", jnp.bfloat16, transposable=True)
+    with pytest.raises(ValueError, match="one shape and spec"):
+        calls.spmm_t_sum([dy, dy], [sw, sw16])
+    with pytest.raises(ValueError, match="K % 64"):
+        calls.spmm_t_sum([dy96, dy96], [sw96, sw96])
+    with pytest.raises(ValueError, match="one to 3"):
+        calls.spmm_t_sum([dy] * 4, [sw] * 4)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        calls.spmm_t_sum([dy], [sw.replace(values=sw.values.astype(jnp.float32))])
+
+
 def _shared_grads(monkeypatch, spec: str, dtype, t: int, shared: str):
     """``jax.grad`` under ``jit`` of three layers of one input through ``ops.shared_linear`` (every product on its GPU
     path, the transposed dX route, ``JAXSPARSE_SHARED_DX=shared``), outputs poisoned first; and what it takes."""
@@ -765,7 +804,7 @@ def _shared_grads(monkeypatch, spec: str, dtype, t: int, shared: str):
 @pytest.mark.parametrize("t", [17, 1000])
 def test_shared_linear_grads_on_kernels(monkeypatch, spec, dtype, t):
     """The three layers' gradients through ``shared_linear`` against the float32 references: dx the sum of the three
-    products (one ``spmm_sum`` call), each layer's values and bias gradients."""
+    products (one ``spmm_t_sum``), each layer's values and bias gradients."""
     _skip_unless_col()
     (gx, gv, gb), (x, sws, targets), _ = _shared_grads(monkeypatch, spec, dtype, t, "auto")
     dense = [F.decompress(sw).astype(jnp.float32) for sw in sws]
@@ -779,10 +818,9 @@ def test_shared_linear_grads_on_kernels(monkeypatch, spec, dtype, t):
 
 def test_shared_linear_runs_one_input_gradient_product(monkeypatch):
     """With ``JAXSPARSE_SHARED_DX`` on, the gradient holds two ``jaxsparse_spmm_xt`` calls fewer than with it off (one
-    input-gradient product for the three layers instead of three), and no activation is transposed or copied by a
-    kernel of its own. (Session 54's GPU run found three standalone copies in the shared gradient, of sizes it did
-    not print; the step's profile moved no time into copies, so they are taken to be of the weights' transposed
-    views, which this test allows: each moves less than one activation.)"""
+    input-gradient product for the three layers instead of three) and one ``jaxsparse_transpose_2_4`` (the three W^T
+    views stacked by one call) instead of three, and no activation is transposed or copied by a kernel of its own.
+    Moves smaller than one activation (of the weights) are allowed."""
     _skip_unless_col()
     from jaxsparse.profile import parse_hlo
 
@@ -791,6 +829,8 @@ def test_shared_linear_runs_one_input_gradient_product(monkeypatch):
     for shared in ("auto", "off"):
         *_, text = _shared_grads(monkeypatch, "2:4", jnp.bfloat16, t, shared)
         counts[shared] = text.count('custom_call_target="jaxsparse_spmm_xt"')
+        builds = text.count('custom_call_target="jaxsparse_transpose_2_4"')
+        assert builds == (1 if shared == "auto" else 3), (shared, builds)
         infos = parse_hlo(text)
         big = [m for m in standalone_layout_moves(text) if infos[m.split(":")[0]].io_bytes >= t * r * 2]
         assert not big, (shared, big)

@@ -92,6 +92,42 @@ def test_transpose_2_4_kernel(spec, k, r, dtype, transposable):
                                       np.asarray(F.decompress(sw), np.float32).T)
 
 
+@pytest.mark.parametrize("parts", [2, 3])
+@pytest.mark.parametrize("spec, k, r", [("2:4", 256, 96), ("128:2:16", 768, 384), ("64:2:32", 1024, 320)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("transposable", [True, False], ids=["transposable", "plain"])
+def test_transpose_2_4_stacked_kernel(parts, spec, k, r, dtype, transposable):
+    """``calls.transpose_2_4_stacked``: one ``jaxsparse_transpose_2_4`` call builds the W^T of 2 or 3 weights (each
+    its own mask), bit for bit the references concatenated along the views' reduction, output poisoned."""
+    sws = []
+    for i in range(parts):
+        w = jax.random.normal(key("transpose_2_4_stacked", spec, k, r, str(dtype), transposable, i), (k, r))
+        w = w.astype(dtype)
+        sws.append(F.compress(w, F.select_mask(w, spec, transposable=transposable), spec))
+    f = jax.jit(calls.transpose_2_4_stacked).lower(sws).compile()
+    assert f.as_text().count('custom_call_target="jaxsparse_transpose_2_4"') == 1
+    refs = [F.transpose_2_4(sw) for sw in sws]
+    poison((k, parts * r // 2), dtype, jnp.nan if transposable else 12345.0)
+    out = f(sws)
+    assert out.shape == (parts * r, k) and out.spec == F.VNM(1, 2, 4) and out.values.dtype == dtype
+    want_values = np.concatenate([np.asarray(ref.values).view(np.uint16) for ref in refs], axis=1)
+    np.testing.assert_array_equal(np.asarray(out.values).view(np.uint16), want_values)
+    np.testing.assert_array_equal(np.asarray(out.metadata), np.concatenate([np.asarray(ref.metadata) for ref in refs],
+                                                                           axis=1))
+
+
+def test_transpose_2_4_stacked_refuses_mismatched_weights():
+    w = jax.random.normal(jax.random.PRNGKey(4), (256, 64)).astype(jnp.bfloat16)
+    sw = F.compress(w, F.select_mask(w, "2:4", transposable=True), "2:4")
+    wide = F.compress(jnp.tile(w, (1, 2)), F.select_mask(jnp.tile(w, (1, 2)), "2:4", transposable=True), "2:4")
+    with pytest.raises(ValueError, match="one shape, spec and dtype"):
+        calls.transpose_2_4_stacked([sw, wide])
+    with pytest.raises(ValueError, match="one to 3 weights"):
+        calls.transpose_2_4_stacked([sw] * 4)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        calls.transpose_2_4_stacked([sw.replace(values=sw.values.astype(jnp.float32))] * 2)
+
+
 @pytest.mark.filterwarnings("ignore:jaxsparse.transpose_2_4 runs its pure-JAX reference")
 def test_transpose_2_4_float32_takes_the_reference():
     """The handler takes 16-bit values only: float32 weights build ``W^T`` with the reference, same result."""

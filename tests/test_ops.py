@@ -906,7 +906,8 @@ def test_shared_linear_is_the_layers_and_their_gradients(monkeypatch, spec, rout
 
 def test_shared_linear_input_gradient_is_one_summed_product(monkeypatch):
     """On the transposed route, where the summed kernel can run (a Hopper GPU, here pretended), the backward's input
-    gradient is one ``reference.spmm_sum`` over the three ``W^T`` views (one product, rounded once) on a machine
+    gradient is one ``reference.spmm_t_sum``, i.e. one ``reference.spmm_sum`` over the three ``W^T`` views (one
+    product, rounded once), on a machine
     without the kernel; with ``JAXSPARSE_SHARED_DX=off``, or without a Hopper GPU, three ``spmm_t`` products added in
     the dtype."""
     from jaxsparse.ffi import calls
@@ -937,6 +938,25 @@ def test_shared_linear_input_gradient_is_one_summed_product(monkeypatch):
     want = reference.spmm_sum(flat, views).reshape(one.shape)
     np.testing.assert_array_equal(np.asarray(one, np.float32), np.asarray(want, np.float32))
     assert rel_err(three, want) < 2e-2 and one.dtype == three.dtype == jnp.bfloat16
+
+
+def test_spmm_t_sum_unsupported_names_each_constraint(monkeypatch):
+    """``calls.spmm_t_sum_unsupported`` (what ``shared_linear`` asks before its one product) names what it cannot
+    take, and takes three transposable 2:4 weights of one shape on a Hopper GPU (here pretended)."""
+    from jaxsparse.ffi import calls
+
+    sws = [make(50 + i, "2:4", k=128, r=128, dtype=jnp.bfloat16)[1] for i in range(3)]
+    monkeypatch.setattr(calls, "hopper_gpu", lambda: False)
+    assert "Hopper" in calls.spmm_t_sum_unsupported(sws)
+    monkeypatch.setattr(calls, "hopper_gpu", lambda: True)
+    assert calls.spmm_t_sum_unsupported(sws) is None
+    assert "one to 3" in calls.spmm_t_sum_unsupported(sws + sws[:1])
+    other = make(53, "64:2:8", k=128, r=128, dtype=jnp.bfloat16)[1]
+    assert "one shape and spec" in calls.spmm_t_sum_unsupported([sws[0], other])
+    narrow = make(54, "2:4", k=128, r=96, dtype=jnp.bfloat16)[1]
+    assert "K % 64" in calls.spmm_t_sum_unsupported([narrow, narrow])
+    wide = sws[0].replace(values=sws[0].values.astype(jnp.float32))
+    assert "bf16 or fp16" in calls.spmm_t_sum_unsupported([wide])
 
 
 def test_reference_spmm_sum_is_the_products_summed_in_float32():

@@ -160,9 +160,9 @@ def test_transposed_route_hlo_has_one_w_t_build_per_input_gradient(monkeypatch, 
 
 @pytest.mark.parametrize("shared", ["auto", "off"])
 def test_shared_input_gradient_counts_as_one_product(monkeypatch, shared):
-    """Three 2:4 layers of one input through ``ops.shared_linear``, lowered for a Hopper GPU: three W^T builds feed one
-    summed input-gradient product (``JAXSPARSE_SHARED_DX`` on) or three (off); the split counts the products, 3
-    forward and 1 or 3 input gradients."""
+    """Three 2:4 layers of one input through ``ops.shared_linear``, lowered for a Hopper GPU: one stacked W^T build
+    feeds one summed input-gradient product (``JAXSPARSE_SHARED_DX`` on), or three builds feed three products (off);
+    the split counts the products, 3 forward and 1 or 3 input gradients."""
     from jaxsparse import ffi, format as fmt, ops
     from jaxsparse.ffi import calls
 
@@ -186,8 +186,9 @@ def test_shared_input_gradient_counts_as_one_product(monkeypatch, shared):
             lowering_platforms=("cuda",))
     hlo = profile.parse_hlo(lowered.as_text(dialect="hlo"))
     targets = [i.custom_call_target for i in hlo.values() if i.custom_call_target]
-    assert targets.count("jaxsparse_transpose_2_4") == 3, targets
-    assert profile._spmm_calls(hlo) == (3, 1 if shared == "auto" else 3), targets
+    dx = 1 if shared == "auto" else 3
+    assert targets.count("jaxsparse_transpose_2_4") == dx, targets
+    assert profile._spmm_calls(hlo) == (3, dx), targets
 
 
 def test_parse_hlo_reads_dots_scopes_and_contracting_dims():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -146,11 +146,31 @@ def transpose_2_4_unsupported(sw: SparseWeight) -> str | None:
 def transpose_2_4(sw: SparseWeight) -> SparseWeight:
     """:func:`jaxsparse.format.transpose_2_4` (``W^T`` as a 2:4 weight, NaN where the mask is not transposable) by
     the CUDA handler ``jaxsparse_transpose_2_4`` in one pass."""
-    k, r = sw.shape
-    results = [((k, r // 2), sw.values.dtype), ((k, r // 32), jnp.uint32)]
-    values_t, meta_t = _call_results("jaxsparse_transpose_2_4", results, sw.values, _columns_operand(sw), sw.metadata,
-                                     v=np.int32(sw.spec.v), m=np.int32(sw.spec.m))
-    return SparseWeight(values_t, None, meta_t, (r, k), VNM(1, 2, 4))
+    return transpose_2_4_stacked((sw,))
+
+
+def transpose_2_4_stacked(sws: Sequence[SparseWeight]) -> SparseWeight:
+    """The ``W^T`` 2:4 views of up to :data:`SPMM_SUM_MAX` weights of one shape ``(K, R)``, spec and dtype, stacked
+    along the views' reduction: a 2:4 weight of shape ``(n R, K)`` whose values ``[K, n R/2]`` and metadata
+    ``[K, n R/32]`` hold the i-th view in the i-th slice of each row, as :func:`spmm_sum` concatenates them. One
+    ``jaxsparse_transpose_2_4`` call (further weights as extra operands), so neither a launch per weight nor a
+    concatenation follows."""
+    first = sws[0]
+    if not 1 <= len(sws) <= SPMM_SUM_MAX:
+        raise ValueError(f"transpose_2_4_stacked: one to {SPMM_SUM_MAX} weights, got {len(sws)}")
+    for sw in sws:
+        if problem := transpose_2_4_unsupported(sw):
+            raise ValueError(f"transpose_2_4_stacked: {problem}")
+        if (sw.shape, sw.spec, jnp.dtype(sw.values.dtype)) != (first.shape, first.spec, jnp.dtype(first.values.dtype)):
+            raise ValueError(f"transpose_2_4_stacked: weights of one shape, spec and dtype, got {first.shape} "
+                             f"{first.spec} {first.values.dtype} and {sw.shape} {sw.spec} {sw.values.dtype}")
+    k, r = first.shape
+    n = len(sws)
+    results = [((k, n * r // 2), first.values.dtype), ((k, n * r // 32), jnp.uint32)]
+    operands = [a for sw in sws for a in (sw.values, _columns_operand(sw), sw.metadata)]
+    values_t, meta_t = _call_results("jaxsparse_transpose_2_4", results, *operands,
+                                     v=np.int32(first.spec.v), m=np.int32(first.spec.m))
+    return SparseWeight(values_t, None, meta_t, (n * r, k), VNM(1, 2, 4))
 
 
 def decompress(sw: SparseWeight) -> jax.Array:
@@ -436,18 +456,57 @@ def spmm_sum(xs, sws) -> jax.Array:
     """``sum_i xs[i] @ W_i`` for up to :data:`SPMM_SUM_MAX` 2:4 weights of one shape ``(K, R)``, each ``xs[i]``
     ``[T, K]``: one ``jaxsparse_spmm_xt`` call on the warp-specialized TMA row kernel whose reduction runs over the
     products in turn (the values and metadata concatenated along K, each x loaded by its own TMA descriptor), so the
-    sum is accumulated in float32 and ``[T, R]`` is written once, in x's dtype. The input gradient of layers that
-    share their input (:func:`jaxsparse.ops.shared_linear`). Constraints: :func:`spmm_sum_unsupported`."""
+    sum is accumulated in float32 and ``[T, R]`` is written once, in x's dtype. Constraints:
+    :func:`spmm_sum_unsupported`."""
     if problem := spmm_sum_unsupported(sws):
         raise ValueError(f"spmm_sum: needs {problem}")
-    for x in xs:
-        if x.ndim != 2 or x.shape != xs[0].shape or x.shape[1] != sws[0].shape[0] or x.dtype != sws[0].values.dtype:
-            raise ValueError(f"spmm_sum: every x must be [T, {sws[0].shape[0]}] in {sws[0].values.dtype}, got "
-                             f"{[(a.shape, str(a.dtype)) for a in xs]}")
     k, r = sws[0].shape
     cat = SparseWeight(jnp.concatenate([sw.values for sw in sws], axis=1), None,
                        jnp.concatenate([sw.metadata for sw in sws], axis=1), (len(sws) * k, r), sws[0].spec)
-    return _spmm_xt_call(xs[0], cat, None, None, x_rows=True, x_parts=tuple(xs[1:]))
+    return _stacked_sum(xs, cat, len(sws))
+
+
+def spmm_t_sum_unsupported(sws) -> str | None:
+    """Why :func:`spmm_t_sum` cannot take these weights (None when it can): :func:`transpose_2_4_unsupported` for
+    each, then :func:`spmm_sum_unsupported` for their ``W^T`` views."""
+    for sw in sws:
+        if problem := transpose_2_4_unsupported(sw):
+            return problem
+    if len({(sw.shape, sw.spec) for sw in sws}) > 1:
+        return f"weights of one shape and spec, got {[(sw.shape, str(sw.spec)) for sw in sws]}"
+    return spmm_sum_unsupported(tuple(_transposed_view_shapes(sw) for sw in sws))
+
+
+def _transposed_view_shapes(sw: SparseWeight) -> SparseWeight:
+    """What :func:`transpose_2_4` returns for ``sw``, as shapes only (nothing is built)."""
+    k, r = sw.shape
+    return SparseWeight(jax.ShapeDtypeStruct((k, r // 2), sw.values.dtype), None,
+                        jax.ShapeDtypeStruct((k, r // 32), jnp.uint32), (r, k), VNM(1, 2, 4))
+
+
+def spmm_t_sum(dys, sws) -> jax.Array:
+    """``sum_i dys[i] @ W_i^T`` for up to :data:`SPMM_SUM_MAX` weights ``W_i`` of one shape ``(K, R)``, spec and dtype
+    with transposable masks, each ``dys[i]`` ``[T, R]``: the input gradient of layers that share their input
+    (:func:`jaxsparse.ops.shared_linear`). Two calls: :func:`transpose_2_4_stacked` builds every ``W_i^T`` 2:4 view
+    into one stacked weight, and one ``jaxsparse_spmm_xt`` product reduces over all of it (:func:`spmm_sum`'s
+    kernel). NaN where a mask is not transposable, as :func:`transpose_2_4`. Constraints:
+    :func:`spmm_t_sum_unsupported`."""
+    if problem := spmm_t_sum_unsupported(sws):
+        raise ValueError(f"spmm_t_sum: needs {problem}")
+    return _stacked_sum(dys, transpose_2_4_stacked(sws), len(sws))
+
+
+def _stacked_sum(xs, stacked: SparseWeight, parts: int) -> jax.Array:
+    """``sum_i xs[i] @ W_i`` where ``stacked`` is the 2:4 weights ``W_i`` concatenated along K: the summed product's
+    ``jaxsparse_spmm_xt`` call, its inputs checked."""
+    k = stacked.shape[0] // parts
+    if len(xs) != parts:
+        raise ValueError(f"spmm_sum: one x a weight, got {len(xs)} for {parts}")
+    for x in xs:
+        if x.ndim != 2 or x.shape != xs[0].shape or x.shape[1] != k or x.dtype != stacked.values.dtype:
+            raise ValueError(f"spmm_sum: every x must be [T, {k}] in {stacked.values.dtype}, got "
+                             f"{[(a.shape, str(a.dtype)) for a in xs]}")
+    return _spmm_xt_call(xs[0], stacked, None, None, x_rows=True, x_parts=tuple(xs[1:]))
 
 
 SDDMM_SPLIT_ENV = "JAXSPARSE_SDDMM_SPLIT"
