@@ -907,9 +907,8 @@ def test_shared_linear_is_the_layers_and_their_gradients(monkeypatch, spec, rout
 def test_shared_linear_input_gradient_is_one_summed_product(monkeypatch):
     """On the transposed route, where the summed kernel can run (a Hopper GPU, here pretended), the backward's input
     gradient is one ``reference.spmm_t_sum``, i.e. one ``reference.spmm_sum`` over the three ``W^T`` views (one
-    product, rounded once), on a machine
-    without the kernel; with ``JAXSPARSE_SHARED_DX=off``, or without a Hopper GPU, three ``spmm_t`` products added in
-    the dtype."""
+    product, rounded once), on a machine without the kernel; with ``JAXSPARSE_SHARED_DX=off``, or without a Hopper
+    GPU, three ``spmm_t`` products added in the dtype."""
     from jaxsparse.ffi import calls
 
     monkeypatch.setenv(ops.DX_ROUTE_ENV, "transposed")
@@ -957,6 +956,10 @@ def test_spmm_t_sum_unsupported_names_each_constraint(monkeypatch):
     assert "K % 64" in calls.spmm_t_sum_unsupported([narrow, narrow])
     wide = sws[0].replace(values=sws[0].values.astype(jnp.float32))
     assert "bf16 or fp16" in calls.spmm_t_sum_unsupported([wide])
+    with pytest.raises(ValueError, match="one to 3 weights"):  # refused before any call is built
+        calls.transpose_2_4_stacked([])
+    with pytest.raises(ValueError, match="one shape, spec and dtype"):
+        calls.transpose_2_4_stacked([sws[0], other])
 
 
 def test_reference_spmm_sum_is_the_products_summed_in_float32():

@@ -155,9 +155,9 @@ def transpose_2_4_stacked(sws: Sequence[SparseWeight]) -> SparseWeight:
     ``[K, n R/32]`` hold the i-th view in the i-th slice of each row, as :func:`spmm_sum` concatenates them. One
     ``jaxsparse_transpose_2_4`` call (further weights as extra operands), so neither a launch per weight nor a
     concatenation follows."""
-    first = sws[0]
     if not 1 <= len(sws) <= SPMM_SUM_MAX:
         raise ValueError(f"transpose_2_4_stacked: one to {SPMM_SUM_MAX} weights, got {len(sws)}")
+    first = sws[0]
     for sw in sws:
         if problem := transpose_2_4_unsupported(sw):
             raise ValueError(f"transpose_2_4_stacked: {problem}")
