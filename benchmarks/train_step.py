@@ -102,6 +102,7 @@ def _time_step(step_cfg, cfg: dict, turn: dict | None) -> dict:
 
     import jaxsparse
     from jaxsparse import ffi
+    from jaxsparse.profile import gemm_configs
     from jaxsparse.trainstep import build_step
 
     row = dict(cfg)
@@ -111,6 +112,9 @@ def _time_step(step_cfg, cfg: dict, turn: dict | None) -> dict:
     t1 = time.perf_counter()
     ts.fn = ts.fn.lower(*ts.args).compile()  # ahead of time: no compilation inside the timed region
     row["compile_s"] = time.perf_counter() - t1
+    # What XLA's autotuner picked for each dense GEMM: the dense step's time has differed between invocations of the
+    # same code (docs/results.md, session 55); two rows whose picks differ explain such a difference.
+    row["gemm_configs"] = gemm_configs(ts.fn.as_text())
     lock = _take_turn(turn)
     try:
         t2, window_start = time.perf_counter(), time.time()

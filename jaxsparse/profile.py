@@ -139,6 +139,59 @@ def _dims(text: str, key: str) -> tuple[int, ...]:
     return ()
 
 
+def _backend_config(rest: str) -> dict:
+    """An instruction's ``backend_config={...}`` as a dict (braces matched, quoted strings skipped); {} when it has
+    none or it is not JSON."""
+    start = rest.find("backend_config={")
+    if start < 0:
+        return {}
+    i = start + len("backend_config=")
+    depth, quoted = 0, False
+    for j in range(i, len(rest)):
+        ch = rest[j]
+        if quoted:
+            quoted = not (ch == '"' and rest[j - 1] != "\\")
+        elif ch == '"':
+            quoted = True
+        elif ch in "{}":
+            depth += 1 if ch == "{" else -1
+            if depth == 0:
+                try:
+                    return json.loads(rest[i:j + 1])
+                except ValueError:
+                    return {}
+    return {}
+
+
+def gemm_configs(text: str) -> dict[str, int]:
+    """What the compiler chose for each dense GEMM of a compiled GPU module (``compiled.as_text()``): ``{"<result
+    shape> <kind> <choice>": count}``, the choice being cuBLAS's ``selected_algorithm``, a Triton GEMM's tiling or a
+    cuDNN GEMM fusion's plan. XLA picks these by timing candidates on the GPU while it compiles, so two compiles of one
+    step that differ here may run at different speeds (the dense step's spread, docs/results.md, session 55). Empty
+    for a module without such GEMMs (a CPU module)."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        m = _INSTR.match(line)
+        if not m or ("backend_config" not in m.group("rest")):
+            continue
+        rest = m.group("rest")
+        target = re.search(r'custom_call_target="([^"]*)"', rest)
+        config = _backend_config(rest)
+        gemm = config.get("gemm_backend_config")
+        fusion = config.get("fusion_backend_config") or {}
+        if target and _GEMM_TARGET.search(target.group(1)) and isinstance(gemm, dict):
+            kind, choice = target.group(1), f"algorithm {gemm.get('selected_algorithm', '?')}"
+        elif fusion.get("kind") in ("__triton_gemm", "__cudnn$fusion") or "triton_gemm_config" in fusion:
+            kind = fusion.get("kind", "fusion")
+            detail = fusion.get("triton_gemm_config") or fusion.get("cudnn_fusion_config") or {}
+            choice = " ".join(f"{k}={v}" for k, v in sorted(detail.items())) if isinstance(detail, dict) else str(detail)
+        else:
+            continue
+        key = f"{m.group('shape')} {kind} {choice}"
+        out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items()))
+
+
 def parse_hlo(text: str) -> dict[str, OpInfo]:
     """``{instruction name: OpInfo}`` for every instruction of an HLO module's text (``compiled.as_text()``)."""
     comps: dict[str, list[tuple[str, str, str]]] = {}
