@@ -578,6 +578,15 @@ def _top_scopes(per_op: Mapping[tuple[str, str], list], steps: int, top: int) ->
             for (s, b), v in ranked]
 
 
+def _event_info(ev: DeviceEvent, hlo: Mapping[str, OpInfo], by_kernel_name: Mapping[str, OpInfo]) -> OpInfo | None:
+    """The HLO instruction an event ran: its ``hlo_op``'s; inside a command buffer (the event names the buffer, which
+    the module's text does not hold) the instruction its kernel is named after, as XLA names its own kernels; None for
+    a library or custom-call kernel there (cuBLAS, cuDNN, jaxsparse's), which :func:`classify` buckets by name."""
+    if ev.hlo_op and not ev.hlo_op.startswith("command_buffer") and ev.hlo_op in hlo:
+        return hlo[ev.hlo_op]
+    return by_kernel_name.get(ev.name)
+
+
 def summarize(events: Iterable[DeviceEvent], hlo: Mapping[str, OpInfo], steps: int, step_ms: float,
               device: dict | None = None, top: int = 25) -> Profile:
     """Bucket ``events`` (from ``steps`` steps) with :func:`classify`; per-step ms, % of step, counts.
@@ -589,7 +598,8 @@ def summarize(events: Iterable[DeviceEvent], hlo: Mapping[str, OpInfo], steps: i
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     events = list(events)
-    infos = [hlo.get(ev.hlo_op) if ev.hlo_op else None for ev in events]
+    by_kernel_name = {**{n.replace(".", "_"): i for n, i in hlo.items()}, **hlo}  # kernel names have "_" for "."
+    infos = [_event_info(ev, hlo, by_kernel_name) for ev in events]
     kinds = [classify(ev.name, info) for ev, info in zip(events, infos)]
     calls = _spmm_calls(hlo)
     note = _split_forward_kernel(events, infos, kinds, calls, steps)
@@ -599,7 +609,6 @@ def summarize(events: Iterable[DeviceEvent], hlo: Mapping[str, OpInfo], steps: i
     sums = {b: 0.0 for b in BUCKETS}
     counts = {b: 0 for b in BUCKETS}
     per_op: dict[tuple[str, str], list] = {}
-    by_kernel_name = {**{n.replace(".", "_"): i for n, i in hlo.items()}, **hlo}  # kernel names have "_" for "."
     for ev, info, b in zip(events, infos, kinds):
         sums[b] += ev.duration_ns
         counts[b] += 1

@@ -262,6 +262,25 @@ def test_top_scopes_fold_one_ops_kernel_names_and_layer_indices():
     assert "in   2 kernel names" in profile.format_table(p, top=5)
 
 
+def test_command_buffer_events_take_the_instruction_their_kernel_is_named_after():
+    """On a GPU every event of the step runs inside a command buffer (its hlo_op names the buffer, not in the module's
+    text): XLA's own kernels are still classified by the instruction they are named after (the optimizer's update is
+    ``optimizer``, not elementwise), and library kernels by their names, with no instruction (so the forward kernel's
+    split by order still finds them)."""
+    hlo = {"loop_add_fusion.486": OpInfo("fusion", "jit(step)/optimizer/add", fused_opcodes=frozenset({"add"})),
+           "input_reduce_fusion.7": OpInfo("fusion", "jit(step)/bert/encoder_layer_3/LayerNorm/reduce_sum",
+                                           fused_opcodes=frozenset({"reduce", "add"}))}
+    ev = [profile.DeviceEvent("loop_add_fusion_486", "command_buffer_1", 100.0, "s"),
+          profile.DeviceEvent("input_reduce_fusion_7", "command_buffer_1", 50.0, "s"),
+          profile.DeviceEvent("void jaxsparse::SddmmKernel", "command_buffer_1", 1000.0, "s"),
+          profile.DeviceEvent("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "command_buffer_2", 700.0, "s")]
+    p = profile.summarize(ev, hlo, steps=1, step_ms=1.0)
+    assert p.buckets["optimizer"]["count"] == 1 and p.buckets["optimizer"]["ms"] == pytest.approx(1e-4)
+    assert p.buckets["elementwise_norm"]["count"] == 1 and p.buckets["sddmm"]["count"] == 1
+    assert p.buckets["attention"]["count"] == 1
+    assert profile._event_info(ev[2], hlo, hlo) is None
+
+
 def test_real_cpu_profile_buckets_sum_to_measured_total(tmp_path, capsys):
     out = tmp_path / "prof.json"
     trace = tmp_path / "trace"
