@@ -88,7 +88,6 @@ class OpInfo:
       custom_call_target: the target of a custom call ("" otherwise).
       io_bytes: the bytes of its operands and results as the module declares them (each counted once: the
         traffic of an instruction that reads each input and writes each output once; 0 when a shape is unknown).
-      operand_bytes: each operand's bytes, in order (0 for an empty or unknown one).
     """
 
     opcode: str
@@ -98,7 +97,6 @@ class OpInfo:
     fused_opcodes: frozenset = frozenset()
     custom_call_target: str = ""
     io_bytes: int = 0
-    operand_bytes: tuple[int, ...] = ()
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\([^=]*?\)|\S+)\s+(?P<op>[\w\-]+)\((?P<rest>.*)$")
@@ -245,17 +243,15 @@ def parse_hlo(text: str) -> dict[str, OpInfo]:
             return has, contracting, frozenset(ops)
         return False, (), frozenset({op})
 
-    def operand_bytes(rest: str) -> tuple[int, ...]:
-        """Each operand's bytes: written beside it (``bf16[8]{0} %p``) or its definition's result."""
-        out = []
+    def io_bytes(name: str, rest: str) -> int:
+        """Result bytes plus each operand's: written beside it (``bf16[8]{0} %p``) or its definition's result."""
+        total = result_bytes.get(name, 0)
         for operand in _operands(rest).split(", "):
             if _ARRAY.search(operand):
-                out.append(_shape_bytes(operand))
+                total += _shape_bytes(operand)
             elif ref := re.search(r"%?([\w.\-]+)\s*$", operand):  # "%name" (compiled) or "name" (lowered)
-                out.append(result_bytes.get(ref.group(1), 0))
-            else:
-                out.append(0)
-        return tuple(out)
+                total += result_bytes.get(ref.group(1), 0)
+        return total
 
     out: dict[str, OpInfo] = {}
     for instrs in comps.values():
@@ -263,11 +259,9 @@ def parse_hlo(text: str) -> dict[str, OpInfo]:
             has, contracting, ops = _instr_summary(op, rest, 0)
             op_name = re.search(r'op_name="((?:[^"\\]|\\.)*)"', rest)
             target = re.search(r'custom_call_target="([^"]*)"', rest)
-            operands = operand_bytes(rest)
             out[name] = OpInfo(op, op_name.group(1) if op_name else "", has, contracting,
                                ops if op in ("fusion", "call") else frozenset({op}),
-                               target.group(1) if target else "", result_bytes.get(name, 0) + sum(operands),
-                               operands)
+                               target.group(1) if target else "", io_bytes(name, rest))
     return out
 
 
