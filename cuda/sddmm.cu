@@ -61,6 +61,9 @@ struct SddmmParams {
   // tiles cover a stage; the first `ways` column tiles write their sums to plane (grid.z * ways + column tile) of
   // db_partial [S * ways, R], and the reduction sums the planes in order. Null: no bias gradient.
   float* db_partial;
+  // Rows of each dy operand (the x^T and tma engines, which load dy by TMA): the weight's R rows stack `rows / dy_rows`
+  // layers of one input, layer i's dy [T, dy_rows] read through the i-th tensor map (DyMap); dy_rows = rows for one.
+  int dy_rows;
 };
 
 constexpr int kSdBR = 64;       // rows (output features) per CTA; divides V = 64 and 128
@@ -131,6 +134,20 @@ __device__ __forceinline__ TokenTiles CtaTokenTiles(const SddmmParams& p) {
   const int all = (p.tokens + BT - 1) / BT;
   const int begin = blockIdx.z * p.kt_per_split;
   return {begin, max(min(all - begin, p.kt_per_split), 0)};
+}
+
+// Up to kSddmmMaxParts dy operands of stacked layers (SddmmParams::dy_rows), each read by its own TMA tensor map.
+constexpr int kSddmmMaxParts = 3;
+
+// The tensor map and the row in it of stacked row `row` (a CTA's rows sit in one part: dy_rows % 128 == 0).
+struct DyBox {
+  const CUtensorMap* map;
+  int row;
+};
+__device__ __forceinline__ DyBox DyMap(const SddmmParams& p, int row, const CUtensorMap& dy0, const CUtensorMap& dy1,
+                                       const CUtensorMap& dy2) {
+  const int part = row / p.dy_rows;
+  return {part == 0 ? &dy0 : part == 1 ? &dy1 : &dy2, row - part * p.dy_rows};
 }
 
 // Epilogue of both engines: `tile` [ROWS][row_floats] holds C[r, 4*gl + p] for the CTA's rows and GC groups;
@@ -682,7 +699,8 @@ struct XtRowGather {
 template <typename T, bool XROW, int DBK = 0, bool DEEP = false>
 __global__ void __launch_bounds__(kXtThreads, 1)
     SddmmWgmmaXtKernel(const SddmmParams p, const __grid_constant__ CUtensorMap tma_dy,
-                       const __grid_constant__ CUtensorMap tma_xt) {
+                       const __grid_constant__ CUtensorMap tma_xt, const __grid_constant__ CUtensorMap tma_dy1,
+                       const __grid_constant__ CUtensorMap tma_dy2) {
 #ifdef JAXSPARSE_WGMMA
   using L = XtLayout<XROW, DEEP>;
   constexpr int kXtStages = L::kStages;
@@ -698,6 +716,7 @@ __global__ void __launch_bounds__(kXtThreads, 1)
   const int row0 = blockIdx.x * kXtBR;
   const int g0 = blockIdx.y * GC;
   const auto [kt_begin, num_kt] = CtaTokenTiles<kXtBT>(p);  // this CTA's token tiles
+  const DyBox dy = DyMap(p, row0, tma_dy, tma_dy1, tma_dy2);  // its layer's dy (stacked layers: SddmmParams::dy_rows)
   constexpr int halves = L::kBTiles;  // one B tile for both warpgroups, or one for each (XtLayout)
   // x rows (XROW) and the deep layout (launched here only for 2:4, where the condensed rows are x^T's rows g0*4 ..
   // g0*4 + 127 themselves): TMA boxes; else (V = 64) a gather by cp.async. LaunchXtKernel checks the pattern.
@@ -724,8 +743,8 @@ __global__ void __launch_bounds__(kXtThreads, 1)
     const int t0 = kt * kXtBT;
     if (tid == 0) {
       MbarArriveExpectTx(full, 2 * L::kDyHalf + (x_by_tma ? L::kXcTile : 0));
-      TmaLoad2d(base, &tma_dy, row0, t0, full);
-      TmaLoad2d(base + L::kDyHalf, &tma_dy, row0 + 64, t0, full);
+      TmaLoad2d(base, dy.map, dy.row, t0, full);
+      TmaLoad2d(base + L::kDyHalf, dy.map, dy.row + 64, t0, full);
       if (XROW) {  // x [T, K]: columns 4 g0 .. 4 g0 + NC - 1 of tokens t0 .. t0 + 63, NC / 64 boxes (of the
                    // row's diagonal block; columns past it belong to no kept value: never stored)
         const int blk = row0 / (p.rows / p.x_blocks), xk0 = blk * p.k, nch = p.k / 64;
@@ -827,7 +846,8 @@ struct XtWsBars {
 template <typename T, int DBK = 0>
 __global__ void __launch_bounds__(kXtWsThreads, 1)
     SddmmWgmmaXtWsKernel(const SddmmParams p, const __grid_constant__ CUtensorMap tma_dy,
-                         const __grid_constant__ CUtensorMap /*tma_xt: unused, the rows are gathered*/) {
+                         const __grid_constant__ CUtensorMap /*tma_xt: unused, the rows are gathered*/,
+                         const __grid_constant__ CUtensorMap tma_dy1, const __grid_constant__ CUtensorMap tma_dy2) {
 #ifdef JAXSPARSE_WGMMA
   using L = XtLayout<false, true>;
   using B = XtWsBars;
@@ -862,6 +882,7 @@ __global__ void __launch_bounds__(kXtWsThreads, 1)
   if (tid < kXtWsProducers) {  // ------------------------------------ producers
     XtRowGather<T> gather;
     gather.Init(p, tid, row0 / p.v, g0);  // one V block holds the CTA's rows
+    const DyBox dy = DyMap(p, row0, tma_dy, tma_dy1, tma_dy2);  // its layer's dy (SddmmParams::dy_rows)
     for (int j = 0; j < num_kt; ++j) {
       const int s = j % S;
       const uint32_t base = smem_base + s * L::kStageBytes, full = full0 + 8 * s;
@@ -869,8 +890,8 @@ __global__ void __launch_bounds__(kXtWsThreads, 1)
       const int t0 = (kt_begin + j) * kXtBT;
       if (tid == 0) {
         MbarArriveExpectTx(full, 2 * L::kDyHalf);
-        TmaLoad2d(base, &tma_dy, row0, t0, full);
-        TmaLoad2d(base + L::kDyHalf, &tma_dy, row0 + 64, t0, full);
+        TmaLoad2d(base, dy.map, dy.row, t0, full);
+        TmaLoad2d(base + L::kDyHalf, dy.map, dy.row + 64, t0, full);
       }
       gather.Issue(base + L::kXcOff, t0, p.tokens);
       CpAsyncMbarArrive(full);
@@ -961,9 +982,21 @@ int ChooseSplits(int split, int tiles, int all_kt, int ctas_per_sm) {
     // than it gains (1024x4096 at M = 8: 256 tiles, 0.64 -> 0.69 ms with 2 ranges); a grid under one CTA
     // per SM gains 2.4x (1024x1024 at M = 8: 64 tiles, 0.42 -> 0.18 ms with 5 ranges).
     if (2 * tiles > SmCount()) return 1;  // wgmma engine, 1024x4096 at M = 8: 128 tiles, 0.57 -> 0.61 ms split in 2
-    // Engines of two CTAs per SM aim at two per SM; the one-CTA x^T engine at one wave of whole SMs.
-    const int want = ctas_per_sm == 1 ? std::max(1, SmCount() / tiles) : (2 * SmCount() + tiles - 1) / tiles;
-    s = std::min(std::min(want, all_kt / 4), 16);
+    // Engines of two CTAs per SM aim at two per SM. The one-CTA x^T and tma engines take the count whose waves of
+    // whole SMs times token tiles a range is least (the fewest ranges among equals): one wave of SmCount / tiles ranges
+    // where that is best, as before session 56; more waves where one wave leaves SMs idle (three stacked 1024-row
+    // layers: 48 tiles, 8 ranges in three waves against 2 in one).
+    if (ctas_per_sm == 1) {
+      const int most = std::max(1, std::min(all_kt / 4, 16));
+      int64_t best_cost = -1;
+      for (int c = 1; c <= most; ++c) {
+        const int64_t waves = (static_cast<int64_t>(tiles) * c + SmCount() - 1) / SmCount();
+        const int64_t cost = waves * ((all_kt + c - 1) / c);
+        if (best_cost < 0 || cost < best_cost) best_cost = cost, s = c;
+      }
+    } else {
+      s = std::min(std::min((2 * SmCount() + tiles - 1) / tiles, all_kt / 4), 16);
+    }
   }
   return std::max(1, std::min(s, all_kt));
 }
@@ -977,6 +1010,13 @@ constexpr int kEngineAuto = 0, kEngineMma = 1, kEngineWgmma = 2, kEngineTma = 3;
 struct Partials {
   float* data;
   int64_t elements;
+};
+
+// The dy operands of stacked layers (SddmmParams::dy_rows; the handler's further operands): ptr[0] is p.dy, and
+// ptr[i] the i-th layer's dy [T, dy_rows] for i < parts.
+struct DyParts {
+  const void* ptr[kSddmmMaxParts] = {};
+  int parts = 1;
 };
 
 // The bias gradient's output (the handler's third result, R floats) and how many column tiles share its token
@@ -1025,7 +1065,8 @@ constexpr auto XtKernel() {
 }
 
 template <typename T, bool XROW, int DBK, bool DEEP = false, bool WS = false>
-ffi::Error LaunchXtKernel(cudaStream_t stream, const SddmmParams& p, int split, const Partials& partials, float* db_out) {
+ffi::Error LaunchXtKernel(cudaStream_t stream, const SddmmParams& p, int split, const Partials& partials, float* db_out,
+                          const DyParts& dys) {
   static_assert(!WS || (DEEP && !XROW), "the warp-specialized kernel runs the deep x^T layout");
   constexpr auto kernel = XtKernel<T, XROW, DBK, DEEP, WS>();
   const std::string what = XROW ? "jaxsparse_sddmm: the tma engine" : "jaxsparse_sddmm: x^T (x_layout 1)";
@@ -1039,9 +1080,13 @@ ffi::Error LaunchXtKernel(cudaStream_t stream, const SddmmParams& p, int split, 
                            : (DBK > 0 ? L::kSmemBytesDb : L::kSmemBytes);
   constexpr int kThreads = WS ? kXtWsThreads : kXtThreads;
   if (ffi::Error e = RaiseSmemLimit<kernel>(kSmem, "cudaFuncSetAttribute(SddmmWgmmaXtKernel)"); e.failure()) return e;
-  CUtensorMap tma_dy{}, tma_xt{};
-  if (!MakeTensorMap2d(&tma_dy, p.dy, p.tokens, p.rows, kXtBT) ||
-      (XROW && !MakeTensorMap2d(&tma_xt, p.x, p.tokens, static_cast<uint64_t>(p.k) * p.x_blocks, kXtBT)) ||
+  if (p.dy_rows % kXtBR || p.rows != p.dy_rows * dys.parts)  // a CTA's 128 rows in one layer's dy (DyMap)
+    return ffi::Error::Internal(what + ": stacked layers need dy_rows % 128 == 0 and R = parts * dy_rows");
+  CUtensorMap tma_dy[kSddmmMaxParts] = {}, tma_xt{};
+  for (int i = 0; i < kSddmmMaxParts; ++i)  // parts past the last repeat the first (DyMap never picks them)
+    if (!MakeTensorMap2d(&tma_dy[i], dys.ptr[i < dys.parts ? i : 0], p.tokens, p.dy_rows, kXtBT))
+      return ffi::Error::Internal("jaxsparse_sddmm: cuTensorMapEncodeTiled failed for dy");
+  if ((XROW && !MakeTensorMap2d(&tma_xt, p.x, p.tokens, static_cast<uint64_t>(p.k) * p.x_blocks, kXtBT)) ||
       (!XROW && p.cols == nullptr && !MakeTensorMap2d(&tma_xt, p.x, p.k, p.tokens, L::kNC)))
     return ffi::Error::Internal("jaxsparse_sddmm: cuTensorMapEncodeTiled failed for the x^T engine");
   const int gy = (p.groups + L::kGC - 1) / L::kGC;
@@ -1052,7 +1097,8 @@ ffi::Error LaunchXtKernel(cudaStream_t stream, const SddmmParams& p, int split, 
   return LaunchSplit<T>(
       stream, p, split, (p.rows / kXtBR) * gy, kXtBT, partials,
       [&](const SddmmParams& q, int z) {
-        kernel<<<dim3(p.rows / kXtBR, gy, z), kThreads, kSmem, stream>>>(q, tma_dy, tma_xt);
+        kernel<<<dim3(p.rows / kXtBR, gy, z), kThreads, kSmem, stream>>>(q, tma_dy[0], tma_xt, tma_dy[1],
+                                                                          tma_dy[2]);
         return LastLaunchError("SddmmWgmmaXtKernel");
       },
       1, db);
@@ -1062,27 +1108,29 @@ ffi::Error LaunchXtKernel(cudaStream_t stream, const SddmmParams& p, int split, 
 // so a stage's four k16 steps are shared over two column tiles where it has them, else every CTA takes all four.
 template <typename T, bool DEEP, bool WS = false>
 ffi::Error LaunchXtColumns(cudaStream_t stream, const SddmmParams& p, int split, const Partials& partials,
-                           float* db_out) {
-  if (db_out == nullptr) return LaunchXtKernel<T, false, 0, DEEP, WS>(stream, p, split, partials, nullptr);
+                           float* db_out, const DyParts& dys) {
+  if (db_out == nullptr) return LaunchXtKernel<T, false, 0, DEEP, WS>(stream, p, split, partials, nullptr, dys);
   if (p.groups > XtLayout<false, DEEP>::kGC)
-    return LaunchXtKernel<T, false, 2, DEEP, WS>(stream, p, split, partials, db_out);
-  return LaunchXtKernel<T, false, 4, DEEP, WS>(stream, p, split, partials, db_out);
+    return LaunchXtKernel<T, false, 2, DEEP, WS>(stream, p, split, partials, db_out, dys);
+  return LaunchXtKernel<T, false, 4, DEEP, WS>(stream, p, split, partials, db_out, dys);
 }
 
 // With the bias gradient (db_out): the tma engine (XROW) shares a stage's four k16 steps over four column tiles (it
 // is asked for only where the grid has them); the x^T engine as LaunchXtColumns says, six stages deep where a CTA's
 // rows sit in one V block.
 template <typename T, bool XROW>
-ffi::Error LaunchXt(cudaStream_t stream, const SddmmParams& p, int split, const Partials& partials, float* db_out) {
+ffi::Error LaunchXt(cudaStream_t stream, const SddmmParams& p, int split, const Partials& partials, float* db_out,
+                    const DyParts& dys) {
   if constexpr (XROW) {
-    if (db_out == nullptr) return LaunchXtKernel<T, true, 0>(stream, p, split, partials, nullptr);
-    return LaunchXtKernel<T, true, 1>(stream, p, split, partials, db_out);
+    if (db_out == nullptr) return LaunchXtKernel<T, true, 0>(stream, p, split, partials, nullptr, dys);
+    return LaunchXtKernel<T, true, 1>(stream, p, split, partials, db_out, dys);
   } else {
     // One V block a CTA (V % 128 == 0, or 2:4): one B tile a stage, six stages deep; gathered rows (V:2:M) by the
     // warp-specialized kernel.
-    if (p.cols != nullptr && p.v % kXtBR == 0) return LaunchXtColumns<T, true, true>(stream, p, split, partials, db_out);
-    if (p.cols == nullptr) return LaunchXtColumns<T, true>(stream, p, split, partials, db_out);
-    return LaunchXtColumns<T, false>(stream, p, split, partials, db_out);
+    if (p.cols != nullptr && p.v % kXtBR == 0)
+      return LaunchXtColumns<T, true, true>(stream, p, split, partials, db_out, dys);
+    if (p.cols == nullptr) return LaunchXtColumns<T, true>(stream, p, split, partials, db_out, dys);
+    return LaunchXtColumns<T, false>(stream, p, split, partials, db_out, dys);
   }
 }
 
@@ -1124,28 +1172,37 @@ ffi::Error Launch(cudaStream_t stream, const SddmmParams& p, int split, int engi
 // jaxsparse.ffi.calls.sddmm_bias_grad_fused predicts.
 template <typename T>
 ffi::Error Dispatch(cudaStream_t stream, const SddmmParams& p, int m, int split, int engine, int x_layout,
-                    const Partials& partials, float* db_out) {
+                    const Partials& partials, float* db_out, const DyParts& dys) {
   const auto no_db = [&]() -> ffi::Error {
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: the bias gradient (a third result of R floats) is computed "
                                        "by the tma engine (x [T, K], M = 4 or the 2:4 view) and the x^T engine "
                                        "(x_layout 1) only, R % 128 == 0, an sm_90a build on a Hopper GPU; pass an "
                                        "empty third result elsewhere");
   };
-  if (x_layout == 1) return LaunchXt<T, false>(stream, p, split, partials, db_out);
+  if (x_layout == 1) return LaunchXt<T, false>(stream, p, split, partials, db_out, dys);
+  const bool xt_image = Sm90aImageLoaded<SddmmWgmmaXtKernel<T, true>>();
+  if (dys.parts > 1) {  // stacked layers: only the tma engine (besides the x^T engine) reads dy by TMA
+    if (m != 4 || engine == kEngineMma || engine == kEngineWgmma || !xt_image || p.x_blocks > 1 ||
+        p.x_chunks != nullptr)
+      return ffi::Error::InvalidArgument("jaxsparse_sddmm: stacked layers (further dy operands) run on the x^T engine "
+                                         "(x_layout 1) or the tma engine (2:4 from x [T, K], engine auto or tma, one "
+                                         "block, an sm_90a build on a Hopper GPU)");
+    return LaunchXt<T, true>(stream, p, split, partials, db_out, dys);
+  }
   if (p.x_blocks > 1 || p.x_chunks != nullptr) {  // only the tma engine reads a diagonal block's columns of x
-    if (m != 4 || engine == kEngineMma || engine == kEngineWgmma || !Sm90aImageLoaded<SddmmWgmmaXtKernel<T, true>>())
+    if (m != 4 || engine == kEngineMma || engine == kEngineWgmma || !xt_image)
       return ffi::Error::InvalidArgument("jaxsparse_sddmm: x_blocks > 1 and x_chunks run on the tma engine (engine "
                                          "auto or tma, 2:4, an sm_90a build on a Hopper GPU)");
-    return LaunchXt<T, true>(stream, p, split, partials, db_out);
+    return LaunchXt<T, true>(stream, p, split, partials, db_out, dys);
   }
   // 2:4 from x [T, K] on Hopper: the TMA engine reads x as it is (the x^T engine's TMA path took 0.28 ms against
   // 0.39 for the row-major wgmma engine at 16384x1024x4096; docs/kernel-notes.md, sessions 6 and 7).
   if (engine == kEngineTma) {
     if (m != 4) return ffi::Error::InvalidArgument("jaxsparse_sddmm: the tma engine takes 2:4 only");
-    return LaunchXt<T, true>(stream, p, split, partials, db_out);
+    return LaunchXt<T, true>(stream, p, split, partials, db_out, dys);
   }
-  if (m == 4 && engine == kEngineAuto && p.rows % kXtBR == 0 && Sm90aImageLoaded<SddmmWgmmaXtKernel<T, true>>())
-    return LaunchXt<T, true>(stream, p, split, partials, db_out);
+  if (m == 4 && engine == kEngineAuto && p.rows % kXtBR == 0 && xt_image)
+    return LaunchXt<T, true>(stream, p, split, partials, db_out, dys);
   if (db_out != nullptr) return no_db();
   return DispatchGroupWidth("jaxsparse_sddmm", m, [&](auto width) {
     return Launch<T, decltype(width)::value>(stream, p, split, engine, partials);
@@ -1153,7 +1210,8 @@ ffi::Error Dispatch(cudaStream_t stream, const SddmmParams& p, int m, int split,
 }
 
 ffi::Error SddmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::Buffer<ffi::U8> columns,
-                     ffi::Buffer<ffi::U32> metadata, ffi::Buffer<ffi::S32> x_chunks, ffi::Result<ffi::AnyBuffer> out,
+                     ffi::Buffer<ffi::U32> metadata, ffi::Buffer<ffi::S32> x_chunks, ffi::RemainingArgs further,
+                     ffi::Result<ffi::AnyBuffer> out,
                      ffi::Result<ffi::Buffer<ffi::F32>> partial, ffi::Result<ffi::Buffer<ffi::F32>> dbias, int32_t v,
                      int32_t m, int32_t split, int32_t engine, int32_t x_layout, int32_t x_blocks) {
   if (x.dimensions().size() != 2 || dy.dimensions().size() != 2 || metadata.dimensions().size() != 2 ||
@@ -1162,8 +1220,28 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
   // x_layout 1: the operand is x^T [K, T] (jaxsparse_transpose's output), row-major.
   if (x_blocks < 1 || (x_blocks > 1 && x_layout != 0))
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: x_blocks must be >= 1, and above 1 needs x [T, K] (x_layout 0)");
+  // Stacked layers of one input: the further operands are the other layers' dy, each of dy's shape and dtype; the
+  // weight's rows stack the layers' (R = parts * dy's columns).
+  if (further.size() + 1 > static_cast<size_t>(kSddmmMaxParts))
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: at most " + std::to_string(kSddmmMaxParts - 1) +
+                                       " further dy operands, got " + std::to_string(further.size()));
+  DyParts dys;
+  dys.parts = static_cast<int>(further.size()) + 1;
+  dys.ptr[0] = dy.untyped_data();
+  for (int i = 1; i < dys.parts; ++i) {
+    auto d = further.get<ffi::AnyBuffer>(i - 1);
+    if (d.has_error()) return d.error();
+    if (d->dimensions().size() != 2 || Dim(*d, 0) != Dim(dy, 0) || Dim(*d, 1) != Dim(dy, 1) ||
+        d->element_type() != dy.element_type())
+      return ffi::Error::InvalidArgument("jaxsparse_sddmm: every further dy must have dy's shape " + ShapeString(dy) +
+                                         " and dtype, got " + ShapeString(*d));
+    dys.ptr[i] = d->untyped_data();
+  }
+  if (dys.parts > 1 && (x_blocks != 1 || x_chunks.element_count() != 0 || Dim(dy, 1) % kXtBR))
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: stacked layers need x_blocks = 1, no x_chunks and each dy's "
+                                       "R % 128 == 0, got dy " + ShapeString(dy));
   const int64_t tokens = Dim(x, x_layout == 1 ? 1 : 0), width = Dim(x, x_layout == 1 ? 0 : 1), k = width / x_blocks,
-                rows = Dim(dy, 1), groups = out->dimensions()[1] / 2;
+                rows = Dim(dy, 1) * dys.parts, groups = out->dimensions()[1] / 2;
   if (width % x_blocks || (x_blocks > 1 && rows % (int64_t(kXtBR) * x_blocks)))
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: x_blocks = " + std::to_string(x_blocks) + " diagonal blocks "
                                        "need x's width a multiple of x_blocks and R % (128 x_blocks) == 0, got x " +
@@ -1216,10 +1294,11 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
   p.out_f32 = out->element_type() == ffi::F32;
   p.x_blocks = x_blocks;
   p.x_chunks = x_chunks.element_count() != 0 ? x_chunks.typed_data() : nullptr;
+  p.dy_rows = static_cast<int>(Dim(dy, 1));
   const Partials partials{partial->typed_data(), static_cast<int64_t>(partial->element_count())};
   p.db_partial = nullptr;
-  if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, m, split, engine, x_layout, partials, db_out);
-  if (dt == ffi::F16) return Dispatch<__half>(stream, p, m, split, engine, x_layout, partials, db_out);
+  if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, m, split, engine, x_layout, partials, db_out, dys);
+  if (dt == ffi::F16) return Dispatch<__half>(stream, p, m, split, engine, x_layout, partials, db_out, dys);
   return ffi::Error::InvalidArgument("jaxsparse_sddmm: x must be bfloat16 or float16");
 }
 
@@ -1234,6 +1313,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSddmm, jaxsparse::SddmmImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // columns [R/V, G, 4] or [0]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // metadata [R, G/8]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // x_chunks [x_blocks, K/64] or [0]
+                                  .RemainingArgs()                          // up to 2 more dy of stacked layers
                                   .Ret<xla::ffi::AnyBuffer>()               // dvalues [R, 2G], T or f32
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // token-split partial sums [S*R*2G] (+ the
                                                                             // bias gradient's planes) or [0]

@@ -370,6 +370,41 @@ def shared_dx_scope(setting: Optional[str]) -> Iterator[None]:
         yield
 
 
+SHARED_SDDMM_ENV = "JAXSPARSE_SHARED_SDDMM"
+
+
+def shared_sddmm(setting: Optional[str] = None) -> bool:
+    """Whether :func:`shared_linear`'s backward computes its layers' weight gradients by one SDDMM call
+    (:func:`jaxsparse.ffi.calls.sddmm_stacked`: the weights' rows stacked, each layer's dy read where it is) where the
+    kernels take them (:func:`jaxsparse.ffi.calls.sddmm_stacked_unsupported`: the x^T engine, or the tma engine on 2:4
+    and 2:4 views, on a Hopper GPU). ``setting`` ``None`` reads ``JAXSPARSE_SHARED_SDDMM``: ``auto`` (the default) and
+    ``on`` do; ``off`` runs one SDDMM per layer (for A/B timings)."""
+    setting = cuda_calls._setting(setting, SHARED_SDDMM_ENV)
+    if setting not in SHARED_DX_SETTINGS:
+        raise ValueError(f"the shared weight-gradient setting ({SHARED_SDDMM_ENV}) must be one of "
+                         f"{SHARED_DX_SETTINGS}, got {setting!r}")
+    return setting != "off"
+
+
+def _shared_weight_grads(kept: tuple, dys: tuple, sws: tuple, biases: tuple) -> list:
+    """``(dsw, dbias)`` of each layer of :func:`shared_linear` from what the forward kept (x, or x^T on the ``"col"``
+    route; one array for all, which XLA holds once): one :func:`jaxsparse.ffi.calls.sddmm_stacked` where
+    :func:`shared_sddmm` says so and the kernels take the layers, else one SDDMM a layer (:func:`_sddmm_kept`)."""
+    tokens = dys[0].shape[0]
+    layout = linear_x_layout(tokens, sws[0])
+    if (len(sws) > 1 and shared_sddmm() and len({linear_x_layout(tokens, sw) for sw in sws}) == 1
+            and cuda_calls.sddmm_stacked_unsupported(tokens, sws, layout) is None):
+        with_bias = any(b is not None for b in biases)
+        ref = lambda x, d, s: reference.sddmm_stacked(x, d, s, layout, with_bias)
+        cuda = lambda x, d, s: cuda_calls.sddmm_stacked(x, d, s, layout, with_bias)
+        with jax.named_scope("jaxsparse_sddmm"):  # (only arrays through dispatch.call: jax.lax.platform_dependent)
+            out = dispatch.call("sddmm", ref, cuda, kept[0], dys, sws)
+        out = out if with_bias else tuple((d, None) for d in out)
+        return [_weight_cotangents(dy, sw, b, d, db if b is not None else None)
+                for dy, sw, b, (d, db) in zip(dys, sws, biases, out)]
+    return [_weight_cotangents(dy, sw, b, *_sddmm_kept(k, dy, sw, b)) for k, dy, sw, b in zip(kept, dys, sws, biases)]
+
+
 def _shared_input_grad(dys: tuple, sws: tuple) -> jax.Array:
     """``sum_i dys[i] @ W_i^T`` (flattened ``dys``): one :func:`jaxsparse.ffi.calls.spmm_t_sum` (every ``W_i^T`` 2:4
     view built by one call, then one product over them) where :func:`shared_dx` says so and the kernels take the
@@ -393,7 +428,7 @@ def _shared_fwd(x2, sws, biases):
 
 def _shared_bwd(residuals, dys):
     kept, sws, biases = residuals
-    grads = [_weight_cotangents(dy, sw, b, *_sddmm_kept(k, dy, sw, b)) for k, dy, sw, b in zip(kept, dys, sws, biases)]
+    grads = _shared_weight_grads(kept, tuple(dys), sws, biases)
     return _shared_input_grad(tuple(dys), sws), tuple(g[0] for g in grads), tuple(g[1] for g in grads)
 
 

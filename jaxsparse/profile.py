@@ -179,9 +179,12 @@ def gemm_configs(text: str) -> dict[str, int]:
         fusion = config.get("fusion_backend_config") or {}
         if target and _GEMM_TARGET.search(target.group(1)) and isinstance(gemm, dict):
             kind, choice = target.group(1), f"algorithm {gemm.get('selected_algorithm', '?')}"
-        elif fusion.get("kind") in ("__triton_gemm", "__cudnn$fusion") or "triton_gemm_config" in fusion:
+        elif (str(fusion.get("kind", "")).startswith(("__triton", "__cudnn")) or "triton_gemm_config" in fusion
+              or "block_level_fusion_config" in fusion):
+            # __triton_gemm, __triton_nested_gemm_fusion (XLA's newer Triton GEMMs: a block-level config), __cudnn$fusion
             kind = fusion.get("kind", "fusion")
-            detail = fusion.get("triton_gemm_config") or fusion.get("cudnn_fusion_config") or {}
+            detail = (fusion.get("triton_gemm_config") or fusion.get("block_level_fusion_config")
+                      or fusion.get("cudnn_fusion_config") or {})
             choice = " ".join(f"{k}={v}" for k, v in sorted(detail.items())) if isinstance(detail, dict) else str(detail)
         else:
             continue

@@ -63,6 +63,15 @@ def sddmm(x: jax.Array, dy: jax.Array, sw: SparseWeight, out_dtype=None) -> jax.
     return compress_like(dense, sw).astype(out_dtype or sw.values.dtype)
 
 
+def sddmm_stacked(x: jax.Array, dys, sws, x_layout: str = "row", with_bias_grad: bool = False) -> tuple:
+    """:func:`sddmm` of one input ``x`` (``x^T [K, T]`` where ``x_layout`` is ``"col"``) with each ``dys[i]`` at
+    ``sws[i]``, one result a layer: ``dvalues``, or with ``with_bias_grad`` the pair ``(dvalues, dy summed over tokens in
+    float32)``, as :func:`jaxsparse.ffi.calls.sddmm_stacked` returns them."""
+    x = x.T if x_layout == "col" else x
+    return tuple((sddmm(x, dy, sw), bias_grad(dy, jnp.float32)) if with_bias_grad else sddmm(x, dy, sw)
+                 for dy, sw in zip(dys, sws))
+
+
 def spmm_t(dy: jax.Array, sw: SparseWeight) -> jax.Array:
     """Input gradient ``dy @ W^T``: ``[T, R] -> [T, K]``."""
     return jnp.dot(dy, decompress(sw).astype(dy.dtype).T, preferred_element_type=jnp.float32).astype(dy.dtype)

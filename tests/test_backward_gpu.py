@@ -777,13 +777,71 @@ def test_spmm_t_sum_refuses_what_the_kernels_cannot_take():
         calls.spmm_t_sum([dy], [sw.replace(values=sw.values.astype(jnp.float32))])
 
 
-def _shared_grads(monkeypatch, spec: str, dtype, t: int, shared: str):
+# (spec, x layout) of calls.sddmm_stacked: the tma engine on 2:4 and on 64:2:8's 2:4 view; the x^T engine's
+# warp-specialized kernel (V = 128), its gathering kernel (V = 64) and its deep kernel (2:4).
+STACKED_CASES = [("2:4", "row"), ("64:2:8", "row"), ("128:2:16", "col"), ("64:2:32", "col"), ("2:4", "col")]
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+@pytest.mark.parametrize("spec, layout", STACKED_CASES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_sddmm_stacked_kernel(parts, spec, layout, dtype, bias):
+    """``calls.sddmm_stacked`` (one ``jaxsparse_sddmm`` over two or three layers' rows, each dy by its own descriptor)
+    against each layer's float32 ``x^T dy`` at its mask and ``dy`` summed over tokens, output poisoned; a token tail
+    and a partial last group tile (K = 40 M, 24 x 32 at M = 32)."""
+    _skip_unless_col()
+    t, r = 1000, 256
+    k = _small_k(F.VNM.parse(spec).m)
+    made = [_make(key("sddmm-stacked", parts, spec, layout, str(dtype), i), t, k, r, spec, dtype) for i in range(parts)]
+    x, dys, sws = made[0][0], [dy for _, dy, _ in made], [sw for _, _, sw in made]
+    xin = jnp.asarray(x.T) if layout == "col" else x
+    f = jax.jit(lambda a, d, s: calls.sddmm_stacked(a, d, s, layout, bias)).lower(xin, dys, sws).compile()
+    assert f.as_text().count('custom_call_target="jaxsparse_sddmm"') == 1
+    poison((parts * r, sws[0].values.shape[1]), dtype)
+    outs = f(xin, dys, sws)
+    assert len(outs) == parts
+    for i, (out, dy, sw) in enumerate(zip(outs, dys, sws)):
+        dvalues, dbias = out if bias else (out, None)
+        assert dvalues.shape == sw.values.shape and dvalues.dtype == dtype
+        _compare(dvalues, _sddmm_ref(x, dy, sw), TOL[dtype], f"layer {i} dvalues")
+        if bias:
+            assert dbias.dtype == jnp.float32
+            _compare(dbias[None], dy.astype(jnp.float32).sum(0)[None], TOL[dtype], f"layer {i} dbias")
+
+
+def test_sddmm_stacked_refuses_what_the_kernels_cannot_take():
+    """``calls.sddmm_stacked`` refuses before the call (ValueError naming the constraint), and the handler refuses a
+    further dy whose shape is not the first's (the call fails)."""
+    _skip_unless_col()
+    x, dy, sw = _make(key("sddmm-stacked-bad"), 64, 160, 128, "2:4", jnp.bfloat16)
+    _, dy16, sw16 = _make(key("sddmm-stacked-bad16"), 64, 640, 128, "128:2:16", jnp.bfloat16)
+    with pytest.raises(ValueError, match="one shape, spec and dtype"):
+        calls.sddmm_stacked(x, [dy, dy], [sw, sw16], "row")
+    with pytest.raises(ValueError, match="one to 3"):
+        calls.sddmm_stacked(x, [dy] * 4, [sw] * 4, "row")
+    with pytest.raises(ValueError, match="tma engine"):
+        calls.sddmm_stacked(jnp.zeros((64, 640), jnp.bfloat16), [dy16, dy16], [sw16, sw16], "row")
+    with pytest.raises(ValueError, match="T % 8"):
+        calls.sddmm_stacked(jnp.zeros((640, 60), jnp.bfloat16), [dy16[:60]] * 2, [sw16, sw16], "col")
+    with pytest.raises(ValueError, match="x\\^T"):
+        calls.sddmm_stacked(x, [dy16, dy16], [sw16, sw16], "col")
+    cat = F.SparseWeight(jax.ShapeDtypeStruct((256, 80), jnp.bfloat16), None,
+                         jnp.concatenate([sw.metadata, sw.metadata]), (160, 256), sw.spec)
+    with pytest.raises(Exception, match="every further dy must have dy's shape"):
+        jax.block_until_ready(calls._sddmm_call(x, dy, cat, jnp.bfloat16, None, calls.SDDMM_ENGINES["tma"], 0,
+                                                dy_parts=(dy[:32],)))
+
+
+def _shared_grads(monkeypatch, spec: str, dtype, t: int, shared: str, shared_sddmm: str = "auto"):
     """``jax.grad`` under ``jit`` of three layers of one input through ``ops.shared_linear`` (every product on its GPU
-    path, the transposed dX route, ``JAXSPARSE_SHARED_DX=shared``), outputs poisoned first; and what it takes."""
+    path, the transposed dX route, ``JAXSPARSE_SHARED_DX=shared``, ``JAXSPARSE_SHARED_SDDMM=shared_sddmm``), outputs
+    poisoned first; and what it takes."""
     from jaxsparse import ops
 
     _force_backward_kernels(monkeypatch, "transposed")
     monkeypatch.setenv(ops.SHARED_DX_ENV, shared)
+    monkeypatch.setenv(ops.SHARED_SDDMM_ENV, shared_sddmm)
     k = r = 256
     parts = [_make(key("shared", spec, str(dtype), t, i), t, k, r, spec, dtype, transposable=True) for i in range(3)]
     x, sws = parts[0][0], [sw for _, _, sw in parts]
@@ -802,11 +860,13 @@ def _shared_grads(monkeypatch, spec: str, dtype, t: int, shared: str):
 @pytest.mark.parametrize("spec", ["2:4", "64:2:8", "128:2:16"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("t", [17, 1000])
-def test_shared_linear_grads_on_kernels(monkeypatch, spec, dtype, t):
+@pytest.mark.parametrize("shared_sddmm", ["auto", "off"])
+def test_shared_linear_grads_on_kernels(monkeypatch, spec, dtype, t, shared_sddmm):
     """The three layers' gradients through ``shared_linear`` against the float32 references: dx the sum of the three
-    products (one ``spmm_t_sum``), each layer's values and bias gradients."""
+    products (one ``spmm_t_sum``), each layer's values and bias gradients (one stacked SDDMM where it runs, else one
+    a layer)."""
     _skip_unless_col()
-    (gx, gv, gb), (x, sws, targets), _ = _shared_grads(monkeypatch, spec, dtype, t, "auto")
+    (gx, gv, gb), (x, sws, targets), _ = _shared_grads(monkeypatch, spec, dtype, t, "auto", shared_sddmm)
     dense = [F.decompress(sw).astype(jnp.float32) for sw in sws]
     assert gx.dtype == dtype
     _compare(gx, sum(jnp.dot(tg, d.T, precision=HIGHEST) for tg, d in zip(targets, dense)), TOL[dtype], "dx")
@@ -814,6 +874,23 @@ def test_shared_linear_grads_on_kernels(monkeypatch, spec, dtype, t):
         _compare(g, F.compress_like(jnp.dot(x.astype(jnp.float32).T, tg, precision=HIGHEST), sw), TOL[dtype],
                  "dvalues")
         _compare(b[None], tg.sum(0)[None], TOL[dtype], "dbias")
+
+
+@pytest.mark.parametrize("spec", ["2:4", "128:2:16"])
+def test_shared_linear_runs_one_weight_gradient_call(monkeypatch, spec):
+    """With ``JAXSPARSE_SHARED_SDDMM`` on, the three layers' weight gradients are one ``jaxsparse_sddmm`` call (three
+    with it off), on the tma engine (2:4) and on the x^T engine (128:2:16), and no dy is concatenated for it: no
+    concatenation moves as many bytes as one dy."""
+    _skip_unless_col()
+    from jaxsparse.profile import parse_hlo
+
+    t, r = 1000, 256
+    for shared, want in (("auto", 1), ("off", 3)):
+        *_, text = _shared_grads(monkeypatch, spec, jnp.bfloat16, t, "auto", shared)
+        assert text.count('custom_call_target="jaxsparse_sddmm"') == want, (shared, spec)
+        cats = [n for n, i in parse_hlo(text).items()
+                if "concatenate" in (i.opcode, *i.fused_opcodes) and i.io_bytes >= t * r * 2]
+        assert not cats, (shared, cats)
 
 
 def test_shared_linear_runs_one_input_gradient_product(monkeypatch):

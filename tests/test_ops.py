@@ -962,6 +962,102 @@ def test_spmm_t_sum_unsupported_names_each_constraint(monkeypatch):
         calls.transpose_2_4_stacked([sws[0], other])
 
 
+def test_shared_linear_weight_gradients_are_one_stacked_sddmm(monkeypatch):
+    """Where the stacked SDDMM can run (a Hopper GPU, here pretended), ``shared_linear``'s backward takes the three
+    layers' weight and bias gradients from one ``reference.sddmm_stacked`` on a machine without the kernel; with
+    ``JAXSPARSE_SHARED_SDDMM=off``, or without a Hopper GPU, one SDDMM a layer; the gradients are the same."""
+    from jaxsparse.ffi import calls
+
+    monkeypatch.setattr(calls, "hopper_gpu", lambda: True)
+    x, sws, biases, _ = _shared_case(36, "2:4", jnp.bfloat16, True)
+    seen = []
+    monkeypatch.setattr(reference, "sddmm_stacked",
+                        lambda *a, f=reference.sddmm_stacked: seen.append((len(a[1]), a[3], a[4])) or f(*a))
+    dys = tuple(jax.random.normal(k, (*x.shape[:-1], 128)).astype(jnp.bfloat16)
+                for k in jax.random.split(jax.random.PRNGKey(37), 3))
+
+    def grads_of():
+        return jax.vjp(lambda v, b: ops.shared_linear(x, [sw.replace(values=a) for sw, a in zip(sws, v)], b),
+                       [sw.values for sw in sws], biases)[1](dys)
+
+    stacked = grads_of()
+    assert seen == [(3, "row", True)]
+    # As on a GPU with the kernels (the backend's auto mode): dispatch.call hands jax.lax.platform_dependent arrays only,
+    # and the CPU takes the reference branch.
+    from jaxsparse import dispatch
+
+    def arrays_only(*operands, f=jax.lax.platform_dependent, **branches):  # JAX 0.11 refuses anything else
+        bad = [type(a).__name__ for a in jax.tree.leaves(operands) if not isinstance(a, jax.Array)]
+        assert not bad, f"platform_dependent operands that are not arrays: {bad}"
+        return f(*operands, **branches)
+
+    monkeypatch.setattr(jax.lax, "platform_dependent", arrays_only)
+    monkeypatch.setattr(dispatch.ffi, "available", lambda: True)
+    monkeypatch.setattr(calls, "sddmm_stacked", lambda *a: seen.append("cuda traced") or reference.sddmm_stacked(*a))
+    auto = grads_of()
+    assert seen.count((3, "row", True)) == 2  # the reference branch ran again ("cuda traced" if JAX traced the other)
+    seen_before = list(seen)
+    monkeypatch.setattr(dispatch.ffi, "available", lambda: False)
+    monkeypatch.setenv(ops.SHARED_SDDMM_ENV, "off")
+    per_layer = grads_of()
+    monkeypatch.setenv(ops.SHARED_SDDMM_ENV, "auto")
+    monkeypatch.setattr(calls, "hopper_gpu", lambda: False)
+    no_hopper = grads_of()
+    assert seen == seen_before  # neither ran the stacked SDDMM
+    for a, b, c, d in zip(*(jax.tree.leaves(g) for g in (stacked, per_layer, no_hopper, auto))):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        np.testing.assert_array_equal(np.asarray(d, np.float32), np.asarray(b, np.float32))
+        np.testing.assert_array_equal(np.asarray(b, np.float32), np.asarray(c, np.float32))
+    monkeypatch.setenv(ops.SHARED_SDDMM_ENV, "sometimes")
+    with pytest.raises(ValueError, match="JAXSPARSE_SHARED_SDDMM"):
+        ops.shared_sddmm()
+
+
+def test_sddmm_stacked_unsupported_names_each_constraint(monkeypatch):
+    """``calls.sddmm_stacked_unsupported`` (what ``shared_linear`` asks before its one SDDMM) names what it cannot take
+    on either layout, and takes three 2:4 (row) or 128:2:16 (col) weights of one shape on a Hopper GPU (pretended)."""
+    from jaxsparse.ffi import calls
+
+    sws = [make(60 + i, "2:4", k=128, r=128, dtype=jnp.bfloat16)[1] for i in range(3)]
+    col = [make(63 + i, "128:2:16", k=128, r=128, dtype=jnp.bfloat16)[1] for i in range(2)]
+    monkeypatch.setattr(calls, "hopper_gpu", lambda: False)
+    assert "tma engine" in calls.sddmm_stacked_unsupported(64, sws, "row")
+    assert "Hopper" in calls.sddmm_stacked_unsupported(64, col, "col")
+    monkeypatch.setattr(calls, "hopper_gpu", lambda: True)
+    assert calls.sddmm_stacked_unsupported(64, sws, "row") is None
+    assert calls.sddmm_stacked_unsupported(64, col, "col") is None
+    assert "T % 8" in calls.sddmm_stacked_unsupported(60, col, "col")
+    assert "tma engine" in calls.sddmm_stacked_unsupported(64, col, "row")  # M = 16 has no 2:4-view SDDMM
+    assert "one to 3" in calls.sddmm_stacked_unsupported(64, sws + sws[:1], "row")
+    assert "one shape, spec and dtype" in calls.sddmm_stacked_unsupported(64, [sws[0], col[0]], "row")
+    narrow = [make(66 + i, "2:4", k=128, r=64, dtype=jnp.bfloat16)[1] for i in range(2)]
+    assert "R % 128" in calls.sddmm_stacked_unsupported(64, narrow, "row")
+    wide = sws[0].replace(values=sws[0].values.astype(jnp.float32))
+    assert "bfloat16 or float16" in calls.sddmm_stacked_unsupported(64, [wide], "row")
+    with pytest.raises(ValueError, match="x_layout"):
+        calls.sddmm_stacked_unsupported(64, sws, "rows")
+    x = jnp.ones((64, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="one dy a weight"):  # refused before any call is built
+        calls.sddmm_stacked(x, [x, x], sws, "row")
+    with pytest.raises(ValueError, match=r"every dy must be \[T, 128\]"):
+        calls.sddmm_stacked(x, [x, x[:, :64]], sws[:2], "row")
+
+
+def test_reference_sddmm_stacked_is_each_layers_sddmm():
+    """``reference.sddmm_stacked``: each layer's ``reference.sddmm`` (x or x^T as ``x_layout`` says) and, asked for,
+    its bias gradient in float32."""
+    parts = [make(70 + i, "64:2:8", k=128, r=128, dtype=jnp.bfloat16) for i in range(2)]
+    x = parts[0][0].reshape(-1, 128)
+    dys = [jax.random.normal(jax.random.PRNGKey(72 + i), (x.shape[0], 128)).astype(jnp.bfloat16) for i in range(2)]
+    sws = [sw for _, sw, _, _ in parts]
+    plain = reference.sddmm_stacked(x, dys, sws, "row", False)
+    both = reference.sddmm_stacked(x.T, dys, sws, "col", True)
+    for p, (d, db), dy, sw in zip(plain, both, dys, sws):
+        np.testing.assert_array_equal(np.asarray(p, np.float32), np.asarray(reference.sddmm(x, dy, sw), np.float32))
+        np.testing.assert_array_equal(np.asarray(d, np.float32), np.asarray(p, np.float32))
+        assert db.dtype == jnp.float32 and rel_err(db, dy.astype(jnp.float32).sum(0)) < 1e-6
+
+
 def test_reference_spmm_sum_is_the_products_summed_in_float32():
     """``reference.spmm_sum`` accumulates every product in float32 and rounds once."""
     parts = [make(40 + i, "2:4", k=128, r=64, dtype=jnp.bfloat16) for i in range(3)]

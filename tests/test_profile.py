@@ -481,7 +481,8 @@ def test_compare_sets_two_breakdowns_side_by_side(tmp_path, capsys):
 
 def test_gemm_configs_reads_what_the_compiler_chose():
     """``gemm_configs`` counts each GEMM's choice by result shape: cuBLAS's selected algorithm (its backend config
-    nested in braces, a brace inside a quoted op_name after it), a Triton GEMM's tiling; other fusions are not GEMMs,
+    nested in braces, a brace inside a quoted op_name after it), a Triton GEMM's tiling (older and nested-fusion
+    configs); other fusions are not GEMMs,
     and a CPU module has none."""
     gemm = ('  %custom-call.{i} = (bf16[16384,1024]{{1,0}}, s8[4194304]{{0}}) custom-call(bf16[16384,4096]{{1,0}} %p0, '
             'bf16[4096,1024]{{1,0}} %p1), custom_call_target="__cublas$gemm", backend_config={{"operation_queue_id":'
@@ -490,11 +491,15 @@ def test_gemm_configs_reads_what_the_compiler_chose():
     triton = ('  %fusion.2 = bf16[64,64]{1,0} fusion(bf16[64,32]{1,0} %a, bf16[32,64]{1,0} %b), kind=kCustom, '
               'calls=%gemm_fusion, backend_config={"fusion_backend_config":{"kind":"__triton_gemm",'
               '"triton_gemm_config":{"block_m":"64","block_n":"32","split_k":"1"}}}')
+    nested = ('  %fusion.4 = bf16[16384,1024]{1,0} fusion(bf16[16384,4096]{1,0} %a, bf16[4096,1024]{1,0} %b), '
+              'kind=kCustom, calls=%gemm_fusion_dot, backend_config={"fusion_backend_config":{"kind":'
+              '"__triton_nested_gemm_fusion","block_level_fusion_config":{"num_warps":"8","num_stages":4}}}')
     loop = '  %fusion.3 = f32[8]{0} fusion(f32[8]{0} %c), kind=kLoop, calls=%add, backend_config={"fusion_backend_config":{"kind":"__loop"}}'
-    text = "\n".join([gemm.format(i=1, a=7), gemm.format(i=2, a=7), gemm.format(i=3, a=12), triton, loop])
+    text = "\n".join([gemm.format(i=1, a=7), gemm.format(i=2, a=7), gemm.format(i=3, a=12), triton, nested, loop])
     assert profile.gemm_configs(text) == {
         "(bf16[16384,1024]{1,0}, s8[4194304]{0}) __cublas$gemm algorithm 12": 1,
         "(bf16[16384,1024]{1,0}, s8[4194304]{0}) __cublas$gemm algorithm 7": 2,
+        "bf16[16384,1024]{1,0} __triton_nested_gemm_fusion num_stages=4 num_warps=8": 1,
         "bf16[64,64]{1,0} __triton_gemm block_m=64 block_n=32 split_k=1": 1,
     }
     cpu = jax.jit(lambda a, b: a @ b).lower(jnp.ones((8, 8)), jnp.ones((8, 8))).compile().as_text()

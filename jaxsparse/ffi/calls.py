@@ -757,10 +757,12 @@ def _chunks_operand(chunks) -> jax.Array:
 
 
 def _sddmm_call(x: jax.Array, dy: jax.Array, sw: SparseWeight, out, split, engine: int, x_layout: int,
-                x_blocks: int = 1, x_chunks=None, bias_grad: bool = False) -> tuple[jax.Array, jax.Array | None]:
+                x_blocks: int = 1, x_chunks=None, bias_grad: bool = False,
+                dy_parts: Sequence[jax.Array] = ()) -> tuple[jax.Array, jax.Array | None]:
     """The ``jaxsparse_sddmm`` call, operands checked: ``x`` is ``[T, K]`` (x_layout 0) or ``x^T [K, T]`` (1).
     Returns ``(dvalues, dbias)``: ``dbias`` (``dy`` summed over tokens, float32 ``[R]``) only with ``bias_grad``,
-    which only the tma and x^T engines take (:func:`sddmm_bias_grad_fused`), else None.
+    which only the tma and x^T engines take (:func:`sddmm_bias_grad_fused`), else None. ``dy_parts``: the further
+    layers' dy of :func:`sddmm_stacked`, whose rows ``sw`` stacks after ``dy``'s.
 
     Its second result is the token split's float32 buffer (:func:`sddmm_partial_elements`), dropped here: an
     XLA buffer rather than scratch memory, so XLA may record the call into its command buffers."""
@@ -770,10 +772,91 @@ def _sddmm_call(x: jax.Array, dy: jax.Array, sw: SparseWeight, out, split, engin
     partial = sddmm_partial_elements(tokens, int(np.prod(sw.values.shape)), split, rows)
     dvalues, _, dbias = _call_results(
         "jaxsparse_sddmm", [(sw.values.shape, out), ((partial,), jnp.float32), ((rows,), jnp.float32)], x, dy,
-        _columns_operand(sw), sw.metadata, _chunks_operand(x_chunks), v=np.int32(sw.spec.v), m=np.int32(sw.spec.m),
-        split=np.int32(split), engine=np.int32(engine), x_layout=np.int32(x_layout), x_blocks=np.int32(x_blocks),
+        _columns_operand(sw), sw.metadata, _chunks_operand(x_chunks), *dy_parts, v=np.int32(sw.spec.v),
+        m=np.int32(sw.spec.m), split=np.int32(split), engine=np.int32(engine), x_layout=np.int32(x_layout),
+        x_blocks=np.int32(x_blocks),
     )
     return dvalues, dbias if bias_grad else None
+
+
+SDDMM_STACKED_MAX = 3
+"""The most layers :func:`sddmm_stacked` runs as one call (the dy tensor maps the x^T and tma engines take)."""
+
+
+def sddmm_stacked_unsupported(tokens: int, sws: Sequence[SparseWeight], x_layout: str) -> str | None:
+    """Why :func:`sddmm_stacked` cannot take these layers' weight gradients from a ``tokens``-token input held as
+    ``x_layout`` (``"col"``: ``x^T [K, T]``, the x^T engine; ``"row"``: ``x [T, K]``, the tma engine on a 2:4 weight
+    or a V:2:M weight's 2:4 view), or None when it can: one to :data:`SDDMM_STACKED_MAX` weights of one shape, spec and
+    dtype that the SDDMM takes, ``R % 128 == 0``, and the engine's own conditions (a Hopper GPU among them). A
+    ``x_layout`` other than those two raises ``ValueError``."""
+    if x_layout not in ("row", "col"):
+        raise ValueError(f"sddmm_stacked: x_layout must be 'row' or 'col', got {x_layout!r}")
+    if not 1 <= len(sws) <= SDDMM_STACKED_MAX:
+        return f"one to {SDDMM_STACKED_MAX} layers, got {len(sws)}"
+    first = sws[0]
+    for sw in sws:
+        if problem := sddmm_unsupported(sw):
+            return problem
+        if (sw.shape, sw.spec, jnp.dtype(sw.values.dtype)) != (first.shape, first.spec, jnp.dtype(first.values.dtype)):
+            return (f"weights of one shape, spec and dtype, got {first.shape} {first.spec} {first.values.dtype} and "
+                    f"{sw.shape} {sw.spec} {sw.values.dtype}")
+    if first.shape[1] % COL_MAJOR_ROW_TILE:
+        return f"R % {COL_MAJOR_ROW_TILE} == 0 (a CTA's rows in one layer), got R = {first.shape[1]}"
+    if x_layout == "col":
+        try:
+            sddmm_x_layout(tokens, first, "col")
+        except ValueError as e:  # the x^T engine's shape and engine conditions
+            return str(e).removeprefix("sddmm: a column-major x needs ")
+        return None if hopper_gpu() else "a Hopper GPU (the x^T engine)"
+    if not _sddmm_on_tma(first, None):
+        return "the tma engine (2:4, or a V:2:M weight's 2:4 view, from x [T, K] with R % 128 == 0 on a Hopper GPU)"
+    return None
+
+
+def sddmm_stacked(x: jax.Array, dys: Sequence[jax.Array], sws: Sequence[SparseWeight], x_layout: str = "row",
+                  bias_grad: bool = False) -> tuple:
+    """The weight gradients of up to :data:`SDDMM_STACKED_MAX` layers of one input (attention's query, key and value):
+    :func:`sddmm` of ``x`` (``x_layout`` ``"row"``) or :func:`sddmm_from_xt` of ``x^T`` (``"col"``) with each ``dys[i]``
+    at ``sws[i]``'s mask, by one ``jaxsparse_sddmm`` call over the weights' rows stacked (their columns and metadata
+    concatenated; each dy read by its own TMA descriptor, so no dy is concatenated). Returns one result a layer, as
+    :func:`sddmm` returns it: ``dvalues`` in the values dtype, or with ``bias_grad`` the pair ``(dvalues, dbias)``.
+    Constraints: :func:`sddmm_stacked_unsupported`."""
+    n = len(sws)
+    tokens = dys[0].shape[0] if dys else 0
+    if problem := sddmm_stacked_unsupported(tokens, sws, x_layout):
+        raise ValueError(f"sddmm_stacked: needs {problem}")
+    k, r = sws[0].shape
+    want = (k, tokens) if x_layout == "col" else (tokens, k)
+    if len(dys) != n or x.ndim != 2 or x.shape != want:
+        raise ValueError(f"sddmm_stacked: needs one dy a weight and x{'^T' if x_layout == 'col' else ''} {want}, got "
+                         f"{len(dys)} dy for {n} weights and x {x.shape}")
+    for dy in dys:
+        if dy.ndim != 2 or dy.shape != (tokens, r):
+            raise ValueError(f"sddmm_stacked: every dy must be [T, {r}] with T = {tokens}, got "
+                             f"{[d.shape for d in dys]}")
+    out = _sddmm_out_dtype("sddmm_stacked", "x", x, dys[0], sws[0], None)
+    for dy in dys[1:]:
+        _sddmm_out_dtype("sddmm_stacked", "x", x, dy, sws[0], None)
+    slots = None
+    if x_layout == "col":
+        stack, engine = sws, SDDMM_ENGINES["wgmma"]
+    else:
+        stack, engine = sws, SDDMM_ENGINES["tma"]
+        if sws[0].spec.m != 4:  # V:2:M through each weight's 2:4 view, the gradient gathered back per layer
+            stack, slots = zip(*(as_2_4(sw) for sw in sws))
+    first = stack[0]
+    cat = SparseWeight(
+        jax.ShapeDtypeStruct((n * first.values.shape[0], first.values.shape[1]), first.values.dtype),
+        None if first.columns is None else jnp.concatenate([sw.columns for sw in stack], axis=0),
+        jnp.concatenate([sw.metadata for sw in stack], axis=0), (k, n * r), first.spec)
+    fused = bias_grad and sddmm_bias_grad_fused(tokens, sws[0], x_layout=x_layout)
+    dvalues, dbias = _sddmm_call(x, dys[0], cat, out, None, engine, x_layout=1 if x_layout == "col" else 0,
+                                 bias_grad=fused, dy_parts=tuple(dys[1:]))
+    parts = jnp.split(dvalues, n, axis=0)
+    if slots is not None:
+        parts = [jnp.take_along_axis(d, s, axis=1) for d, s in zip(parts, slots)]
+    biases = jnp.split(dbias, n) if fused else [None] * n
+    return tuple(_sddmm_result(d, b, dy, bias_grad, fused) for d, b, dy in zip(parts, biases, dys))
 
 
 def _check_dy(name: str, dy: jax.Array, sw: SparseWeight, problem: str | None) -> None:
