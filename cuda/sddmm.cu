@@ -28,8 +28,9 @@
 // (row, group) tiles (R/64 x G/GC CTAs: 64 for a 1024x1024 layer at M = 8, half the H100's SMs) gets
 // grid.z token ranges; each writes float32 partial sums into the handler's second result, a float32 buffer of
 // S * R * 2G elements (jaxsparse.ffi.calls sizes it for the most ranges the rule can choose, or 0 where it never
-// splits), and SddmmReduceKernel adds them into the output.  Auto splits only grids of fewer tiles than half the SMs,
-// aiming at two CTAs per SM with >= 4 token tiles per range; never more ranges than the buffer holds.  A result
+// splits), and SddmmReduceKernel adds them into the output.  Auto splits only grids of fewer tiles than half the SMs
+// (engines of two CTAs an SM, aiming at two per SM) or than the SMs (the one-CTA x^T and tma engines, by whole waves:
+// ChooseSplits), with >= 4 token tiles per range; never more ranges than the buffer holds.  A result
 // instead of XLA's scratch allocator keeps the handler safe to record into XLA's command buffers (CUDA graphs).
 #include <algorithm>
 #include <type_traits>
@@ -136,31 +137,46 @@ __device__ __forceinline__ TokenTiles CtaTokenTiles(const SddmmParams& p) {
   return {begin, max(min(all - begin, p.kt_per_split), 0)};
 }
 
-// Up to kSddmmMaxParts dy operands of stacked layers (SddmmParams::dy_rows), each read by its own TMA tensor map.
+// Up to kSddmmMaxParts stacked layers (SddmmParams::dy_rows): each with its own dy, read by its own TMA tensor map,
+// and its own columns and metadata (SddmmParts), so that none is concatenated.
 constexpr int kSddmmMaxParts = 3;
 
-// The tensor map and the row in it of stacked row `row` (a CTA's rows sit in one part: dy_rows % 128 == 0).
-struct DyBox {
-  const CUtensorMap* map;
-  int row;
+// Each stacked layer's columns ([dy_rows/V, G, 4] or null) and metadata ([dy_rows, G/8]); a kernel parameter of its
+// own (SddmmParams stays as it was: its size is a performance change, docs/kernel-notes.md, session 54).
+struct SddmmParts {
+  const uint8_t* cols[kSddmmMaxParts];
+  const uint32_t* meta[kSddmmMaxParts];
 };
-__device__ __forceinline__ DyBox DyMap(const SddmmParams& p, int row, const CUtensorMap& dy0, const CUtensorMap& dy1,
-                                       const CUtensorMap& dy2) {
-  const int part = row / p.dy_rows;
-  return {part == 0 ? &dy0 : part == 1 ? &dy1 : &dy2, row - part * p.dy_rows};
+
+// Where a CTA whose rows start at stacked row `row0` reads (a CTA's rows sit in one layer: dy_rows % 128 == 0): its
+// layer's dy tensor map, the row in it, and its layer's columns and metadata.
+struct PartOf {
+  const CUtensorMap* dy;
+  int row;
+  const uint8_t* cols;
+  const uint32_t* meta;
+};
+__device__ __forceinline__ PartOf PartOfRow(const SddmmParams& p, const SddmmParts& parts, int row0,
+                                            const CUtensorMap& dy0, const CUtensorMap& dy1, const CUtensorMap& dy2) {
+  const int part = row0 / p.dy_rows;
+  return {part == 0 ? &dy0 : part == 1 ? &dy1 : &dy2, row0 - part * p.dy_rows,
+          part == 0 ? parts.cols[0] : part == 1 ? parts.cols[1] : parts.cols[2],
+          part == 0 ? parts.meta[0] : part == 1 ? parts.meta[1] : parts.meta[2]};
 }
 
 // Epilogue of both engines: `tile` [ROWS][row_floats] holds C[r, 4*gl + p] for the CTA's rows and GC groups;
 // per (row, group) the metadata nibble picks the 2 kept of the 4 products, stored by StorePair.
 template <typename T, int ROWS, int GC, int THREADS>
 __device__ __forceinline__ void StoreKeptPairs(const SddmmParams& p, const float* tile, int row_floats, int row0,
-                                               int g0) {
+                                               int g0, const uint32_t* meta = nullptr, int meta_row0 = -1) {
+  // meta: the metadata holding row0 as its row meta_row0 (a stacked layer's own: SddmmParts); default p.meta, row0.
+  if (meta == nullptr) meta = p.meta, meta_row0 = row0;
   const int meta_stride = p.groups / 8;
   for (int i = threadIdx.x; i < ROWS * GC; i += THREADS) {
     const int r = i / GC, gl = i % GC, g = g0 + gl;
     if (g >= p.groups) continue;
     const int row = row0 + r;
-    const uint32_t nib = (p.meta[static_cast<int64_t>(row) * meta_stride + g / 8] >> (4 * (g % 8))) & 0xFu;
+    const uint32_t nib = (meta[static_cast<int64_t>(meta_row0 + r) * meta_stride + g / 8] >> (4 * (g % 8))) & 0xFu;
     const float v0 = tile[r * row_floats + 4 * gl + (nib & 3u)];
     const float v1 = tile[r * row_floats + 4 * gl + (nib >> 2)];
     StorePair<T>(p, row, g, v0, v1);
@@ -668,8 +684,9 @@ struct XtRowGather {
   bool ok[4];
   int q, c;
 
-  // Thread t's rows of V block `blk` (its kept columns p.cols[blk, g, :]) for the groups from g0.
-  __device__ __forceinline__ void Init(const SddmmParams& p, int t, int blk, int g0) {
+  // Thread t's rows of V block `blk` (its kept columns cols[blk, g, :]; cols: p.cols, or a stacked layer's) for the
+  // groups from g0.
+  __device__ __forceinline__ void Init(const SddmmParams& p, int t, int blk, int g0, const uint8_t* cols) {
     xt = static_cast<const T*>(p.x);
     q = t >> 3;
     c = t & 7;
@@ -678,7 +695,7 @@ struct XtRowGather {
     for (int i = 0; i < 4; ++i) {
       const int qi = q + 32 * i, g = g0 + qi / 4;
       ok[i] = g < groups;
-      const int col = ok[i] ? p.cols[(static_cast<int64_t>(blk) * groups + g) * 4 + qi % 4] : 0;
+      const int col = ok[i] ? cols[(static_cast<int64_t>(blk) * groups + g) * 4 + qi % 4] : 0;
       const int64_t krow = ok[i] ? static_cast<int64_t>(g) * m + col : 0;
       src[i] = xt + krow * p.tokens + c * 8;
     }
@@ -700,7 +717,7 @@ template <typename T, bool XROW, int DBK = 0, bool DEEP = false>
 __global__ void __launch_bounds__(kXtThreads, 1)
     SddmmWgmmaXtKernel(const SddmmParams p, const __grid_constant__ CUtensorMap tma_dy,
                        const __grid_constant__ CUtensorMap tma_xt, const __grid_constant__ CUtensorMap tma_dy1,
-                       const __grid_constant__ CUtensorMap tma_dy2) {
+                       const __grid_constant__ CUtensorMap tma_dy2, const SddmmParts parts) {
 #ifdef JAXSPARSE_WGMMA
   using L = XtLayout<XROW, DEEP>;
   constexpr int kXtStages = L::kStages;
@@ -716,7 +733,7 @@ __global__ void __launch_bounds__(kXtThreads, 1)
   const int row0 = blockIdx.x * kXtBR;
   const int g0 = blockIdx.y * GC;
   const auto [kt_begin, num_kt] = CtaTokenTiles<kXtBT>(p);  // this CTA's token tiles
-  const DyBox dy = DyMap(p, row0, tma_dy, tma_dy1, tma_dy2);  // its layer's dy (stacked layers: SddmmParams::dy_rows)
+  const PartOf dy = PartOfRow(p, parts, row0, tma_dy, tma_dy1, tma_dy2);  // its layer (SddmmParams::dy_rows)
   constexpr int halves = L::kBTiles;  // one B tile for both warpgroups, or one for each (XtLayout)
   // x rows (XROW) and the deep layout (launched here only for 2:4, where the condensed rows are x^T's rows g0*4 ..
   // g0*4 + 127 themselves): TMA boxes; else (V = 64) a gather by cp.async. LaunchXtKernel checks the pattern.
@@ -733,7 +750,7 @@ __global__ void __launch_bounds__(kXtThreads, 1)
   XtRowGather<T> gather[halves];
 #pragma unroll
   for (int h = 0; h < halves; ++h)
-    if constexpr (!x_by_tma) gather[h].Init(p, tid, (row0 + 64 * h) / p.v, g0);
+    if constexpr (!x_by_tma) gather[h].Init(p, tid, (dy.row + 64 * h) / p.v, g0, dy.cols);
 
   // Thread 0 loads dy by TMA (two boxes of 64 tokens x 64 rows: the MN-major 128B-swizzled halves) and, at
   // 2:4, x^T too (one box of 64 tokens x 128 rows, K-major 128B-swizzled) or x's columns (XROW: NC / 64 boxes of
@@ -743,8 +760,8 @@ __global__ void __launch_bounds__(kXtThreads, 1)
     const int t0 = kt * kXtBT;
     if (tid == 0) {
       MbarArriveExpectTx(full, 2 * L::kDyHalf + (x_by_tma ? L::kXcTile : 0));
-      TmaLoad2d(base, dy.map, dy.row, t0, full);
-      TmaLoad2d(base + L::kDyHalf, dy.map, dy.row + 64, t0, full);
+      TmaLoad2d(base, dy.dy, dy.row, t0, full);
+      TmaLoad2d(base + L::kDyHalf, dy.dy, dy.row + 64, t0, full);
       if (XROW) {  // x [T, K]: columns 4 g0 .. 4 g0 + NC - 1 of tokens t0 .. t0 + 63, NC / 64 boxes (of the
                    // row's diagonal block; columns past it belong to no kept value: never stored)
         const int blk = row0 / (p.rows / p.x_blocks), xk0 = blk * p.k, nch = p.k / 64;
@@ -820,7 +837,7 @@ __global__ void __launch_bounds__(kXtThreads, 1)
   float* tile = reinterpret_cast<float*>(smem);
   StageWgmmaAccumulators<NC>(tile, L::kEpiRowFloats, acc);
   __syncthreads();
-  StoreKeptPairs<T, kXtBR, GC, kXtThreads>(p, tile, L::kEpiRowFloats, row0, g0);
+  StoreKeptPairs<T, kXtBR, GC, kXtThreads>(p, tile, L::kEpiRowFloats, row0, g0, dy.meta, dy.row);
 #else
   __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
 #endif
@@ -847,7 +864,8 @@ template <typename T, int DBK = 0>
 __global__ void __launch_bounds__(kXtWsThreads, 1)
     SddmmWgmmaXtWsKernel(const SddmmParams p, const __grid_constant__ CUtensorMap tma_dy,
                          const __grid_constant__ CUtensorMap /*tma_xt: unused, the rows are gathered*/,
-                         const __grid_constant__ CUtensorMap tma_dy1, const __grid_constant__ CUtensorMap tma_dy2) {
+                         const __grid_constant__ CUtensorMap tma_dy1, const __grid_constant__ CUtensorMap tma_dy2,
+                         const SddmmParts parts) {
 #ifdef JAXSPARSE_WGMMA
   using L = XtLayout<false, true>;
   using B = XtWsBars;
@@ -862,6 +880,7 @@ __global__ void __launch_bounds__(kXtWsThreads, 1)
   const int row0 = blockIdx.x * kXtBR;
   const int g0 = blockIdx.y * GC;
   const auto [kt_begin, num_kt] = CtaTokenTiles<kXtBT>(p);  // this CTA's token tiles
+  const PartOf part = PartOfRow(p, parts, row0, tma_dy, tma_dy1, tma_dy2);  // its layer (SddmmParams::dy_rows)
 
   constexpr bool DB = DBK > 0;  // the bias gradient (XtBiasGrad)
   const XtBiasGrad<T, DBK> bias(smem + B::kOnesOff, smem_base + B::kOnesOff, L::kOnesBytes, tid, kXtWsThreads);
@@ -881,8 +900,7 @@ __global__ void __launch_bounds__(kXtWsThreads, 1)
   static_assert(kXtWsProducers == kXtThreads, "the producers gather as the deep kernel's threads do (XtRowGather)");
   if (tid < kXtWsProducers) {  // ------------------------------------ producers
     XtRowGather<T> gather;
-    gather.Init(p, tid, row0 / p.v, g0);  // one V block holds the CTA's rows
-    const DyBox dy = DyMap(p, row0, tma_dy, tma_dy1, tma_dy2);  // its layer's dy (SddmmParams::dy_rows)
+    gather.Init(p, tid, part.row / p.v, g0, part.cols);  // one V block holds the CTA's rows
     for (int j = 0; j < num_kt; ++j) {
       const int s = j % S;
       const uint32_t base = smem_base + s * L::kStageBytes, full = full0 + 8 * s;
@@ -890,8 +908,8 @@ __global__ void __launch_bounds__(kXtWsThreads, 1)
       const int t0 = (kt_begin + j) * kXtBT;
       if (tid == 0) {
         MbarArriveExpectTx(full, 2 * L::kDyHalf);
-        TmaLoad2d(base, dy.map, dy.row, t0, full);
-        TmaLoad2d(base + L::kDyHalf, dy.map, dy.row + 64, t0, full);
+        TmaLoad2d(base, part.dy, part.row, t0, full);
+        TmaLoad2d(base + L::kDyHalf, part.dy, part.row + 64, t0, full);
       }
       gather.Issue(base + L::kXcOff, t0, p.tokens);
       CpAsyncMbarArrive(full);
@@ -929,7 +947,7 @@ __global__ void __launch_bounds__(kXtWsThreads, 1)
   float* tile = reinterpret_cast<float*>(smem);
   if (tid >= kXtWsProducers) StageWgmmaAccumulators<NC>(tile, L::kEpiRowFloats, acc, tid - kXtWsProducers);
   __syncthreads();
-  StoreKeptPairs<T, kXtBR, GC, kXtWsThreads>(p, tile, L::kEpiRowFloats, row0, g0);
+  StoreKeptPairs<T, kXtBR, GC, kXtWsThreads>(p, tile, L::kEpiRowFloats, row0, g0, part.meta, part.row);
 #else
   __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
 #endif
@@ -981,11 +999,13 @@ int ChooseSplits(int split, int tiles, int all_kt, int ctas_per_sm) {
     // Measured on the H100 (docs/kernel-notes.md): splitting a grid that already fills the GPU costs more
     // than it gains (1024x4096 at M = 8: 256 tiles, 0.64 -> 0.69 ms with 2 ranges); a grid under one CTA
     // per SM gains 2.4x (1024x1024 at M = 8: 64 tiles, 0.42 -> 0.18 ms with 5 ranges).
-    if (2 * tiles > SmCount()) return 1;  // wgmma engine, 1024x4096 at M = 8: 128 tiles, 0.57 -> 0.61 ms split in 2
-    // Engines of two CTAs per SM aim at two per SM. The one-CTA x^T and tma engines take the count whose waves of
-    // whole SMs times token tiles a range is least (the fewest ranges among equals): one wave of SmCount / tiles ranges
-    // where that is best, as before session 56; more waves where one wave leaves SMs idle (three stacked 1024-row
-    // layers: 48 tiles, 8 ranges in three waves against 2 in one).
+    // The one-CTA x^T and tma engines split any grid of fewer tiles than SMs. They take the count whose waves of whole
+    // SMs times token tiles a range is least (the fewest ranges among equals): one wave of SmCount / tiles ranges where
+    // that is best, as before session 56; more waves where one wave leaves SMs idle (three stacked 1024-row layers
+    // of the x^T engine: 48 tiles, 8 ranges in three waves against 2 in one; of the tma engine: 96 tiles, 4 ranges in
+    // three waves against none). Engines of two CTAs per SM aim at two per SM.
+    if (ctas_per_sm == 1 ? tiles >= SmCount() : 2 * tiles > SmCount())
+      return 1;  // wgmma engine, 1024x4096 at M = 8: 128 tiles, 0.57 -> 0.61 ms split in 2
     if (ctas_per_sm == 1) {
       const int most = std::max(1, std::min(all_kt / 4, 16));
       int64_t best_cost = -1;
@@ -1012,10 +1032,12 @@ struct Partials {
   int64_t elements;
 };
 
-// The dy operands of stacked layers (SddmmParams::dy_rows; the handler's further operands): ptr[0] is p.dy, and
-// ptr[i] the i-th layer's dy [T, dy_rows] for i < parts.
+// The operands of stacked layers (SddmmParams::dy_rows; the handler's further operands): layer i's dy [T, dy_rows]
+// (ptr[0] is p.dy) and its columns and metadata (kernel.cols[0], kernel.meta[0] are p.cols, p.meta), for i < parts;
+// entries past the last repeat the first (never read).
 struct DyParts {
   const void* ptr[kSddmmMaxParts] = {};
+  SddmmParts kernel{};
   int parts = 1;
 };
 
@@ -1098,7 +1120,7 @@ ffi::Error LaunchXtKernel(cudaStream_t stream, const SddmmParams& p, int split, 
       stream, p, split, (p.rows / kXtBR) * gy, kXtBT, partials,
       [&](const SddmmParams& q, int z) {
         kernel<<<dim3(p.rows / kXtBR, gy, z), kThreads, kSmem, stream>>>(q, tma_dy[0], tma_xt, tma_dy[1],
-                                                                          tma_dy[2]);
+                                                                          tma_dy[2], dys.kernel);
         return LastLaunchError("SddmmWgmmaXtKernel");
       },
       1, db);
@@ -1220,28 +1242,18 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
   // x_layout 1: the operand is x^T [K, T] (jaxsparse_transpose's output), row-major.
   if (x_blocks < 1 || (x_blocks > 1 && x_layout != 0))
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: x_blocks must be >= 1, and above 1 needs x [T, K] (x_layout 0)");
-  // Stacked layers of one input: the further operands are the other layers' dy, each of dy's shape and dtype; the
-  // weight's rows stack the layers' (R = parts * dy's columns).
-  if (further.size() + 1 > static_cast<size_t>(kSddmmMaxParts))
-    return ffi::Error::InvalidArgument("jaxsparse_sddmm: at most " + std::to_string(kSddmmMaxParts - 1) +
-                                       " further dy operands, got " + std::to_string(further.size()));
-  DyParts dys;
-  dys.parts = static_cast<int>(further.size()) + 1;
-  dys.ptr[0] = dy.untyped_data();
-  for (int i = 1; i < dys.parts; ++i) {
-    auto d = further.get<ffi::AnyBuffer>(i - 1);
-    if (d.has_error()) return d.error();
-    if (d->dimensions().size() != 2 || Dim(*d, 0) != Dim(dy, 0) || Dim(*d, 1) != Dim(dy, 1) ||
-        d->element_type() != dy.element_type())
-      return ffi::Error::InvalidArgument("jaxsparse_sddmm: every further dy must have dy's shape " + ShapeString(dy) +
-                                         " and dtype, got " + ShapeString(*d));
-    dys.ptr[i] = d->untyped_data();
-  }
-  if (dys.parts > 1 && (x_blocks != 1 || x_chunks.element_count() != 0 || Dim(dy, 1) % kXtBR))
+  // Stacked layers of one input: the further operands are the other layers' (dy, columns, metadata) triples, each of
+  // the first's shapes and dtype; the output's rows stack the layers' (R = parts * dy's columns).
+  if (further.size() % 3 || further.size() / 3 + 1 > static_cast<size_t>(kSddmmMaxParts))
+    return ffi::Error::InvalidArgument("jaxsparse_sddmm: the further layers come as (dy, columns, metadata) triples, "
+                                       "at most " + std::to_string(kSddmmMaxParts - 1) + ", got " +
+                                       std::to_string(further.size()) + " operands");
+  const int parts = static_cast<int>(further.size() / 3) + 1;
+  if (parts > 1 && (x_blocks != 1 || x_chunks.element_count() != 0 || Dim(dy, 1) % kXtBR))
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: stacked layers need x_blocks = 1, no x_chunks and each dy's "
                                        "R % 128 == 0, got dy " + ShapeString(dy));
   const int64_t tokens = Dim(x, x_layout == 1 ? 1 : 0), width = Dim(x, x_layout == 1 ? 0 : 1), k = width / x_blocks,
-                rows = Dim(dy, 1) * dys.parts, groups = out->dimensions()[1] / 2;
+                dy_rows = Dim(dy, 1), rows = dy_rows * parts, groups = out->dimensions()[1] / 2;
   if (width % x_blocks || (x_blocks > 1 && rows % (int64_t(kXtBR) * x_blocks)))
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: x_blocks = " + std::to_string(x_blocks) + " diagonal blocks "
                                        "need x's width a multiple of x_blocks and R % (128 x_blocks) == 0, got x " +
@@ -1251,7 +1263,31 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: x_chunks needs x [T, K] (x_layout 0), K % 64 == 0 per block "
                                        "and x_blocks * K/64 entries, got " + ShapeString(x_chunks) + " for K = " +
                                        std::to_string(k) + ", x_blocks = " + std::to_string(x_blocks));
-  if (ffi::Error e = CheckSparseWeight("jaxsparse_sddmm", rows, groups, columns, metadata, v, m); e.failure()) return e;
+  if (ffi::Error e = CheckSparseWeight("jaxsparse_sddmm", dy_rows, groups, columns, metadata, v, m); e.failure())
+    return e;
+  DyParts dys;
+  dys.parts = parts;
+  for (int i = 0; i < kSddmmMaxParts; ++i) {  // entries past the last repeat the first (never read)
+    dys.ptr[i] = dy.untyped_data();
+    dys.kernel.cols[i] = m > 4 ? columns.typed_data() : nullptr;
+    dys.kernel.meta[i] = metadata.typed_data();
+  }
+  for (int i = 1; i < parts; ++i) {
+    auto d = further.get<ffi::AnyBuffer>(3 * (i - 1));
+    auto c = further.get<ffi::Buffer<ffi::U8>>(3 * (i - 1) + 1);
+    auto md = further.get<ffi::Buffer<ffi::U32>>(3 * (i - 1) + 2);
+    if (d.has_error()) return d.error();
+    if (c.has_error()) return c.error();
+    if (md.has_error()) return md.error();
+    if (d->dimensions().size() != 2 || Dim(*d, 0) != Dim(dy, 0) || Dim(*d, 1) != dy_rows ||
+        d->element_type() != dy.element_type())
+      return ffi::Error::InvalidArgument("jaxsparse_sddmm: every further dy must have dy's shape " + ShapeString(dy) +
+                                         " and dtype, got " + ShapeString(*d));
+    if (ffi::Error e = CheckSparseWeight("jaxsparse_sddmm", dy_rows, groups, *c, *md, v, m); e.failure()) return e;
+    dys.ptr[i] = d->untyped_data();
+    dys.kernel.cols[i] = m > 4 ? c->typed_data() : nullptr;
+    dys.kernel.meta[i] = md->typed_data();
+  }
   if (Dim(dy, 0) != tokens || k != groups * m || out->dimensions()[0] != rows ||
       out->dimensions()[1] != 2 * groups || rows % kSdBR)
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: inconsistent shapes: x " + ShapeString(x) + ", dy " +
@@ -1294,7 +1330,7 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
   p.out_f32 = out->element_type() == ffi::F32;
   p.x_blocks = x_blocks;
   p.x_chunks = x_chunks.element_count() != 0 ? x_chunks.typed_data() : nullptr;
-  p.dy_rows = static_cast<int>(Dim(dy, 1));
+  p.dy_rows = static_cast<int>(dy_rows);
   const Partials partials{partial->typed_data(), static_cast<int64_t>(partial->element_count())};
   p.db_partial = nullptr;
   if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, m, split, engine, x_layout, partials, db_out, dys);
@@ -1313,7 +1349,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSddmm, jaxsparse::SddmmImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // columns [R/V, G, 4] or [0]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // metadata [R, G/8]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // x_chunks [x_blocks, K/64] or [0]
-                                  .RemainingArgs()                          // up to 2 more dy of stacked layers
+                                  .RemainingArgs()                          // up to 2 more stacked layers' (dy,
+                                                                            // columns, metadata)
                                   .Ret<xla::ffi::AnyBuffer>()               // dvalues [R, 2G], T or f32
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // token-split partial sums [S*R*2G] (+ the
                                                                             // bias gradient's planes) or [0]

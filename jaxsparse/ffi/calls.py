@@ -516,8 +516,9 @@ def sddmm_split(split: int | str | None = None) -> int:
     """The SDDMM's token-split attribute: 1 = one pass over all tokens, 0 = auto, n > 1 = n token ranges.
 
     ``None`` reads ``JAXSPARSE_SDDMM_SPLIT`` (``auto``, ``none`` or an integer; default ``auto``, which splits
-    only grids of fewer (row, group) tiles than half the GPU's SMs: measured on the H100, 2.4x on a 1024x1024
-    layer at 64:2:8, and a loss on layers whose grid already fills the GPU; docs/kernel-notes.md).
+    only grids of fewer (row, group) tiles than half the GPU's SMs, or than its SMs on the one-CTA x^T and tma engines,
+    by whole waves: measured on the H100, 2.4x on a 1024x1024 layer at 64:2:8, and a loss on layers whose grid already
+    fills the GPU; docs/kernel-notes.md).
     """
     split = _setting(split, SDDMM_SPLIT_ENV)
     if isinstance(split, str):
@@ -721,8 +722,10 @@ def _sddmm_out_dtype(name: str, x_name: str, x: jax.Array, dy: jax.Array, sw: Sp
     return out
 
 
-# The handler's token split: at most this many ranges, and only on grids of at most half as many (row, group) tiles
-# as the GPU has SMs; no engine's tile holds more than SDDMM_MAX_TILE_VALUES values or takes fewer than
+# The handler's token split: at most this many ranges, and only on grids of fewer (row, group) tiles than the GPU has
+# SMs (half as many on engines of two CTAs an SM); the buffer is sized where the grid has at most half as many tiles
+# of SDDMM_MAX_TILE_VALUES values as SDDMM_SM_BOUND (elsewhere the handler does not split, for want of room); no
+# engine's tile holds more than SDDMM_MAX_TILE_VALUES values or takes fewer than
 # SDDMM_MIN_STAGE_TOKENS tokens per stage, and auto keeps >= 4 stages per range (cuda/sddmm.cu, ChooseSplits).
 SDDMM_MAX_SPLITS = 16
 SDDMM_MAX_TILE_VALUES = 128 * 128
@@ -758,11 +761,12 @@ def _chunks_operand(chunks) -> jax.Array:
 
 def _sddmm_call(x: jax.Array, dy: jax.Array, sw: SparseWeight, out, split, engine: int, x_layout: int,
                 x_blocks: int = 1, x_chunks=None, bias_grad: bool = False,
-                dy_parts: Sequence[jax.Array] = ()) -> tuple[jax.Array, jax.Array | None]:
+                further: Sequence[tuple[jax.Array, SparseWeight]] = ()) -> tuple[jax.Array, jax.Array | None]:
     """The ``jaxsparse_sddmm`` call, operands checked: ``x`` is ``[T, K]`` (x_layout 0) or ``x^T [K, T]`` (1).
     Returns ``(dvalues, dbias)``: ``dbias`` (``dy`` summed over tokens, float32 ``[R]``) only with ``bias_grad``,
-    which only the tma and x^T engines take (:func:`sddmm_bias_grad_fused`), else None. ``dy_parts``: the further
-    layers' dy of :func:`sddmm_stacked`, whose rows ``sw`` stacks after ``dy``'s.
+    which only the tma and x^T engines take (:func:`sddmm_bias_grad_fused`), else None. ``further``: the other
+    layers' ``(dy, weight)`` of :func:`sddmm_stacked` (their columns and metadata are passed, each weight's own); ``sw``
+    then has the first layer's columns and metadata and the stacked shape ``(K, parts R)``, values ``[parts R, 2G]``.
 
     Its second result is the token split's float32 buffer (:func:`sddmm_partial_elements`), dropped here: an
     XLA buffer rather than scratch memory, so XLA may record the call into its command buffers."""
@@ -772,7 +776,8 @@ def _sddmm_call(x: jax.Array, dy: jax.Array, sw: SparseWeight, out, split, engin
     partial = sddmm_partial_elements(tokens, int(np.prod(sw.values.shape)), split, rows)
     dvalues, _, dbias = _call_results(
         "jaxsparse_sddmm", [(sw.values.shape, out), ((partial,), jnp.float32), ((rows,), jnp.float32)], x, dy,
-        _columns_operand(sw), sw.metadata, _chunks_operand(x_chunks), *dy_parts, v=np.int32(sw.spec.v),
+        _columns_operand(sw), sw.metadata, _chunks_operand(x_chunks),
+        *(a for d, w in further for a in (d, _columns_operand(w), w.metadata)), v=np.int32(sw.spec.v),
         m=np.int32(sw.spec.m), split=np.int32(split), engine=np.int32(engine), x_layout=np.int32(x_layout),
         x_blocks=np.int32(x_blocks),
     )
@@ -817,8 +822,9 @@ def sddmm_stacked(x: jax.Array, dys: Sequence[jax.Array], sws: Sequence[SparseWe
                   bias_grad: bool = False) -> tuple:
     """The weight gradients of up to :data:`SDDMM_STACKED_MAX` layers of one input (attention's query, key and value):
     :func:`sddmm` of ``x`` (``x_layout`` ``"row"``) or :func:`sddmm_from_xt` of ``x^T`` (``"col"``) with each ``dys[i]``
-    at ``sws[i]``'s mask, by one ``jaxsparse_sddmm`` call over the weights' rows stacked (their columns and metadata
-    concatenated; each dy read by its own TMA descriptor, so no dy is concatenated). Returns one result a layer, as
+    at ``sws[i]``'s mask, by one ``jaxsparse_sddmm`` call over the weights' rows stacked (each layer's dy read by its
+    own TMA descriptor and its columns and metadata where they are, so nothing is concatenated). Returns one result a
+    layer, as
     :func:`sddmm` returns it: ``dvalues`` in the values dtype, or with ``bias_grad`` the pair ``(dvalues, dbias)``.
     Constraints: :func:`sddmm_stacked_unsupported`."""
     n = len(sws)
@@ -845,13 +851,11 @@ def sddmm_stacked(x: jax.Array, dys: Sequence[jax.Array], sws: Sequence[SparseWe
         if sws[0].spec.m != 4:  # V:2:M through each weight's 2:4 view, the gradient gathered back per layer
             stack, slots = zip(*(as_2_4(sw) for sw in sws))
     first = stack[0]
-    cat = SparseWeight(
-        jax.ShapeDtypeStruct((n * first.values.shape[0], first.values.shape[1]), first.values.dtype),
-        None if first.columns is None else jnp.concatenate([sw.columns for sw in stack], axis=0),
-        jnp.concatenate([sw.metadata for sw in stack], axis=0), (k, n * r), first.spec)
+    stacked = SparseWeight(jax.ShapeDtypeStruct((n * first.values.shape[0], first.values.shape[1]), first.values.dtype),
+                           first.columns, first.metadata, (k, n * r), first.spec)
     fused = bias_grad and sddmm_bias_grad_fused(tokens, sws[0], x_layout=x_layout)
-    dvalues, dbias = _sddmm_call(x, dys[0], cat, out, None, engine, x_layout=1 if x_layout == "col" else 0,
-                                 bias_grad=fused, dy_parts=tuple(dys[1:]))
+    dvalues, dbias = _sddmm_call(x, dys[0], stacked, out, None, engine, x_layout=1 if x_layout == "col" else 0,
+                                 bias_grad=fused, further=tuple(zip(dys[1:], stack[1:])))
     parts = jnp.split(dvalues, n, axis=0)
     if slots is not None:
         parts = [jnp.take_along_axis(d, s, axis=1) for d, s in zip(parts, slots)]
