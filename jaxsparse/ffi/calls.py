@@ -149,6 +149,16 @@ def transpose_2_4(sw: SparseWeight) -> SparseWeight:
     return transpose_2_4_stacked((sw,))
 
 
+def _not_one_kind(sws: Sequence[SparseWeight]) -> str | None:
+    """What differs among weights that one stacked call takes (shape, spec or dtype), or None when nothing does."""
+    first = sws[0]
+    for sw in sws:
+        if (sw.shape, sw.spec, jnp.dtype(sw.values.dtype)) != (first.shape, first.spec, jnp.dtype(first.values.dtype)):
+            return (f"weights of one shape, spec and dtype, got {first.shape} {first.spec} {first.values.dtype} and "
+                    f"{sw.shape} {sw.spec} {sw.values.dtype}")
+    return None
+
+
 def transpose_2_4_stacked(sws: Sequence[SparseWeight]) -> SparseWeight:
     """The ``W^T`` 2:4 views of up to :data:`SPMM_SUM_MAX` weights of one shape ``(K, R)``, spec and dtype, stacked
     along the views' reduction: a 2:4 weight of shape ``(n R, K)`` whose values ``[K, n R/2]`` and metadata
@@ -161,9 +171,8 @@ def transpose_2_4_stacked(sws: Sequence[SparseWeight]) -> SparseWeight:
     for sw in sws:
         if problem := transpose_2_4_unsupported(sw):
             raise ValueError(f"transpose_2_4_stacked: {problem}")
-        if (sw.shape, sw.spec, jnp.dtype(sw.values.dtype)) != (first.shape, first.spec, jnp.dtype(first.values.dtype)):
-            raise ValueError(f"transpose_2_4_stacked: weights of one shape, spec and dtype, got {first.shape} "
-                             f"{first.spec} {first.values.dtype} and {sw.shape} {sw.spec} {sw.values.dtype}")
+    if problem := _not_one_kind(sws):
+        raise ValueError(f"transpose_2_4_stacked: {problem}")
     k, r = first.shape
     n = len(sws)
     results = [((k, n * r // 2), first.values.dtype), ((k, n * r // 32), jnp.uint32)]
@@ -802,9 +811,8 @@ def sddmm_stacked_unsupported(tokens: int, sws: Sequence[SparseWeight], x_layout
     for sw in sws:
         if problem := sddmm_unsupported(sw):
             return problem
-        if (sw.shape, sw.spec, jnp.dtype(sw.values.dtype)) != (first.shape, first.spec, jnp.dtype(first.values.dtype)):
-            return (f"weights of one shape, spec and dtype, got {first.shape} {first.spec} {first.values.dtype} and "
-                    f"{sw.shape} {sw.spec} {sw.values.dtype}")
+    if problem := _not_one_kind(sws):
+        return problem
     if first.shape[1] % COL_MAJOR_ROW_TILE:
         return f"R % {COL_MAJOR_ROW_TILE} == 0 (a CTA's rows in one layer), got R = {first.shape[1]}"
     if x_layout == "col":
