@@ -63,7 +63,8 @@ struct SddmmParams {
   // db_partial [S * ways, R], and the reduction sums the planes in order. Null: no bias gradient.
   float* db_partial;
   // Rows of each dy operand (the x^T and tma engines, which load dy by TMA): the weight's R rows stack `rows / dy_rows`
-  // layers of one input, layer i's dy [T, dy_rows] read through the i-th tensor map (DyMap); dy_rows = rows for one.
+  // layers of one input, layer i's dy [T, dy_rows] read through the i-th tensor map (PartOfRow); dy_rows = rows for
+  // one layer.
   int dy_rows;
 };
 
@@ -142,7 +143,7 @@ __device__ __forceinline__ TokenTiles CtaTokenTiles(const SddmmParams& p) {
 constexpr int kSddmmMaxParts = 3;
 
 // Each stacked layer's columns ([dy_rows/V, G, 4] or null) and metadata ([dy_rows, G/8]); a kernel parameter of its
-// own (SddmmParams stays as it was: its size is a performance change, docs/kernel-notes.md, session 54).
+// own, kept out of SddmmParams (a parameter struct's size is a performance change: docs/kernel-notes.md, session 54).
 struct SddmmParts {
   const uint8_t* cols[kSddmmMaxParts];
   const uint32_t* meta[kSddmmMaxParts];
