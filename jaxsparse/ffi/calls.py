@@ -832,9 +832,8 @@ def sddmm_stacked(x: jax.Array, dys: Sequence[jax.Array], sws: Sequence[SparseWe
     :func:`sddmm` of ``x`` (``x_layout`` ``"row"``) or :func:`sddmm_from_xt` of ``x^T`` (``"col"``) with each ``dys[i]``
     at ``sws[i]``'s mask, by one ``jaxsparse_sddmm`` call over the weights' rows stacked (each layer's dy read by its
     own TMA descriptor and its columns and metadata where they are, so nothing is concatenated). Returns one result a
-    layer, as
-    :func:`sddmm` returns it: ``dvalues`` in the values dtype, or with ``bias_grad`` the pair ``(dvalues, dbias)``.
-    Constraints: :func:`sddmm_stacked_unsupported`."""
+    layer, as :func:`sddmm` returns it: ``dvalues`` in the values dtype, or with ``bias_grad`` the pair ``(dvalues,
+    dbias)``. Constraints: :func:`sddmm_stacked_unsupported`."""
     n = len(sws)
     tokens = dys[0].shape[0] if dys else 0
     if problem := sddmm_stacked_unsupported(tokens, sws, x_layout):
@@ -851,13 +850,10 @@ def sddmm_stacked(x: jax.Array, dys: Sequence[jax.Array], sws: Sequence[SparseWe
     out = _sddmm_out_dtype("sddmm_stacked", "x", x, dys[0], sws[0], None)
     for dy in dys[1:]:
         _sddmm_out_dtype("sddmm_stacked", "x", x, dy, sws[0], None)
-    slots = None
-    if x_layout == "col":
-        stack, engine = sws, SDDMM_ENGINES["wgmma"]
-    else:
-        stack, engine = sws, SDDMM_ENGINES["tma"]
-        if sws[0].spec.m != 4:  # V:2:M through each weight's 2:4 view, the gradient gathered back per layer
-            stack, slots = zip(*(as_2_4(sw) for sw in sws))
+    stack, slots = sws, None
+    engine = SDDMM_ENGINES["wgmma" if x_layout == "col" else "tma"]
+    if x_layout == "row" and sws[0].spec.m != 4:  # V:2:M through each weight's 2:4 view, gathered back per layer
+        stack, slots = zip(*(as_2_4(sw) for sw in sws))
     first = stack[0]
     stacked = SparseWeight(jax.ShapeDtypeStruct((n * first.values.shape[0], first.values.shape[1]), first.values.dtype),
                            first.columns, first.metadata, (k, n * r), first.spec)
