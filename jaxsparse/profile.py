@@ -161,6 +161,11 @@ def _backend_config(rest: str) -> dict:
     return {}
 
 
+# Fusion kinds that are GEMMs: Triton's (older, with a triton_gemm_config; nested, with a block-level config) and cuDNN's.
+# Other "__triton" fusions (softmax, normalizations) also carry a block-level config and are not GEMMs.
+_GEMM_FUSION_KINDS = ("__triton_gemm", "__triton_nested_gemm_fusion", "__cudnn$fusion")
+
+
 def gemm_configs(text: str) -> dict[str, int]:
     """What the compiler chose for each dense GEMM of a compiled GPU module (``compiled.as_text()``): ``{"<result
     shape> <kind> <choice>": count}``, the choice being cuBLAS's ``selected_algorithm``, a Triton GEMM's tiling or a
@@ -179,9 +184,7 @@ def gemm_configs(text: str) -> dict[str, int]:
         fusion = config.get("fusion_backend_config") or {}
         if target and _GEMM_TARGET.search(target.group(1)) and isinstance(gemm, dict):
             kind, choice = target.group(1), f"algorithm {gemm.get('selected_algorithm', '?')}"
-        elif (str(fusion.get("kind", "")).startswith(("__triton", "__cudnn")) or "triton_gemm_config" in fusion
-              or "block_level_fusion_config" in fusion):
-            # __triton_gemm, __triton_nested_gemm_fusion (XLA's newer Triton GEMMs: a block-level config), __cudnn$fusion
+        elif fusion.get("kind") in _GEMM_FUSION_KINDS or "triton_gemm_config" in fusion:
             kind = fusion.get("kind", "fusion")
             detail = (fusion.get("triton_gemm_config") or fusion.get("block_level_fusion_config")
                       or fusion.get("cudnn_fusion_config") or {})

@@ -482,8 +482,8 @@ def test_compare_sets_two_breakdowns_side_by_side(tmp_path, capsys):
 def test_gemm_configs_reads_what_the_compiler_chose():
     """``gemm_configs`` counts each GEMM's choice by result shape: cuBLAS's selected algorithm (its backend config
     nested in braces, a brace inside a quoted op_name after it), a Triton GEMM's tiling (older and nested-fusion
-    configs); other fusions are not GEMMs,
-    and a CPU module has none."""
+    configs); other fusions, a Triton softmax with its block-level config among them, are not GEMMs, and a CPU module
+    has none."""
     gemm = ('  %custom-call.{i} = (bf16[16384,1024]{{1,0}}, s8[4194304]{{0}}) custom-call(bf16[16384,4096]{{1,0}} %p0, '
             'bf16[4096,1024]{{1,0}} %p1), custom_call_target="__cublas$gemm", backend_config={{"operation_queue_id":'
             '"0","gemm_backend_config":{{"alpha_real":1,"selected_algorithm":"{a}","epilogue":"DEFAULT"}}}}, '
@@ -494,8 +494,12 @@ def test_gemm_configs_reads_what_the_compiler_chose():
     nested = ('  %fusion.4 = bf16[16384,1024]{1,0} fusion(bf16[16384,4096]{1,0} %a, bf16[4096,1024]{1,0} %b), '
               'kind=kCustom, calls=%gemm_fusion_dot, backend_config={"fusion_backend_config":{"kind":'
               '"__triton_nested_gemm_fusion","block_level_fusion_config":{"num_warps":"8","num_stages":4}}}')
+    softmax = ('  %fusion.5 = f32[64,512]{1,0} fusion(f32[64,512]{1,0} %s), kind=kCustom, calls=%softmax, '
+               'backend_config={"fusion_backend_config":{"kind":"__triton","block_level_fusion_config":'
+               '{"num_warps":"4"}}}')
     loop = '  %fusion.3 = f32[8]{0} fusion(f32[8]{0} %c), kind=kLoop, calls=%add, backend_config={"fusion_backend_config":{"kind":"__loop"}}'
-    text = "\n".join([gemm.format(i=1, a=7), gemm.format(i=2, a=7), gemm.format(i=3, a=12), triton, nested, loop])
+    text = "\n".join([gemm.format(i=1, a=7), gemm.format(i=2, a=7), gemm.format(i=3, a=12), triton, nested, softmax,
+                      loop])
     assert profile.gemm_configs(text) == {
         "(bf16[16384,1024]{1,0}, s8[4194304]{0}) __cublas$gemm algorithm 12": 1,
         "(bf16[16384,1024]{1,0}, s8[4194304]{0}) __cublas$gemm algorithm 7": 2,
