@@ -1103,10 +1103,10 @@ ffi::Error LaunchXtKernel(cudaStream_t stream, const SddmmParams& p, int split, 
                            : (DBK > 0 ? L::kSmemBytesDb : L::kSmemBytes);
   constexpr int kThreads = WS ? kXtWsThreads : kXtThreads;
   if (ffi::Error e = RaiseSmemLimit<kernel>(kSmem, "cudaFuncSetAttribute(SddmmWgmmaXtKernel)"); e.failure()) return e;
-  if (p.dy_rows % kXtBR || p.rows != p.dy_rows * dys.parts)  // a CTA's 128 rows in one layer's dy (DyMap)
+  if (p.dy_rows % kXtBR || p.rows != p.dy_rows * dys.parts)  // a CTA's 128 rows in one layer's dy (PartOfRow)
     return ffi::Error::Internal(what + ": stacked layers need dy_rows % 128 == 0 and R = parts * dy_rows");
   CUtensorMap tma_dy[kSddmmMaxParts] = {}, tma_xt{};
-  for (int i = 0; i < kSddmmMaxParts; ++i)  // parts past the last repeat the first (DyMap never picks them)
+  for (int i = 0; i < kSddmmMaxParts; ++i)  // parts past the last repeat the first (PartOfRow never picks them)
     if (!MakeTensorMap2d(&tma_dy[i], dys.ptr[i < dys.parts ? i : 0], p.tokens, p.dy_rows, kXtBT))
       return ffi::Error::Internal("jaxsparse_sddmm: cuTensorMapEncodeTiled failed for dy");
   if ((XROW && !MakeTensorMap2d(&tma_xt, p.x, p.tokens, static_cast<uint64_t>(p.k) * p.x_blocks, kXtBT)) ||
@@ -1204,18 +1204,13 @@ ffi::Error Dispatch(cudaStream_t stream, const SddmmParams& p, int m, int split,
   };
   if (x_layout == 1) return LaunchXt<T, false>(stream, p, split, partials, db_out, dys);
   const bool xt_image = Sm90aImageLoaded<SddmmWgmmaXtKernel<T, true>>();
-  if (dys.parts > 1) {  // stacked layers: only the tma engine (besides the x^T engine) reads dy by TMA
-    if (m != 4 || engine == kEngineMma || engine == kEngineWgmma || !xt_image || p.x_blocks > 1 ||
-        p.x_chunks != nullptr)
-      return ffi::Error::InvalidArgument("jaxsparse_sddmm: stacked layers (further dy operands) run on the x^T engine "
-                                         "(x_layout 1) or the tma engine (2:4 from x [T, K], engine auto or tma, one "
-                                         "block, an sm_90a build on a Hopper GPU)");
-    return LaunchXt<T, true>(stream, p, split, partials, db_out, dys);
-  }
-  if (p.x_blocks > 1 || p.x_chunks != nullptr) {  // only the tma engine reads a diagonal block's columns of x
+  // Only the tma engine reads a diagonal block's columns of x and, besides the x^T engine, stacked layers' dy (by TMA;
+  // the handler refuses the two together).
+  if (dys.parts > 1 || p.x_blocks > 1 || p.x_chunks != nullptr) {
     if (m != 4 || engine == kEngineMma || engine == kEngineWgmma || !xt_image)
-      return ffi::Error::InvalidArgument("jaxsparse_sddmm: x_blocks > 1 and x_chunks run on the tma engine (engine "
-                                         "auto or tma, 2:4, an sm_90a build on a Hopper GPU)");
+      return ffi::Error::InvalidArgument("jaxsparse_sddmm: x_blocks > 1, x_chunks and stacked layers (further "
+                                         "operands) run on the tma engine (engine auto or tma, 2:4, an sm_90a build on "
+                                         "a Hopper GPU); stacked layers also on the x^T engine (x_layout 1)");
     return LaunchXt<T, true>(stream, p, split, partials, db_out, dys);
   }
   // 2:4 from x [T, K] on Hopper: the TMA engine reads x as it is (the x^T engine's TMA path took 0.28 ms against

@@ -392,8 +392,8 @@ def _shared_weight_grads(kept: tuple, dys: tuple, sws: tuple, biases: tuple) -> 
     :func:`shared_sddmm` says so and the kernels take the layers, else one SDDMM a layer (:func:`_sddmm_kept`)."""
     tokens = dys[0].shape[0]
     layout = linear_x_layout(tokens, sws[0])
-    if (len(sws) > 1 and shared_sddmm() and len({linear_x_layout(tokens, sw) for sw in sws}) == 1
-            and cuda_calls.sddmm_stacked_unsupported(tokens, sws, layout) is None):
+    # (sddmm_stacked_unsupported asks for weights of one shape and spec, so every layer takes sws[0]'s layout)
+    if len(sws) > 1 and shared_sddmm() and cuda_calls.sddmm_stacked_unsupported(tokens, sws, layout) is None:
         with_bias = any(b is not None for b in biases)
         ref = lambda x, d, s: reference.sddmm_stacked(x, d, s, layout, with_bias)
         cuda = lambda x, d, s: cuda_calls.sddmm_stacked(x, d, s, layout, with_bias)
