@@ -165,15 +165,16 @@ __device__ __forceinline__ PartOf PartOfRow(const SddmmParams& p, const SddmmPar
           part == 0 ? parts.meta[0] : part == 1 ? parts.meta[1] : parts.meta[2]};
 }
 
-// Epilogue of both engines: `tile` [ROWS][row_floats] holds C[r, 4*gl + p] for the CTA's rows and GC groups;
-// per (row, group) the metadata nibble picks the 2 kept of the 4 products, stored by StorePair.
+// Epilogue of every engine: `tile` [ROWS][row_floats] holds C[r, 4*gl + p] for the CTA's rows and GC groups;
+// per (row, group) the metadata nibble picks the 2 kept of the 4 products, stored by StorePair. THREADS threads store,
+// the caller being thread `t` of them.
 template <typename T, int ROWS, int GC, int THREADS>
 __device__ __forceinline__ void StoreKeptPairs(const SddmmParams& p, const float* tile, int row_floats, int row0,
-                                               int g0, const uint32_t* meta = nullptr, int meta_row0 = -1) {
+                                               int g0, int t, const uint32_t* meta = nullptr, int meta_row0 = -1) {
   // meta: the metadata holding row0 as its row meta_row0 (a stacked layer's own: SddmmParts); default p.meta, row0.
   if (meta == nullptr) meta = p.meta, meta_row0 = row0;
   const int meta_stride = p.groups / 8;
-  for (int i = threadIdx.x; i < ROWS * GC; i += THREADS) {
+  for (int i = t; i < ROWS * GC; i += THREADS) {
     const int r = i / GC, gl = i % GC, g = g0 + gl;
     if (g >= p.groups) continue;
     const int row = row0 + r;
@@ -343,7 +344,7 @@ __global__ void __launch_bounds__(kSdThreads) SddmmKernel(const SddmmParams p) {
         tile[r * L::kEpiRowFloats + c] = acc[mi][ni][q];
       }
   __syncthreads();
-  StoreKeptPairs<T, kSdBR, GC, kSdThreads>(p, tile, L::kEpiRowFloats, row0, g0);
+  StoreKeptPairs<T, kSdBR, GC, kSdThreads>(p, tile, L::kEpiRowFloats, row0, g0, threadIdx.x);
 }
 
 // ---------------------------------------------------------------- Hopper engine (wgmma, sm_90a)
@@ -558,7 +559,7 @@ __global__ void __launch_bounds__(kWgThreads, 2) SddmmWgmmaKernel(const SddmmPar
   float* tile = reinterpret_cast<float*>(smem);
   StageWgmmaAccumulators<NC>(tile, L::kEpiRowFloats, acc);
   __syncthreads();
-  StoreKeptPairs<T, kWgBR, GC, kWgThreads>(p, tile, L::kEpiRowFloats, row0, g0);
+  StoreKeptPairs<T, kWgBR, GC, kWgThreads>(p, tile, L::kEpiRowFloats, row0, g0, threadIdx.x);
 #else
   __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
 #endif
@@ -712,6 +713,24 @@ struct XtRowGather {
     }
   }
 };
+// The tma engine's B tile from x [T, K] (XROW): columns 4 g0 .. 4 g0 + NC - 1 of tokens t0 .. t0 + 63 of the diagonal
+// block holding row0 (x_blocks; x_chunks: the block's 64-column chunks where they are in x), NC / 64 boxes of 64
+// tokens x 64 columns that land as an MN-major 128B-swizzled B at `dst`, completing on barrier `full`. Columns past the
+// block belong to no kept value (never stored). Issued by one thread.
+template <int NC>
+__device__ __forceinline__ void LoadXRowBoxes(const SddmmParams& p, const CUtensorMap* tma_x, uint32_t dst, int row0,
+                                              int g0, int t0, uint32_t full) {
+  const int blk = row0 / (p.rows / p.x_blocks), xk0 = blk * p.k, nch = p.k / 64;
+#pragma unroll
+  for (int c = 0; c < NC / 64; ++c) {
+    // x_chunks: the chunk's column in x (4 g0 is a multiple of NC); a chunk past the block reads past x's width (zeros;
+    // its columns are never stored)
+    const int j = 4 * g0 / 64 + c;
+    const int col = p.x_chunks == nullptr ? xk0 + 4 * g0 + 64 * c
+                    : j < nch ? __ldg(p.x_chunks + blk * nch + j) * 64 : p.k * p.x_blocks;
+    TmaLoad2d(dst + c * kXtBox, tma_x, col, t0, full);
+  }
+}
 #endif  // JAXSPARSE_WGMMA
 
 template <typename T, bool XROW, int DBK = 0, bool DEEP = false>
@@ -763,18 +782,8 @@ __global__ void __launch_bounds__(kXtThreads, 1)
       MbarArriveExpectTx(full, 2 * L::kDyHalf + (x_by_tma ? L::kXcTile : 0));
       TmaLoad2d(base, dy.dy, dy.row, t0, full);
       TmaLoad2d(base + L::kDyHalf, dy.dy, dy.row + 64, t0, full);
-      if (XROW) {  // x [T, K]: columns 4 g0 .. 4 g0 + NC - 1 of tokens t0 .. t0 + 63, NC / 64 boxes (of the
-                   // row's diagonal block; columns past it belong to no kept value: never stored)
-        const int blk = row0 / (p.rows / p.x_blocks), xk0 = blk * p.k, nch = p.k / 64;
-#pragma unroll
-        for (int c = 0; c < NC / 64; ++c) {
-          // x_chunks: the chunk's column in x (4 g0 is a multiple of NC); a chunk past the block reads past x's
-          // width (zeros; its columns are never stored)
-          const int j = 4 * g0 / 64 + c;
-          const int col = p.x_chunks == nullptr ? xk0 + 4 * g0 + 64 * c
-                          : j < nch ? __ldg(p.x_chunks + blk * nch + j) * 64 : p.k * p.x_blocks;
-          TmaLoad2d(base + L::kXcOff + c * kXtBox, &tma_xt, col, t0, full);
-        }
+      if (XROW) {
+        LoadXRowBoxes<NC>(p, &tma_xt, base + L::kXcOff, row0, g0, t0, full);
       } else if (x_by_tma) {
         TmaLoad2d(base + L::kXcOff, &tma_xt, t0, 4 * g0, full);
       }
@@ -838,7 +847,7 @@ __global__ void __launch_bounds__(kXtThreads, 1)
   float* tile = reinterpret_cast<float*>(smem);
   StageWgmmaAccumulators<NC>(tile, L::kEpiRowFloats, acc);
   __syncthreads();
-  StoreKeptPairs<T, kXtBR, GC, kXtThreads>(p, tile, L::kEpiRowFloats, row0, g0, dy.meta, dy.row);
+  StoreKeptPairs<T, kXtBR, GC, kXtThreads>(p, tile, L::kEpiRowFloats, row0, g0, tid, dy.meta, dy.row);
 #else
   __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
 #endif
@@ -853,8 +862,11 @@ __global__ void __launch_bounds__(kXtThreads, 1)
 // stage's end nor a second CTA barrier (both slower on SddmmWgmmaXtKernel: docs/kernel-notes.md, session 52).
 constexpr int kXtWsProducers = 256;  // two producer warpgroups: four condensed rows' chunks a thread a stage
 constexpr int kXtWsThreads = kXtWsProducers + 256;
+// The empty barriers after the full ones, and the tile of ones, of a warp-specialized kernel on XtLayout<XROW, DEEP>
+// (the x^T one's deep layout; the tma engine's x rows).
+template <bool XROW>
 struct XtWsBars {
-  using L = XtLayout<false, true>;
+  using L = XtLayout<XROW, !XROW>;
   static constexpr int kEmptyOff = L::kBarOff + 8 * L::kStages;
   static constexpr int kOnesOff = (kEmptyOff + 8 * L::kStages + 1023) / 1024 * 1024;
   static constexpr int kSmemBytes = kEmptyOff + 8 * L::kStages + 1024;
@@ -869,7 +881,7 @@ __global__ void __launch_bounds__(kXtWsThreads, 1)
                          const SddmmParts parts) {
 #ifdef JAXSPARSE_WGMMA
   using L = XtLayout<false, true>;
-  using B = XtWsBars;
+  using B = XtWsBars<false>;
   constexpr int S = L::kStages, NC = L::kNC, GC = L::kGC;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const AlignedSmem aligned = AlignSmem1024(smem_raw);
@@ -948,7 +960,100 @@ __global__ void __launch_bounds__(kXtWsThreads, 1)
   float* tile = reinterpret_cast<float*>(smem);
   if (tid >= kXtWsProducers) StageWgmmaAccumulators<NC>(tile, L::kEpiRowFloats, acc, tid - kXtWsProducers);
   __syncthreads();
-  StoreKeptPairs<T, kXtBR, GC, kXtWsThreads>(p, tile, L::kEpiRowFloats, row0, g0, part.meta, part.row);
+  StoreKeptPairs<T, kXtBR, GC, kXtWsThreads>(p, tile, L::kEpiRowFloats, row0, g0, tid, part.meta, part.row);
+#else
+  __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
+#endif
+}
+
+// The tma engine warp-specialized (session 57; XtLayout<true, false>: x rows, four 48 KB stages): warpgroup 0 is the
+// producer, whose thread 0 alone fills the ring by TMA (dy's two boxes and x's four, one expect_tx a stage; the others
+// leave at once), warpgroups 1 and 2 run the m64n256 products of the two 64-row halves and give each stage back on
+// its empty barrier once wgmma.wait_group 1 shows its products completed, as SddmmWgmmaXtWsKernel does. So the loads
+// run three stages ahead of the products with no CTA barrier inside the loop, where SddmmWgmmaXtKernel<T, true> loads
+// two ahead behind a barrier a stage. The consumers stage and store the kept pairs alone (named barrier 1).
+template <typename T, int DBK = 0>
+__global__ void __launch_bounds__(kWsThreads, 1)
+    SddmmWgmmaXrWsKernel(const SddmmParams p, const __grid_constant__ CUtensorMap tma_dy,
+                         const __grid_constant__ CUtensorMap tma_x, const __grid_constant__ CUtensorMap tma_dy1,
+                         const __grid_constant__ CUtensorMap tma_dy2, const SddmmParts parts) {
+#ifdef JAXSPARSE_WGMMA
+  using L = XtLayout<true, false>;
+  using B = XtWsBars<true>;
+  constexpr int S = L::kStages, NC = L::kNC, GC = L::kGC;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const AlignedSmem aligned = AlignSmem1024(smem_raw);
+  unsigned char* smem = aligned.ptr;
+  const uint32_t smem_base = aligned.addr;
+  const uint32_t full0 = smem_base + L::kBarOff, empty0 = smem_base + B::kEmptyOff;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+  const int row0 = blockIdx.x * kXtBR;
+  const int g0 = blockIdx.y * GC;
+  const auto [kt_begin, num_kt] = CtaTokenTiles<kXtBT>(p);  // this CTA's token tiles
+  const PartOf part = PartOfRow(p, parts, row0, tma_dy, tma_dy1, tma_dy2);  // its layer (SddmmParams::dy_rows)
+
+  constexpr bool DB = DBK > 0;  // the bias gradient (XtBiasGrad)
+  const XtBiasGrad<T, DBK> bias(smem + B::kOnesOff, smem_base + B::kOnesOff, L::kOnesBytes, tid, kWsThreads);
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      MbarInit(full0 + 8 * s, 1);  // thread 0's expect_tx arrival
+      MbarInit(empty0 + 8 * s, 8);  // every consumer warp done with the stage
+    }
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // ------------------------------------------------ producer
+    SetMaxRegisters<WsRegs<true>::kProducer, false>();
+    if (tid != 0) return;
+    for (int j = 0; j < num_kt; ++j) {
+      const int s = j % S;
+      const uint32_t base = smem_base + s * L::kStageBytes, full = full0 + 8 * s;
+      if (j >= S) MbarWait(empty0 + 8 * s, ((j / S) & 1) ^ 1);  // the consumers gave the slot back
+      const int t0 = (kt_begin + j) * kXtBT;
+      MbarArriveExpectTx(full, 2 * L::kDyHalf + L::kXcTile);
+      TmaLoad2d(base, part.dy, part.row, t0, full);
+      TmaLoad2d(base + L::kDyHalf, part.dy, part.row + 64, t0, full);
+      LoadXRowBoxes<NC>(p, &tma_x, base + L::kXcOff, row0, g0, t0, full);
+    }
+    return;
+  }
+  // ---------------------------------------------------------------- consumers
+  SetMaxRegisters<WsRegs<true>::kConsumer, true>();
+  const int t = tid - 128, cw = wg - 1;  // t: the thread among the consumers
+  float acc[NC / 2];
+#pragma unroll
+  for (int i = 0; i < NC / 2; ++i) acc[i] = 0.f;
+  float acc_db[4] = {0.f, 0.f, 0.f, 0.f};  // m64n8: every column holds the row's sum
+  for (int kt = 0; kt < num_kt; ++kt) {
+    const int s = kt % S;
+    MbarWait(full0 + 8 * s, (kt / S) & 1);  // TMA alone wrote the stage: no proxy fence
+    const uint32_t a_base = smem_base + s * L::kStageBytes + cw * L::kDyHalf;
+    const uint32_t b_base = smem_base + s * L::kStageBytes + L::kXcOff;
+    WgmmaFenceOperands(acc);
+    if constexpr (DB) WgmmaFenceOperands(acc_db);
+    WgmmaFence();
+#pragma unroll
+    for (int ks = 0; ks < kXtKSteps; ++ks)  // x's 64-column boxes kXtBox apart
+      Wgmma<NC, T, 1>::Run(acc, WgmmaDescSw128(a_base + ks * 2048, L::kDyHalf, 1024),
+                           WgmmaDescSw128(b_base + ks * 2048, kXtBox, 1024));
+    if constexpr (DB) bias.Products(acc_db, a_base);
+    WgmmaCommit();
+    WgmmaWait<1>();  // stage kt-1's products of this warp completed
+    WgmmaFenceOperands(acc);
+    if constexpr (DB) WgmmaFenceOperands(acc_db);
+    if (lane == 0 && kt > 0) MbarArrive(empty0 + 8 * ((kt - 1) % S));
+  }
+  WgmmaWait<0>();
+  WgmmaFenceOperands(acc);
+  if constexpr (DB) WgmmaFenceOperands(acc_db);
+  bias.Store(p, acc_db, row0, t);
+
+  NamedBarSync(1, 256);  // every stage landed and every consumer's products completed: the ring becomes the tile
+  float* tile = reinterpret_cast<float*>(smem);
+  StageWgmmaAccumulators<NC>(tile, L::kEpiRowFloats, acc, t);
+  NamedBarSync(1, 256);
+  StoreKeptPairs<T, kXtBR, GC, 256>(p, tile, L::kEpiRowFloats, row0, g0, t, part.meta, part.row);
 #else
   __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
 #endif
@@ -1077,11 +1182,13 @@ ffi::Error LaunchSplit(cudaStream_t stream, SddmmParams p, int split, int tiles,
 
 // x^T [K, T] (x_layout = 1): the x^T engine, the only one that reads it; with XROW (2:4), the same engine on
 // x [T, K] (x_layout = 0), chosen by Dispatch. DBK > 0: with the bias gradient (DBK k16 steps a stage per CTA).
-// DEEP: x^T where a CTA's rows sit in one V block (XtLayout). WS (with DEEP, gathered rows): the warp-specialized
-// kernel, SddmmWgmmaXtWsKernel.
+// DEEP: x^T where a CTA's rows sit in one V block (XtLayout). WS: the warp-specialized kernels, SddmmWgmmaXtWsKernel
+// (with DEEP, gathered rows) and SddmmWgmmaXrWsKernel (XROW).
 template <typename T, bool XROW, int DBK, bool DEEP, bool WS>
 constexpr auto XtKernel() {
-  if constexpr (WS)
+  if constexpr (WS && XROW)
+    return SddmmWgmmaXrWsKernel<T, DBK>;
+  else if constexpr (WS)
     return SddmmWgmmaXtWsKernel<T, DBK>;
   else
     return SddmmWgmmaXtKernel<T, XROW, DBK, DEEP>;
@@ -1090,7 +1197,7 @@ constexpr auto XtKernel() {
 template <typename T, bool XROW, int DBK, bool DEEP = false, bool WS = false>
 ffi::Error LaunchXtKernel(cudaStream_t stream, const SddmmParams& p, int split, const Partials& partials, float* db_out,
                           const DyParts& dys) {
-  static_assert(!WS || (DEEP && !XROW), "the warp-specialized kernel runs the deep x^T layout");
+  static_assert(!WS || DEEP != XROW, "the warp-specialized kernels run the deep x^T layout or x rows");
   constexpr auto kernel = XtKernel<T, XROW, DBK, DEEP, WS>();
   const std::string what = XROW ? "jaxsparse_sddmm: the tma engine" : "jaxsparse_sddmm: x^T (x_layout 1)";
   if (!Sm90aImageLoaded<kernel>()) return ffi::Error::InvalidArgument(what + " needs an sm_90a build on a Hopper GPU");
@@ -1099,9 +1206,9 @@ ffi::Error LaunchXtKernel(cudaStream_t stream, const SddmmParams& p, int split, 
   if (p.rows % kXtBR || (!XROW && p.tokens % 8))
     return ffi::Error::InvalidArgument(what + (XROW ? " needs R % 128 == 0" : " needs R % 128 == 0 and T % 8 == 0"));
   using L = XtLayout<XROW, DEEP>;
-  constexpr int kSmem = WS ? (DBK > 0 ? XtWsBars::kSmemBytesDb : XtWsBars::kSmemBytes)
-                           : (DBK > 0 ? L::kSmemBytesDb : L::kSmemBytes);
-  constexpr int kThreads = WS ? kXtWsThreads : kXtThreads;
+  using B = XtWsBars<XROW>;
+  constexpr int kSmem = WS ? (DBK > 0 ? B::kSmemBytesDb : B::kSmemBytes) : (DBK > 0 ? L::kSmemBytesDb : L::kSmemBytes);
+  constexpr int kThreads = !WS ? kXtThreads : XROW ? kWsThreads : kXtWsThreads;
   if (ffi::Error e = RaiseSmemLimit<kernel>(kSmem, "cudaFuncSetAttribute(SddmmWgmmaXtKernel)"); e.failure()) return e;
   if (p.dy_rows % kXtBR || p.rows != p.dy_rows * dys.parts)  // a CTA's 128 rows in one layer's dy (PartOfRow)
     return ffi::Error::Internal(what + ": stacked layers need dy_rows % 128 == 0 and R = parts * dy_rows");
@@ -1144,9 +1251,9 @@ ffi::Error LaunchXtColumns(cudaStream_t stream, const SddmmParams& p, int split,
 template <typename T, bool XROW>
 ffi::Error LaunchXt(cudaStream_t stream, const SddmmParams& p, int split, const Partials& partials, float* db_out,
                     const DyParts& dys) {
-  if constexpr (XROW) {
-    if (db_out == nullptr) return LaunchXtKernel<T, true, 0>(stream, p, split, partials, nullptr, dys);
-    return LaunchXtKernel<T, true, 1>(stream, p, split, partials, db_out, dys);
+  if constexpr (XROW) {  // warp-specialized (SddmmWgmmaXrWsKernel)
+    if (db_out == nullptr) return LaunchXtKernel<T, true, 0, false, true>(stream, p, split, partials, nullptr, dys);
+    return LaunchXtKernel<T, true, 1, false, true>(stream, p, split, partials, db_out, dys);
   } else {
     // One V block a CTA (V % 128 == 0, or 2:4): one B tile a stage, six stages deep; gathered rows (V:2:M) by the
     // warp-specialized kernel.
@@ -1203,7 +1310,7 @@ ffi::Error Dispatch(cudaStream_t stream, const SddmmParams& p, int m, int split,
                                        "empty third result elsewhere");
   };
   if (x_layout == 1) return LaunchXt<T, false>(stream, p, split, partials, db_out, dys);
-  const bool xt_image = Sm90aImageLoaded<SddmmWgmmaXtKernel<T, true>>();
+  const bool xt_image = Sm90aImageLoaded<SddmmWgmmaXrWsKernel<T>>();
   // Only the tma engine reads a diagonal block's columns of x and, besides the x^T engine, stacked layers' dy (by TMA;
   // the handler refuses the two together).
   if (dys.parts > 1 || p.x_blocks > 1 || p.x_chunks != nullptr) {
