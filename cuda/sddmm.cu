@@ -57,7 +57,7 @@ struct SddmmParams {
                           // x's columns (r / (rows / x_blocks)) K + [0, K); 1 = one block (x [T, K])
   const int32_t* x_chunks;  // [x_blocks, K/64] or null (the tma engine): block b's columns j*64 + [0, 64) are x's
                             // columns x_chunks[b, j] * 64 + [0, 64) (its input set in 64-column chunks)
-  // The bias gradient (SddmmWgmmaXtKernel<T, XROW, DBK> with DBK > 0): sum over tokens of dy, per row. Every CTA
+  // The bias gradient (the x^T and tma engines' kernels with DBK > 0): sum over tokens of dy, per row. Every CTA
   // adds DBK k16 steps of each of its stages (m64n8 products of dy^T with a tile of ones), so ways = 4 / DBK column
   // tiles cover a stage; the first `ways` column tiles write their sums to plane (grid.z * ways + column tile) of
   // db_partial [S * ways, R], and the reduction sums the planes in order. Null: no bias gradient.
@@ -584,11 +584,12 @@ __global__ void __launch_bounds__(kWgThreads, 2) SddmmWgmmaKernel(const SddmmPar
 // then run while one group of the previous stage may still be in flight (wgmma.wait_group 1), so the tensor cores
 // see back-to-back work; a buffer is refilled only after every warpgroup's wgmmas on it completed.
 // Needs T % 8 == 0 (16-byte rows of x^T) and R % 128 == 0; the Python side takes this path only then.
-// XROW (2:4 only, session 7): the same engine reads x [T, K] as XLA holds it, so the layer needs no transpose:
-// the NC = 256 condensed columns are x's columns 4 g0 .. 4 g0 + 255, four TMA boxes of 64 tokens x 64 columns
-// that land as an MN-major 128B-swizzled B (trans-b = 1, LBO = one box), like dy; each warpgroup runs m64n256
+// XROW, the tma engine (2:4 only, session 7): the same products on x [T, K] as XLA holds it, so the layer needs no
+// transpose: the NC = 256 condensed columns are x's columns 4 g0 .. 4 g0 + 255, four TMA boxes of 64 tokens x 64
+// columns that land as an MN-major 128B-swizzled B (trans-b = 1, LBO = one box), like dy; each warpgroup runs m64n256
 // products, which take in 48 KB per 64-token stage for 2M products against 32 KB for 1M at 128 columns (session
-// 10: the loads, not the tensor pipe, set the forward kernel's main-loop rate; benchmarks/ws_probe.cu).
+// 10: the loads, not the tensor pipe, set the forward kernel's main-loop rate; benchmarks/ws_probe.cu). Since session
+// 57 it runs warp-specialized only (SddmmWgmmaXrWsKernel, below); SddmmWgmmaXtKernel reads x^T.
 // Epilogue: StoreKeptPairs, as both other engines.
 constexpr int kXtBR = 128;
 constexpr int kXtBT = 64;
@@ -733,13 +734,13 @@ __device__ __forceinline__ void LoadXRowBoxes(const SddmmParams& p, const CUtens
 }
 #endif  // JAXSPARSE_WGMMA
 
-template <typename T, bool XROW, int DBK = 0, bool DEEP = false>
+template <typename T, int DBK = 0, bool DEEP = false>
 __global__ void __launch_bounds__(kXtThreads, 1)
     SddmmWgmmaXtKernel(const SddmmParams p, const __grid_constant__ CUtensorMap tma_dy,
                        const __grid_constant__ CUtensorMap tma_xt, const __grid_constant__ CUtensorMap tma_dy1,
                        const __grid_constant__ CUtensorMap tma_dy2, const SddmmParts parts) {
 #ifdef JAXSPARSE_WGMMA
-  using L = XtLayout<XROW, DEEP>;
+  using L = XtLayout<false, DEEP>;
   constexpr int kXtStages = L::kStages;
   constexpr int NC = L::kNC, GC = L::kGC;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -755,9 +756,9 @@ __global__ void __launch_bounds__(kXtThreads, 1)
   const auto [kt_begin, num_kt] = CtaTokenTiles<kXtBT>(p);  // this CTA's token tiles
   const PartOf dy = PartOfRow(p, parts, row0, tma_dy, tma_dy1, tma_dy2);  // its layer (SddmmParams::dy_rows)
   constexpr int halves = L::kBTiles;  // one B tile for both warpgroups, or one for each (XtLayout)
-  // x rows (XROW) and the deep layout (launched here only for 2:4, where the condensed rows are x^T's rows g0*4 ..
-  // g0*4 + 127 themselves): TMA boxes; else (V = 64) a gather by cp.async. LaunchXtKernel checks the pattern.
-  constexpr bool x_by_tma = XROW || DEEP;
+  // The deep layout (launched here only for 2:4, where the condensed rows are x^T's rows g0*4 .. g0*4 + 127
+  // themselves): a TMA box; else (V = 64) a gather by cp.async. LaunchXtKernel checks the pattern.
+  constexpr bool x_by_tma = DEEP;
 
   constexpr bool DB = DBK > 0;  // the bias gradient (XtBiasGrad)
   static_assert(kXtKSteps == 4, "a stage of four k16 steps");
@@ -773,8 +774,8 @@ __global__ void __launch_bounds__(kXtThreads, 1)
     if constexpr (!x_by_tma) gather[h].Init(p, tid, (dy.row + 64 * h) / p.v, g0, dy.cols);
 
   // Thread 0 loads dy by TMA (two boxes of 64 tokens x 64 rows: the MN-major 128B-swizzled halves) and, at
-  // 2:4, x^T too (one box of 64 tokens x 128 rows, K-major 128B-swizzled) or x's columns (XROW: NC / 64 boxes of
-  // 64 tokens x 64 columns, MN-major); tokens past T and rows past K arrive as zeros.
+  // 2:4, x^T too (one box of 64 tokens x 128 rows, K-major 128B-swizzled); tokens past T and rows past K arrive as
+  // zeros.
   auto load_stage = [&](int buf, int kt) {
     const uint32_t base = smem_base + buf * L::kStageBytes, full = full0 + 8 * buf;
     const int t0 = kt * kXtBT;
@@ -782,11 +783,7 @@ __global__ void __launch_bounds__(kXtThreads, 1)
       MbarArriveExpectTx(full, 2 * L::kDyHalf + (x_by_tma ? L::kXcTile : 0));
       TmaLoad2d(base, dy.dy, dy.row, t0, full);
       TmaLoad2d(base + L::kDyHalf, dy.dy, dy.row + 64, t0, full);
-      if (XROW) {
-        LoadXRowBoxes<NC>(p, &tma_xt, base + L::kXcOff, row0, g0, t0, full);
-      } else if (x_by_tma) {
-        TmaLoad2d(base + L::kXcOff, &tma_xt, t0, 4 * g0, full);
-      }
+      if (x_by_tma) TmaLoad2d(base + L::kXcOff, &tma_xt, t0, 4 * g0, full);
     }
     if constexpr (!x_by_tma) {
 #pragma unroll
@@ -821,16 +818,9 @@ __global__ void __launch_bounds__(kXtThreads, 1)
     if constexpr (DB) WgmmaFenceOperands(acc_db);
     WgmmaFence();
 #pragma unroll
-    for (int ks = 0; ks < kXtKSteps; ++ks) {
-      const uint64_t da = WgmmaDescSw128(a_base + ks * 2048, L::kDyHalf, 1024);
-      if (XROW) {
-        const uint64_t db = WgmmaDescSw128(b_base + ks * 2048, kXtBox, 1024);  // 64-column boxes kXtBox apart
-        Wgmma<NC, T, 1>::Run(acc, da, db);
-      } else {
-        const uint64_t db = WgmmaDescSw128(b_base + ks * 32, 16, 1024);
-        Wgmma<NC, T, 0>::Run(acc, da, db);
-      }
-    }
+    for (int ks = 0; ks < kXtKSteps; ++ks)
+      Wgmma<NC, T, 0>::Run(acc, WgmmaDescSw128(a_base + ks * 2048, L::kDyHalf, 1024),
+                           WgmmaDescSw128(b_base + ks * 32, 16, 1024));
     if constexpr (DB) bias.Products(acc_db, a_base);
     WgmmaCommit();
     WgmmaWait<1>();  // stage kt-1's wgmmas of this warpgroup completed
@@ -970,8 +960,9 @@ __global__ void __launch_bounds__(kXtWsThreads, 1)
 // producer, whose thread 0 alone fills the ring by TMA (dy's two boxes and x's four, one expect_tx a stage; the others
 // leave at once), warpgroups 1 and 2 run the m64n256 products of the two 64-row halves and give each stage back on
 // its empty barrier once wgmma.wait_group 1 shows its products completed, as SddmmWgmmaXtWsKernel does. So the loads
-// run three stages ahead of the products with no CTA barrier inside the loop, where SddmmWgmmaXtKernel<T, true> loads
-// two ahead behind a barrier a stage. The consumers stage and store the kept pairs alone (named barrier 1).
+// run three stages ahead of the products with no CTA barrier inside the loop, where the barrier kernel that ran x rows
+// before (SddmmWgmmaXtKernel's XROW) loaded two ahead behind a barrier a stage: 4.5-5.5 % faster in the step
+// (docs/kernel-notes.md, session 57). The consumers stage and store the kept pairs alone (named barrier 1).
 template <typename T, int DBK = 0>
 __global__ void __launch_bounds__(kWsThreads, 1)
     SddmmWgmmaXrWsKernel(const SddmmParams p, const __grid_constant__ CUtensorMap tma_dy,
@@ -1191,13 +1182,13 @@ constexpr auto XtKernel() {
   else if constexpr (WS)
     return SddmmWgmmaXtWsKernel<T, DBK>;
   else
-    return SddmmWgmmaXtKernel<T, XROW, DBK, DEEP>;
+    return SddmmWgmmaXtKernel<T, DBK, DEEP>;
 }
 
 template <typename T, bool XROW, int DBK, bool DEEP = false, bool WS = false>
 ffi::Error LaunchXtKernel(cudaStream_t stream, const SddmmParams& p, int split, const Partials& partials, float* db_out,
                           const DyParts& dys) {
-  static_assert(!WS || DEEP != XROW, "the warp-specialized kernels run the deep x^T layout or x rows");
+  static_assert(XROW ? WS && !DEEP : !WS || DEEP, "x rows run warp-specialized; so does x^T, in the deep layout only");
   constexpr auto kernel = XtKernel<T, XROW, DBK, DEEP, WS>();
   const std::string what = XROW ? "jaxsparse_sddmm: the tma engine" : "jaxsparse_sddmm: x^T (x_layout 1)";
   if (!Sm90aImageLoaded<kernel>()) return ffi::Error::InvalidArgument(what + " needs an sm_90a build on a Hopper GPU");
