@@ -57,7 +57,7 @@ struct SddmmParams {
                           // x's columns (r / (rows / x_blocks)) K + [0, K); 1 = one block (x [T, K])
   const int32_t* x_chunks;  // [x_blocks, K/64] or null (the tma engine): block b's columns j*64 + [0, 64) are x's
                             // columns x_chunks[b, j] * 64 + [0, 64) (its input set in 64-column chunks)
-  // The bias gradient (SddmmWgmmaXtKernel<T, XROW, DBK> with DBK > 0): sum over tokens of dy, per row. Every CTA
+  // The bias gradient (the x^T and tma engines' kernels with DBK > 0): sum over tokens of dy, per row. Every CTA
   // adds DBK k16 steps of each of its stages (m64n8 products of dy^T with a tile of ones), so ways = 4 / DBK column
   // tiles cover a stage; the first `ways` column tiles write their sums to plane (grid.z * ways + column tile) of
   // db_partial [S * ways, R], and the reduction sums the planes in order. Null: no bias gradient.
@@ -165,15 +165,16 @@ __device__ __forceinline__ PartOf PartOfRow(const SddmmParams& p, const SddmmPar
           part == 0 ? parts.meta[0] : part == 1 ? parts.meta[1] : parts.meta[2]};
 }
 
-// Epilogue of both engines: `tile` [ROWS][row_floats] holds C[r, 4*gl + p] for the CTA's rows and GC groups;
-// per (row, group) the metadata nibble picks the 2 kept of the 4 products, stored by StorePair.
+// Epilogue of every engine: `tile` [ROWS][row_floats] holds C[r, 4*gl + p] for the CTA's rows and GC groups;
+// per (row, group) the metadata nibble picks the 2 kept of the 4 products, stored by StorePair. THREADS threads store,
+// the caller being thread `t` of them.
 template <typename T, int ROWS, int GC, int THREADS>
 __device__ __forceinline__ void StoreKeptPairs(const SddmmParams& p, const float* tile, int row_floats, int row0,
-                                               int g0, const uint32_t* meta = nullptr, int meta_row0 = -1) {
+                                               int g0, int t, const uint32_t* meta = nullptr, int meta_row0 = -1) {
   // meta: the metadata holding row0 as its row meta_row0 (a stacked layer's own: SddmmParts); default p.meta, row0.
   if (meta == nullptr) meta = p.meta, meta_row0 = row0;
   const int meta_stride = p.groups / 8;
-  for (int i = threadIdx.x; i < ROWS * GC; i += THREADS) {
+  for (int i = t; i < ROWS * GC; i += THREADS) {
     const int r = i / GC, gl = i % GC, g = g0 + gl;
     if (g >= p.groups) continue;
     const int row = row0 + r;
@@ -343,7 +344,7 @@ __global__ void __launch_bounds__(kSdThreads) SddmmKernel(const SddmmParams p) {
         tile[r * L::kEpiRowFloats + c] = acc[mi][ni][q];
       }
   __syncthreads();
-  StoreKeptPairs<T, kSdBR, GC, kSdThreads>(p, tile, L::kEpiRowFloats, row0, g0);
+  StoreKeptPairs<T, kSdBR, GC, kSdThreads>(p, tile, L::kEpiRowFloats, row0, g0, threadIdx.x);
 }
 
 // ---------------------------------------------------------------- Hopper engine (wgmma, sm_90a)
@@ -558,7 +559,7 @@ __global__ void __launch_bounds__(kWgThreads, 2) SddmmWgmmaKernel(const SddmmPar
   float* tile = reinterpret_cast<float*>(smem);
   StageWgmmaAccumulators<NC>(tile, L::kEpiRowFloats, acc);
   __syncthreads();
-  StoreKeptPairs<T, kWgBR, GC, kWgThreads>(p, tile, L::kEpiRowFloats, row0, g0);
+  StoreKeptPairs<T, kWgBR, GC, kWgThreads>(p, tile, L::kEpiRowFloats, row0, g0, threadIdx.x);
 #else
   __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
 #endif
@@ -583,11 +584,12 @@ __global__ void __launch_bounds__(kWgThreads, 2) SddmmWgmmaKernel(const SddmmPar
 // then run while one group of the previous stage may still be in flight (wgmma.wait_group 1), so the tensor cores
 // see back-to-back work; a buffer is refilled only after every warpgroup's wgmmas on it completed.
 // Needs T % 8 == 0 (16-byte rows of x^T) and R % 128 == 0; the Python side takes this path only then.
-// XROW (2:4 only, session 7): the same engine reads x [T, K] as XLA holds it, so the layer needs no transpose:
-// the NC = 256 condensed columns are x's columns 4 g0 .. 4 g0 + 255, four TMA boxes of 64 tokens x 64 columns
-// that land as an MN-major 128B-swizzled B (trans-b = 1, LBO = one box), like dy; each warpgroup runs m64n256
+// XROW, the tma engine (2:4 only, session 7): the same products on x [T, K] as XLA holds it, so the layer needs no
+// transpose: the NC = 256 condensed columns are x's columns 4 g0 .. 4 g0 + 255, four TMA boxes of 64 tokens x 64
+// columns that land as an MN-major 128B-swizzled B (trans-b = 1, LBO = one box), like dy; each warpgroup runs m64n256
 // products, which take in 48 KB per 64-token stage for 2M products against 32 KB for 1M at 128 columns (session
-// 10: the loads, not the tensor pipe, set the forward kernel's main-loop rate; benchmarks/ws_probe.cu).
+// 10: the loads, not the tensor pipe, set the forward kernel's main-loop rate; benchmarks/ws_probe.cu). Since session
+// 57 it runs warp-specialized only (SddmmWgmmaXrWsKernel, below); SddmmWgmmaXtKernel reads x^T.
 // Epilogue: StoreKeptPairs, as both other engines.
 constexpr int kXtBR = 128;
 constexpr int kXtBT = 64;
@@ -712,15 +714,33 @@ struct XtRowGather {
     }
   }
 };
+// The tma engine's B tile from x [T, K] (XROW): columns 4 g0 .. 4 g0 + NC - 1 of tokens t0 .. t0 + 63 of the diagonal
+// block holding row0 (x_blocks; x_chunks: the block's 64-column chunks where they are in x), NC / 64 boxes of 64
+// tokens x 64 columns that land as an MN-major 128B-swizzled B at `dst`, completing on barrier `full`. Columns past the
+// block belong to no kept value (never stored). Issued by one thread.
+template <int NC>
+__device__ __forceinline__ void LoadXRowBoxes(const SddmmParams& p, const CUtensorMap* tma_x, uint32_t dst, int row0,
+                                              int g0, int t0, uint32_t full) {
+  const int blk = row0 / (p.rows / p.x_blocks), xk0 = blk * p.k, nch = p.k / 64;
+#pragma unroll
+  for (int c = 0; c < NC / 64; ++c) {
+    // x_chunks: the chunk's column in x (4 g0 is a multiple of NC); a chunk past the block reads past x's width (zeros;
+    // its columns are never stored)
+    const int j = 4 * g0 / 64 + c;
+    const int col = p.x_chunks == nullptr ? xk0 + 4 * g0 + 64 * c
+                    : j < nch ? __ldg(p.x_chunks + blk * nch + j) * 64 : p.k * p.x_blocks;
+    TmaLoad2d(dst + c * kXtBox, tma_x, col, t0, full);
+  }
+}
 #endif  // JAXSPARSE_WGMMA
 
-template <typename T, bool XROW, int DBK = 0, bool DEEP = false>
+template <typename T, int DBK = 0, bool DEEP = false>
 __global__ void __launch_bounds__(kXtThreads, 1)
     SddmmWgmmaXtKernel(const SddmmParams p, const __grid_constant__ CUtensorMap tma_dy,
                        const __grid_constant__ CUtensorMap tma_xt, const __grid_constant__ CUtensorMap tma_dy1,
                        const __grid_constant__ CUtensorMap tma_dy2, const SddmmParts parts) {
 #ifdef JAXSPARSE_WGMMA
-  using L = XtLayout<XROW, DEEP>;
+  using L = XtLayout<false, DEEP>;
   constexpr int kXtStages = L::kStages;
   constexpr int NC = L::kNC, GC = L::kGC;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -736,9 +756,9 @@ __global__ void __launch_bounds__(kXtThreads, 1)
   const auto [kt_begin, num_kt] = CtaTokenTiles<kXtBT>(p);  // this CTA's token tiles
   const PartOf dy = PartOfRow(p, parts, row0, tma_dy, tma_dy1, tma_dy2);  // its layer (SddmmParams::dy_rows)
   constexpr int halves = L::kBTiles;  // one B tile for both warpgroups, or one for each (XtLayout)
-  // x rows (XROW) and the deep layout (launched here only for 2:4, where the condensed rows are x^T's rows g0*4 ..
-  // g0*4 + 127 themselves): TMA boxes; else (V = 64) a gather by cp.async. LaunchXtKernel checks the pattern.
-  constexpr bool x_by_tma = XROW || DEEP;
+  // The deep layout (launched here only for 2:4, where the condensed rows are x^T's rows g0*4 .. g0*4 + 127
+  // themselves): a TMA box; else (V = 64) a gather by cp.async. LaunchXtKernel checks the pattern.
+  constexpr bool x_by_tma = DEEP;
 
   constexpr bool DB = DBK > 0;  // the bias gradient (XtBiasGrad)
   static_assert(kXtKSteps == 4, "a stage of four k16 steps");
@@ -754,8 +774,8 @@ __global__ void __launch_bounds__(kXtThreads, 1)
     if constexpr (!x_by_tma) gather[h].Init(p, tid, (dy.row + 64 * h) / p.v, g0, dy.cols);
 
   // Thread 0 loads dy by TMA (two boxes of 64 tokens x 64 rows: the MN-major 128B-swizzled halves) and, at
-  // 2:4, x^T too (one box of 64 tokens x 128 rows, K-major 128B-swizzled) or x's columns (XROW: NC / 64 boxes of
-  // 64 tokens x 64 columns, MN-major); tokens past T and rows past K arrive as zeros.
+  // 2:4, x^T too (one box of 64 tokens x 128 rows, K-major 128B-swizzled); tokens past T and rows past K arrive as
+  // zeros.
   auto load_stage = [&](int buf, int kt) {
     const uint32_t base = smem_base + buf * L::kStageBytes, full = full0 + 8 * buf;
     const int t0 = kt * kXtBT;
@@ -763,21 +783,7 @@ __global__ void __launch_bounds__(kXtThreads, 1)
       MbarArriveExpectTx(full, 2 * L::kDyHalf + (x_by_tma ? L::kXcTile : 0));
       TmaLoad2d(base, dy.dy, dy.row, t0, full);
       TmaLoad2d(base + L::kDyHalf, dy.dy, dy.row + 64, t0, full);
-      if (XROW) {  // x [T, K]: columns 4 g0 .. 4 g0 + NC - 1 of tokens t0 .. t0 + 63, NC / 64 boxes (of the
-                   // row's diagonal block; columns past it belong to no kept value: never stored)
-        const int blk = row0 / (p.rows / p.x_blocks), xk0 = blk * p.k, nch = p.k / 64;
-#pragma unroll
-        for (int c = 0; c < NC / 64; ++c) {
-          // x_chunks: the chunk's column in x (4 g0 is a multiple of NC); a chunk past the block reads past x's
-          // width (zeros; its columns are never stored)
-          const int j = 4 * g0 / 64 + c;
-          const int col = p.x_chunks == nullptr ? xk0 + 4 * g0 + 64 * c
-                          : j < nch ? __ldg(p.x_chunks + blk * nch + j) * 64 : p.k * p.x_blocks;
-          TmaLoad2d(base + L::kXcOff + c * kXtBox, &tma_xt, col, t0, full);
-        }
-      } else if (x_by_tma) {
-        TmaLoad2d(base + L::kXcOff, &tma_xt, t0, 4 * g0, full);
-      }
+      if (x_by_tma) TmaLoad2d(base + L::kXcOff, &tma_xt, t0, 4 * g0, full);
     }
     if constexpr (!x_by_tma) {
 #pragma unroll
@@ -812,16 +818,9 @@ __global__ void __launch_bounds__(kXtThreads, 1)
     if constexpr (DB) WgmmaFenceOperands(acc_db);
     WgmmaFence();
 #pragma unroll
-    for (int ks = 0; ks < kXtKSteps; ++ks) {
-      const uint64_t da = WgmmaDescSw128(a_base + ks * 2048, L::kDyHalf, 1024);
-      if (XROW) {
-        const uint64_t db = WgmmaDescSw128(b_base + ks * 2048, kXtBox, 1024);  // 64-column boxes kXtBox apart
-        Wgmma<NC, T, 1>::Run(acc, da, db);
-      } else {
-        const uint64_t db = WgmmaDescSw128(b_base + ks * 32, 16, 1024);
-        Wgmma<NC, T, 0>::Run(acc, da, db);
-      }
-    }
+    for (int ks = 0; ks < kXtKSteps; ++ks)
+      Wgmma<NC, T, 0>::Run(acc, WgmmaDescSw128(a_base + ks * 2048, L::kDyHalf, 1024),
+                           WgmmaDescSw128(b_base + ks * 32, 16, 1024));
     if constexpr (DB) bias.Products(acc_db, a_base);
     WgmmaCommit();
     WgmmaWait<1>();  // stage kt-1's wgmmas of this warpgroup completed
@@ -838,7 +837,7 @@ __global__ void __launch_bounds__(kXtThreads, 1)
   float* tile = reinterpret_cast<float*>(smem);
   StageWgmmaAccumulators<NC>(tile, L::kEpiRowFloats, acc);
   __syncthreads();
-  StoreKeptPairs<T, kXtBR, GC, kXtThreads>(p, tile, L::kEpiRowFloats, row0, g0, dy.meta, dy.row);
+  StoreKeptPairs<T, kXtBR, GC, kXtThreads>(p, tile, L::kEpiRowFloats, row0, g0, tid, dy.meta, dy.row);
 #else
   __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
 #endif
@@ -853,8 +852,11 @@ __global__ void __launch_bounds__(kXtThreads, 1)
 // stage's end nor a second CTA barrier (both slower on SddmmWgmmaXtKernel: docs/kernel-notes.md, session 52).
 constexpr int kXtWsProducers = 256;  // two producer warpgroups: four condensed rows' chunks a thread a stage
 constexpr int kXtWsThreads = kXtWsProducers + 256;
+// The empty barriers after the full ones, and the tile of ones, of a warp-specialized kernel on XtLayout<XROW, DEEP>
+// (the x^T one's deep layout; the tma engine's x rows).
+template <bool XROW>
 struct XtWsBars {
-  using L = XtLayout<false, true>;
+  using L = XtLayout<XROW, !XROW>;
   static constexpr int kEmptyOff = L::kBarOff + 8 * L::kStages;
   static constexpr int kOnesOff = (kEmptyOff + 8 * L::kStages + 1023) / 1024 * 1024;
   static constexpr int kSmemBytes = kEmptyOff + 8 * L::kStages + 1024;
@@ -869,7 +871,7 @@ __global__ void __launch_bounds__(kXtWsThreads, 1)
                          const SddmmParts parts) {
 #ifdef JAXSPARSE_WGMMA
   using L = XtLayout<false, true>;
-  using B = XtWsBars;
+  using B = XtWsBars<false>;
   constexpr int S = L::kStages, NC = L::kNC, GC = L::kGC;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const AlignedSmem aligned = AlignSmem1024(smem_raw);
@@ -948,7 +950,101 @@ __global__ void __launch_bounds__(kXtWsThreads, 1)
   float* tile = reinterpret_cast<float*>(smem);
   if (tid >= kXtWsProducers) StageWgmmaAccumulators<NC>(tile, L::kEpiRowFloats, acc, tid - kXtWsProducers);
   __syncthreads();
-  StoreKeptPairs<T, kXtBR, GC, kXtWsThreads>(p, tile, L::kEpiRowFloats, row0, g0, part.meta, part.row);
+  StoreKeptPairs<T, kXtBR, GC, kXtWsThreads>(p, tile, L::kEpiRowFloats, row0, g0, tid, part.meta, part.row);
+#else
+  __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
+#endif
+}
+
+// The tma engine warp-specialized (session 57; XtLayout<true, false>: x rows, four 48 KB stages): warpgroup 0 is the
+// producer, whose thread 0 alone fills the ring by TMA (dy's two boxes and x's four, one expect_tx a stage; the others
+// leave at once), warpgroups 1 and 2 run the m64n256 products of the two 64-row halves and give each stage back on
+// its empty barrier once wgmma.wait_group 1 shows its products completed, as SddmmWgmmaXtWsKernel does. So the loads
+// run three stages ahead of the products with no CTA barrier inside the loop, where the barrier kernel that ran x rows
+// before (SddmmWgmmaXtKernel's XROW) loaded two ahead behind a barrier a stage: 4.5-5.5 % faster in the step
+// (docs/kernel-notes.md, session 57). The consumers stage and store the kept pairs alone (named barrier 1).
+template <typename T, int DBK = 0>
+__global__ void __launch_bounds__(kWsThreads, 1)
+    SddmmWgmmaXrWsKernel(const SddmmParams p, const __grid_constant__ CUtensorMap tma_dy,
+                         const __grid_constant__ CUtensorMap tma_x, const __grid_constant__ CUtensorMap tma_dy1,
+                         const __grid_constant__ CUtensorMap tma_dy2, const SddmmParts parts) {
+#ifdef JAXSPARSE_WGMMA
+  using L = XtLayout<true, false>;
+  using B = XtWsBars<true>;
+  constexpr int S = L::kStages, NC = L::kNC, GC = L::kGC;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const AlignedSmem aligned = AlignSmem1024(smem_raw);
+  unsigned char* smem = aligned.ptr;
+  const uint32_t smem_base = aligned.addr;
+  const uint32_t full0 = smem_base + L::kBarOff, empty0 = smem_base + B::kEmptyOff;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+  const int row0 = blockIdx.x * kXtBR;
+  const int g0 = blockIdx.y * GC;
+  const auto [kt_begin, num_kt] = CtaTokenTiles<kXtBT>(p);  // this CTA's token tiles
+  const PartOf part = PartOfRow(p, parts, row0, tma_dy, tma_dy1, tma_dy2);  // its layer (SddmmParams::dy_rows)
+
+  constexpr bool DB = DBK > 0;  // the bias gradient (XtBiasGrad)
+  const XtBiasGrad<T, DBK> bias(smem + B::kOnesOff, smem_base + B::kOnesOff, L::kOnesBytes, tid, kWsThreads);
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      MbarInit(full0 + 8 * s, 1);  // thread 0's expect_tx arrival
+      MbarInit(empty0 + 8 * s, 8);  // every consumer warp done with the stage
+    }
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // ------------------------------------------------ producer
+    SetMaxRegisters<WsRegs<true>::kProducer, false>();
+    if (tid != 0) return;
+    for (int j = 0; j < num_kt; ++j) {
+      const int s = j % S;
+      const uint32_t base = smem_base + s * L::kStageBytes, full = full0 + 8 * s;
+      if (j >= S) MbarWait(empty0 + 8 * s, ((j / S) & 1) ^ 1);  // the consumers gave the slot back
+      const int t0 = (kt_begin + j) * kXtBT;
+      MbarArriveExpectTx(full, 2 * L::kDyHalf + L::kXcTile);
+      TmaLoad2d(base, part.dy, part.row, t0, full);
+      TmaLoad2d(base + L::kDyHalf, part.dy, part.row + 64, t0, full);
+      LoadXRowBoxes<NC>(p, &tma_x, base + L::kXcOff, row0, g0, t0, full);
+    }
+    return;
+  }
+  // ---------------------------------------------------------------- consumers
+  SetMaxRegisters<WsRegs<true>::kConsumer, true>();
+  const int t = tid - 128, cw = wg - 1;  // t: the thread among the consumers
+  float acc[NC / 2];
+#pragma unroll
+  for (int i = 0; i < NC / 2; ++i) acc[i] = 0.f;
+  float acc_db[4] = {0.f, 0.f, 0.f, 0.f};  // m64n8: every column holds the row's sum
+  for (int kt = 0; kt < num_kt; ++kt) {
+    const int s = kt % S;
+    MbarWait(full0 + 8 * s, (kt / S) & 1);  // TMA alone wrote the stage: no proxy fence
+    const uint32_t a_base = smem_base + s * L::kStageBytes + cw * L::kDyHalf;
+    const uint32_t b_base = smem_base + s * L::kStageBytes + L::kXcOff;
+    WgmmaFenceOperands(acc);
+    if constexpr (DB) WgmmaFenceOperands(acc_db);
+    WgmmaFence();
+#pragma unroll
+    for (int ks = 0; ks < kXtKSteps; ++ks)  // x's 64-column boxes kXtBox apart
+      Wgmma<NC, T, 1>::Run(acc, WgmmaDescSw128(a_base + ks * 2048, L::kDyHalf, 1024),
+                           WgmmaDescSw128(b_base + ks * 2048, kXtBox, 1024));
+    if constexpr (DB) bias.Products(acc_db, a_base);
+    WgmmaCommit();
+    WgmmaWait<1>();  // stage kt-1's products of this warp completed
+    WgmmaFenceOperands(acc);
+    if constexpr (DB) WgmmaFenceOperands(acc_db);
+    if (lane == 0 && kt > 0) MbarArrive(empty0 + 8 * ((kt - 1) % S));
+  }
+  WgmmaWait<0>();
+  WgmmaFenceOperands(acc);
+  if constexpr (DB) WgmmaFenceOperands(acc_db);
+  bias.Store(p, acc_db, row0, t);
+
+  NamedBarSync(1, 256);  // every stage landed and every consumer's products completed: the ring becomes the tile
+  float* tile = reinterpret_cast<float*>(smem);
+  StageWgmmaAccumulators<NC>(tile, L::kEpiRowFloats, acc, t);
+  NamedBarSync(1, 256);
+  StoreKeptPairs<T, kXtBR, GC, 256>(p, tile, L::kEpiRowFloats, row0, g0, t, part.meta, part.row);
 #else
   __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
 #endif
@@ -1077,20 +1173,22 @@ ffi::Error LaunchSplit(cudaStream_t stream, SddmmParams p, int split, int tiles,
 
 // x^T [K, T] (x_layout = 1): the x^T engine, the only one that reads it; with XROW (2:4), the same engine on
 // x [T, K] (x_layout = 0), chosen by Dispatch. DBK > 0: with the bias gradient (DBK k16 steps a stage per CTA).
-// DEEP: x^T where a CTA's rows sit in one V block (XtLayout). WS (with DEEP, gathered rows): the warp-specialized
-// kernel, SddmmWgmmaXtWsKernel.
+// DEEP: x^T where a CTA's rows sit in one V block (XtLayout). WS: the warp-specialized kernels, SddmmWgmmaXtWsKernel
+// (with DEEP, gathered rows) and SddmmWgmmaXrWsKernel (XROW).
 template <typename T, bool XROW, int DBK, bool DEEP, bool WS>
 constexpr auto XtKernel() {
-  if constexpr (WS)
+  if constexpr (WS && XROW)
+    return SddmmWgmmaXrWsKernel<T, DBK>;
+  else if constexpr (WS)
     return SddmmWgmmaXtWsKernel<T, DBK>;
   else
-    return SddmmWgmmaXtKernel<T, XROW, DBK, DEEP>;
+    return SddmmWgmmaXtKernel<T, DBK, DEEP>;
 }
 
 template <typename T, bool XROW, int DBK, bool DEEP = false, bool WS = false>
 ffi::Error LaunchXtKernel(cudaStream_t stream, const SddmmParams& p, int split, const Partials& partials, float* db_out,
                           const DyParts& dys) {
-  static_assert(!WS || (DEEP && !XROW), "the warp-specialized kernel runs the deep x^T layout");
+  static_assert(XROW ? WS && !DEEP : !WS || DEEP, "x rows run warp-specialized; so does x^T, in the deep layout only");
   constexpr auto kernel = XtKernel<T, XROW, DBK, DEEP, WS>();
   const std::string what = XROW ? "jaxsparse_sddmm: the tma engine" : "jaxsparse_sddmm: x^T (x_layout 1)";
   if (!Sm90aImageLoaded<kernel>()) return ffi::Error::InvalidArgument(what + " needs an sm_90a build on a Hopper GPU");
@@ -1099,9 +1197,9 @@ ffi::Error LaunchXtKernel(cudaStream_t stream, const SddmmParams& p, int split, 
   if (p.rows % kXtBR || (!XROW && p.tokens % 8))
     return ffi::Error::InvalidArgument(what + (XROW ? " needs R % 128 == 0" : " needs R % 128 == 0 and T % 8 == 0"));
   using L = XtLayout<XROW, DEEP>;
-  constexpr int kSmem = WS ? (DBK > 0 ? XtWsBars::kSmemBytesDb : XtWsBars::kSmemBytes)
-                           : (DBK > 0 ? L::kSmemBytesDb : L::kSmemBytes);
-  constexpr int kThreads = WS ? kXtWsThreads : kXtThreads;
+  using B = XtWsBars<XROW>;
+  constexpr int kSmem = WS ? (DBK > 0 ? B::kSmemBytesDb : B::kSmemBytes) : (DBK > 0 ? L::kSmemBytesDb : L::kSmemBytes);
+  constexpr int kThreads = !WS ? kXtThreads : XROW ? kWsThreads : kXtWsThreads;
   if (ffi::Error e = RaiseSmemLimit<kernel>(kSmem, "cudaFuncSetAttribute(SddmmWgmmaXtKernel)"); e.failure()) return e;
   if (p.dy_rows % kXtBR || p.rows != p.dy_rows * dys.parts)  // a CTA's 128 rows in one layer's dy (PartOfRow)
     return ffi::Error::Internal(what + ": stacked layers need dy_rows % 128 == 0 and R = parts * dy_rows");
@@ -1144,9 +1242,9 @@ ffi::Error LaunchXtColumns(cudaStream_t stream, const SddmmParams& p, int split,
 template <typename T, bool XROW>
 ffi::Error LaunchXt(cudaStream_t stream, const SddmmParams& p, int split, const Partials& partials, float* db_out,
                     const DyParts& dys) {
-  if constexpr (XROW) {
-    if (db_out == nullptr) return LaunchXtKernel<T, true, 0>(stream, p, split, partials, nullptr, dys);
-    return LaunchXtKernel<T, true, 1>(stream, p, split, partials, db_out, dys);
+  if constexpr (XROW) {  // warp-specialized (SddmmWgmmaXrWsKernel)
+    if (db_out == nullptr) return LaunchXtKernel<T, true, 0, false, true>(stream, p, split, partials, nullptr, dys);
+    return LaunchXtKernel<T, true, 1, false, true>(stream, p, split, partials, db_out, dys);
   } else {
     // One V block a CTA (V % 128 == 0, or 2:4): one B tile a stage, six stages deep; gathered rows (V:2:M) by the
     // warp-specialized kernel.
@@ -1203,7 +1301,7 @@ ffi::Error Dispatch(cudaStream_t stream, const SddmmParams& p, int m, int split,
                                        "empty third result elsewhere");
   };
   if (x_layout == 1) return LaunchXt<T, false>(stream, p, split, partials, db_out, dys);
-  const bool xt_image = Sm90aImageLoaded<SddmmWgmmaXtKernel<T, true>>();
+  const bool xt_image = Sm90aImageLoaded<SddmmWgmmaXrWsKernel<T>>();
   // Only the tma engine reads a diagonal block's columns of x and, besides the x^T engine, stacked layers' dy (by TMA;
   // the handler refuses the two together).
   if (dys.parts > 1 || p.x_blocks > 1 || p.x_chunks != nullptr) {

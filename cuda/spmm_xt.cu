@@ -550,20 +550,7 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
 // tile's mul, one epilogue chunk per ring slot, by TMA on the ring's own barriers; the consumers read it from shared
 // memory as they store the chunk and then release the slot. The loads are in flight during the tile's last stages and
 // its staging, where session 35's loads from global memory in the store loop paid their latency on every store.
-constexpr int kWsThreads = 384;
-// Registers per thread once the roles are known (setmaxnreg, 128 x producer + 256 x consumer <= 168 x 384): the
-// producer gives back what the consumers' 128 accumulators and metadata pipeline need.  Launched at 168 (384
-// threads, one CTA per SM), the 128x256 consumers spilled 28 bytes once the metadata was fetched two stages
-// ahead.  A producer that gathers x^T rows by cp.async (x^T, M > 4) needs more than one that only issues TMA.
-template <bool XROW>
-struct WsRegs {
-  static constexpr int kProducer = XROW ? 40 : 56;
-  static constexpr int kConsumer = XROW ? 232 : 224;
-  // setmaxnreg.inc waits until registers are free, so the roles must fit in what the launch allocated (168 per
-  // thread), not in the register file: producer 48 / consumer 232 deadlocked every launch (session 10, call 5).
-  static constexpr int kLaunchRegs = 65536 / kWsThreads / 8 * 8;
-  static_assert(128 * kProducer + 256 * kConsumer <= kWsThreads * kLaunchRegs, "registers the launch allocated");
-};
+// kWsThreads and WsRegs (the roles' registers): wgmma.cuh.
 
 // The Y tile is staged kEpiChunks chunks of 128 tokens at a time where the two warpgroups share every token (BR >=
 // 128), which leaves shared memory for a deeper ring.

@@ -131,6 +131,23 @@ inline bool MakeTensorMap2d(CUtensorMap* map, const void* base, uint64_t rows, u
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// The warp-specialized kernels of 384 threads: one producer warpgroup, two consumer warpgroups (SpmmWgmmaXtWsKernel,
+// and the tma engine's SddmmWgmmaXrWsKernel). Registers per thread once the roles are known (setmaxnreg, 128 x
+// producer + 256 x consumer <= 168 x 384): the producer gives back what the consumers' 128 accumulators (and the
+// SpMM's metadata pipeline) need. Launched at 168 (384 threads, one CTA per SM), the SpMM's 128x256 consumers spilled 28
+// bytes once the metadata was fetched two stages ahead. A producer that gathers x^T rows by cp.async (x^T, M > 4)
+// needs more than one that only issues TMA (XROW: x rows, or any TMA-only producer).
+constexpr int kWsThreads = 384;
+template <bool XROW>
+struct WsRegs {
+  static constexpr int kProducer = XROW ? 40 : 56;
+  static constexpr int kConsumer = XROW ? 232 : 224;
+  // setmaxnreg.inc waits until registers are free, so the roles must fit in what the launch allocated (168 per
+  // thread), not in the register file: producer 48 / consumer 232 deadlocked every launch (session 10, call 5).
+  static constexpr int kLaunchRegs = 65536 / kWsThreads / 8 * 8;
+  static_assert(128 * kProducer + 256 * kConsumer <= kWsThreads * kLaunchRegs, "registers the launch allocated");
+};
+
 #ifdef JAXSPARSE_WGMMA
 __device__ __forceinline__ void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void WgmmaCommit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -187,6 +204,7 @@ __device__ __forceinline__ void SetMaxRegisters() {
   else
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
+
 __device__ __forceinline__ void NamedBarSync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
