@@ -843,6 +843,48 @@ __global__ void __launch_bounds__(kXtThreads, 1)
 #endif
 }
 
+// The consumers of both warp-specialized kernels (XtLayout<XROW, !XROW>): for each of the CTA's num_kt stages, wait on
+// its full barrier, run consumer warpgroup cw's products of its 64 rows (x rows: MN-major B boxes kXtBox apart; x^T:
+// the K-major gathered tile, whose cp.async writes need the async-proxy fence first) and the bias gradient's, and give
+// stage kt-1 back on its empty barrier once wgmma.wait_group 1 shows its products completed; then drain.
+#ifdef JAXSPARSE_WGMMA
+template <typename T, bool XROW, int DBK>
+__device__ __forceinline__ void XtWsConsume(float (&acc)[XtLayout<XROW, !XROW>::kNC / 2], float (&acc_db)[4],
+                                            const XtBiasGrad<T, DBK>& bias, uint32_t smem_base, uint32_t full0,
+                                            uint32_t empty0, int num_kt, int cw, int lane) {
+  using L = XtLayout<XROW, !XROW>;
+  constexpr int S = L::kStages, NC = L::kNC;
+  constexpr bool DB = DBK > 0;
+  for (int kt = 0; kt < num_kt; ++kt) {
+    const int s = kt % S;
+    MbarWait(full0 + 8 * s, (kt / S) & 1);
+    if constexpr (!XROW) FenceProxyAsyncShared();  // cp.async writes, seen through the barrier, before wgmma reads
+    const uint32_t a_base = smem_base + s * L::kStageBytes + cw * L::kDyHalf;
+    const uint32_t b_base = smem_base + s * L::kStageBytes + L::kXcOff;
+    WgmmaFenceOperands(acc);
+    if constexpr (DB) WgmmaFenceOperands(acc_db);
+    WgmmaFence();
+#pragma unroll
+    for (int ks = 0; ks < kXtKSteps; ++ks) {
+      const uint64_t da = WgmmaDescSw128(a_base + ks * 2048, L::kDyHalf, 1024);
+      if constexpr (XROW)
+        Wgmma<NC, T, 1>::Run(acc, da, WgmmaDescSw128(b_base + ks * 2048, kXtBox, 1024));
+      else
+        Wgmma<NC, T, 0>::Run(acc, da, WgmmaDescSw128(b_base + ks * 32, 16, 1024));
+    }
+    if constexpr (DB) bias.Products(acc_db, a_base);
+    WgmmaCommit();
+    WgmmaWait<1>();  // stage kt-1's products of this warp completed
+    WgmmaFenceOperands(acc);
+    if constexpr (DB) WgmmaFenceOperands(acc_db);
+    if (lane == 0 && kt > 0) MbarArrive(empty0 + 8 * ((kt - 1) % S));
+  }
+  WgmmaWait<0>();
+  WgmmaFenceOperands(acc);
+  if constexpr (DB) WgmmaFenceOperands(acc_db);
+}
+#endif  // JAXSPARSE_WGMMA
+
 // The x^T engine warp-specialized (session 52; XtLayout<false, true>: one V block a CTA, six 32 KB stages): warpgroups
 // 0 and 1 fill the ring (thread 0 brings dy by TMA, all 256 threads gather the kept x^T rows by cp.async, each marking
 // its part with cp.async.mbarrier.arrive; session 53: one producer warpgroup was 4.6 % slower than the deep kernel's
@@ -885,7 +927,6 @@ __global__ void __launch_bounds__(kXtWsThreads, 1)
   const auto [kt_begin, num_kt] = CtaTokenTiles<kXtBT>(p);  // this CTA's token tiles
   const PartOf part = PartOfRow(p, parts, row0, tma_dy, tma_dy1, tma_dy2);  // its layer (SddmmParams::dy_rows)
 
-  constexpr bool DB = DBK > 0;  // the bias gradient (XtBiasGrad)
   const XtBiasGrad<T, DBK> bias(smem + B::kOnesOff, smem_base + B::kOnesOff, L::kOnesBytes, tid, kXtWsThreads);
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
@@ -919,30 +960,7 @@ __global__ void __launch_bounds__(kXtWsThreads, 1)
     }
     CpAsyncWait<0>();
   } else {  // ------------------------------------------------------ consumers
-    const int cw = wg - kXtWsProducers / 128;
-    for (int kt = 0; kt < num_kt; ++kt) {
-      const int s = kt % S;
-      MbarWait(full0 + 8 * s, (kt / S) & 1);
-      FenceProxyAsyncShared();  // the producers' cp.async writes, seen through the barrier, before wgmma reads
-      const uint32_t a_base = smem_base + s * L::kStageBytes + cw * L::kDyHalf;
-      const uint32_t b_base = smem_base + s * L::kStageBytes + L::kXcOff;
-      WgmmaFenceOperands(acc);
-      if constexpr (DB) WgmmaFenceOperands(acc_db);
-      WgmmaFence();
-#pragma unroll
-      for (int ks = 0; ks < kXtKSteps; ++ks)
-        Wgmma<NC, T, 0>::Run(acc, WgmmaDescSw128(a_base + ks * 2048, L::kDyHalf, 1024),
-                             WgmmaDescSw128(b_base + ks * 32, 16, 1024));
-      if constexpr (DB) bias.Products(acc_db, a_base);
-      WgmmaCommit();
-      WgmmaWait<1>();  // stage kt-1's products of this warp completed
-      WgmmaFenceOperands(acc);
-      if constexpr (DB) WgmmaFenceOperands(acc_db);
-      if (lane == 0 && kt > 0) MbarArrive(empty0 + 8 * ((kt - 1) % S));
-    }
-    WgmmaWait<0>();
-    WgmmaFenceOperands(acc);
-    if constexpr (DB) WgmmaFenceOperands(acc_db);
+    XtWsConsume<T, false, DBK>(acc, acc_db, bias, smem_base, full0, empty0, num_kt, wg - kXtWsProducers / 128, lane);
     bias.Store(p, acc_db, row0, tid - kXtWsProducers);
   }
 
@@ -984,7 +1002,6 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const auto [kt_begin, num_kt] = CtaTokenTiles<kXtBT>(p);  // this CTA's token tiles
   const PartOf part = PartOfRow(p, parts, row0, tma_dy, tma_dy1, tma_dy2);  // its layer (SddmmParams::dy_rows)
 
-  constexpr bool DB = DBK > 0;  // the bias gradient (XtBiasGrad)
   const XtBiasGrad<T, DBK> bias(smem + B::kOnesOff, smem_base + B::kOnesOff, L::kOnesBytes, tid, kWsThreads);
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
@@ -1016,28 +1033,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
 #pragma unroll
   for (int i = 0; i < NC / 2; ++i) acc[i] = 0.f;
   float acc_db[4] = {0.f, 0.f, 0.f, 0.f};  // m64n8: every column holds the row's sum
-  for (int kt = 0; kt < num_kt; ++kt) {
-    const int s = kt % S;
-    MbarWait(full0 + 8 * s, (kt / S) & 1);  // TMA alone wrote the stage: no proxy fence
-    const uint32_t a_base = smem_base + s * L::kStageBytes + cw * L::kDyHalf;
-    const uint32_t b_base = smem_base + s * L::kStageBytes + L::kXcOff;
-    WgmmaFenceOperands(acc);
-    if constexpr (DB) WgmmaFenceOperands(acc_db);
-    WgmmaFence();
-#pragma unroll
-    for (int ks = 0; ks < kXtKSteps; ++ks)  // x's 64-column boxes kXtBox apart
-      Wgmma<NC, T, 1>::Run(acc, WgmmaDescSw128(a_base + ks * 2048, L::kDyHalf, 1024),
-                           WgmmaDescSw128(b_base + ks * 2048, kXtBox, 1024));
-    if constexpr (DB) bias.Products(acc_db, a_base);
-    WgmmaCommit();
-    WgmmaWait<1>();  // stage kt-1's products of this warp completed
-    WgmmaFenceOperands(acc);
-    if constexpr (DB) WgmmaFenceOperands(acc_db);
-    if (lane == 0 && kt > 0) MbarArrive(empty0 + 8 * ((kt - 1) % S));
-  }
-  WgmmaWait<0>();
-  WgmmaFenceOperands(acc);
-  if constexpr (DB) WgmmaFenceOperands(acc_db);
+  XtWsConsume<T, true, DBK>(acc, acc_db, bias, smem_base, full0, empty0, num_kt, cw, lane);
   bias.Store(p, acc_db, row0, t);
 
   NamedBarSync(1, 256);  // every stage landed and every consumer's products completed: the ring becomes the tile
