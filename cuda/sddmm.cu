@@ -714,6 +714,7 @@ struct XtRowGather {
     }
   }
 };
+
 // The tma engine's B tile from x [T, K] (XROW): columns 4 g0 .. 4 g0 + NC - 1 of tokens t0 .. t0 + 63 of the diagonal
 // block holding row0 (x_blocks; x_chunks: the block's 64-column chunks where they are in x), NC / 64 boxes of 64
 // tokens x 64 columns that land as an MN-major 128B-swizzled B at `dst`, completing on barrier `full`. Columns past the
@@ -894,7 +895,7 @@ __device__ __forceinline__ void XtWsConsume(float (&acc)[XtLayout<XROW, !XROW>::
 // stage's end nor a second CTA barrier (both slower on SddmmWgmmaXtKernel: docs/kernel-notes.md, session 52).
 constexpr int kXtWsProducers = 256;  // two producer warpgroups: four condensed rows' chunks a thread a stage
 constexpr int kXtWsThreads = kXtWsProducers + 256;
-// The empty barriers after the full ones, and the tile of ones, of a warp-specialized kernel on XtLayout<XROW, DEEP>
+// The empty barriers after the full ones, and the tile of ones, of a warp-specialized kernel on XtLayout<XROW, !XROW>
 // (the x^T one's deep layout; the tma engine's x rows).
 template <bool XROW>
 struct XtWsBars {
