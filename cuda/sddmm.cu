@@ -1298,11 +1298,11 @@ ffi::Error Dispatch(cudaStream_t stream, const SddmmParams& p, int m, int split,
                                        "empty third result elsewhere");
   };
   if (x_layout == 1) return LaunchXt<T, false>(stream, p, split, partials, db_out, dys);
-  const bool xt_image = Sm90aImageLoaded<SddmmWgmmaXrWsKernel<T>>();
+  const bool tma_image = Sm90aImageLoaded<SddmmWgmmaXrWsKernel<T>>();  // the tma engine can run
   // Only the tma engine reads a diagonal block's columns of x and, besides the x^T engine, stacked layers' dy (by TMA;
   // the handler refuses the two together).
   if (dys.parts > 1 || p.x_blocks > 1 || p.x_chunks != nullptr) {
-    if (m != 4 || engine == kEngineMma || engine == kEngineWgmma || !xt_image)
+    if (m != 4 || engine == kEngineMma || engine == kEngineWgmma || !tma_image)
       return ffi::Error::InvalidArgument("jaxsparse_sddmm: x_blocks > 1, x_chunks and stacked layers (further "
                                          "operands) run on the tma engine (engine auto or tma, 2:4, an sm_90a build on "
                                          "a Hopper GPU); stacked layers also on the x^T engine (x_layout 1)");
@@ -1314,7 +1314,7 @@ ffi::Error Dispatch(cudaStream_t stream, const SddmmParams& p, int m, int split,
     if (m != 4) return ffi::Error::InvalidArgument("jaxsparse_sddmm: the tma engine takes 2:4 only");
     return LaunchXt<T, true>(stream, p, split, partials, db_out, dys);
   }
-  if (m == 4 && engine == kEngineAuto && p.rows % kXtBR == 0 && xt_image)
+  if (m == 4 && engine == kEngineAuto && p.rows % kXtBR == 0 && tma_image)
     return LaunchXt<T, true>(stream, p, split, partials, db_out, dys);
   if (db_out != nullptr) return no_db();
   return DispatchGroupWidth("jaxsparse_sddmm", m, [&](auto width) {
