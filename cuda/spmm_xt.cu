@@ -83,6 +83,28 @@ struct XtParts {
   const void* x[2] = {nullptr, nullptr};
 };
 
+// Attribute y_parts = P > 1 (act_mode 0, no y_chunks, no mul): the weight's R rows are P layers of R/P features each
+// (attention's query, key and value stacked, ops.shared_linear), and feature f is stored in output f / (R/P) at
+// column f % (R/P): y = [y_0, y_1, y_2] written where XLA holds them, so no slice follows.  (R/P) % BR == 0: no
+// tile straddles two outputs.  A kernel parameter of its own (SpmmXtParams stays 128 bytes, see above).
+struct YParts {
+  int count = 1;
+  int rows = 0;  // features per output, R/P
+  void* y[3] = {nullptr, nullptr, nullptr};
+};
+
+// Where the tile of features [row0, row0 + BR) is stored: its output, that output's row length, and the tile's first
+// column there.
+struct TileOut {
+  void* y;
+  int rows, row0;
+};
+__device__ __forceinline__ TileOut TileOutput(const SpmmXtParams& p, const YParts& yp, int row0) {
+  if (yp.count <= 1) return {p.y, p.rows, row0};
+  const int part = row0 / yp.rows;
+  return {part == 0 ? yp.y[0] : part == 1 ? yp.y[1] : yp.y[2], yp.rows, row0 - part * yp.rows};
+}
+
 // The stores' extra work for act_mode 1 (none without y2; act_mode 2 stages act and act' itself); `table` is the
 // activation table in shared memory, or null; `mul`, the staged tile of p.mul (SpmmWgmmaXtWsKernel), or null.
 __device__ __forceinline__ StagedExtra Extra(const SpmmXtParams& p, const uint32_t* table,
@@ -424,7 +446,7 @@ __device__ __forceinline__ void StoreStagedTileT(const unsigned char* tile, int 
 }
 
 template <typename T, int BR, int BT, int STAGES, int MIN_BLOCKS>
-__global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const SpmmXtParams p) {
+__global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const SpmmXtParams p, const YParts yp) {
 #ifdef JAXSPARSE_WGMMA
   using L = XtLayout<BR, BT, STAGES>;
   using W = XtWarps<BR, BT>;
@@ -516,7 +538,8 @@ __global__ void __launch_bounds__(kThreads, MIN_BLOCKS) SpmmWgmmaXtKernel(const 
   }
   StageXtAccumulatorsStMatrix<T, NW, NCH>(acc, smem, L::kYRowBytes, p, row0, 64 * wr, wt * WN, wq, lane);
   __syncthreads();
-  StoreStagedTile<T, BT, BR, kThreads>(smem, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows, tok0, row0,
+  const TileOut out = TileOutput(p, yp, row0);
+  StoreStagedTile<T, BT, BR, kThreads>(smem, L::kYRowBytes, static_cast<T*>(out.y), p.tokens, out.rows, tok0, out.row0,
                                        threadIdx.x, Extra(p, table));
 #else
   __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
@@ -598,13 +621,13 @@ bool MetaPairsFit(const SpmmXtParams& p) {
   return STAGES % 2 == 0 && (p.groups / 8) % 4 == 0;
 }
 
-// x_parts: XtParts::count (tma_x1, tma_x2: its operands' maps).
+// x_parts: XtParts::count (tma_x1, tma_x2: its operands' maps); yp: the outputs (YParts).
 template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0>
 __global__ void __launch_bounds__(kWsThreads, 1)
     SpmmWgmmaXtWsKernel(const SpmmXtParams p, const __grid_constant__ CUtensorMap tma_a,
                         const __grid_constant__ CUtensorMap tma_x, const __grid_constant__ CUtensorMap tma_m,
                         const __grid_constant__ CUtensorMap tma_mul, const __grid_constant__ CUtensorMap tma_x1,
-                        const __grid_constant__ CUtensorMap tma_x2, const int x_parts) {
+                        const __grid_constant__ CUtensorMap tma_x2, const int x_parts, const YParts yp) {
 #ifdef JAXSPARSE_WGMMA
   using L = XtWsLayout<BR, BT, STAGES>;
   using W = XtWarps<BR, BT, NWMAX>;  // over the two consumer warpgroups
@@ -761,6 +784,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         continue;
       }
       CpAsyncWait<0>();  // the activation table landed (this thread's copies; a no-op after the first tile)
+      const TileOut out = TileOutput(p, yp, row0);
 #pragma unroll
       for (int ch = 0; ch < L::kEpiChunks; ++ch) {
         NamedBarSync(1, 256);  // the previous chunk's (or tile's) stores have read the staged Y
@@ -771,7 +795,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
         const int s = (it + ch) % STAGES;
         if (mul) MbarWait(full0 + 8 * s, ((it + ch) / STAGES) & 1);
         StoreStagedTile<T, L::kEpiTokens, BR, 256>(
-            ytile, L::kYRowBytes, static_cast<T*>(p.y), p.tokens, p.rows, tok0 + ch * L::kEpiTokens, row0, ctid,
+            ytile, L::kYRowBytes, static_cast<T*>(out.y), p.tokens, out.rows, tok0 + ch * L::kEpiTokens, out.row0, ctid,
             Extra(p, table, mul ? smem + s * L::kStageBytes : nullptr, BR * 2));
         if (mul) {
           __syncwarp();
@@ -805,7 +829,7 @@ enum XtTile {
 };
 
 template <typename T, int BR, int BT, int STAGES, int MIN_BLOCKS>
-ffi::Error LaunchTile(cudaStream_t stream, const SpmmXtParams& p) {
+ffi::Error LaunchTile(cudaStream_t stream, const SpmmXtParams& p, const YParts& yp) {
   constexpr auto kernel = SpmmWgmmaXtKernel<T, BR, BT, STAGES, MIN_BLOCKS>;
   if (!Sm90aImageLoaded<kernel>())
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: needs an sm_90a build on a Hopper GPU");
@@ -817,12 +841,13 @@ ffi::Error LaunchTile(cudaStream_t stream, const SpmmXtParams& p) {
   if (ffi::Error e = RaiseSmemLimit<kernel>(227 * 1024, "cudaFuncSetAttribute(SpmmWgmmaXtKernel)"); e.failure())
     return e;
   const dim3 grid(p.rows / BR, (p.tokens + BT - 1) / BT);
-  kernel<<<grid, kThreads, smem, stream>>>(p);
+  kernel<<<grid, kThreads, smem, stream>>>(p, yp);
   return LastLaunchError("SpmmWgmmaXtKernel");
 }
 
 template <typename T, int BR, int BT, int STAGES, bool XROW, int NWMAX = 128, int PROBE = 0>
-ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& params, const XtParts& parts = {}) {
+ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& params, const XtParts& parts = {},
+                    const YParts& yp = {}) {
   constexpr auto kernel = SpmmWgmmaXtWsKernel<T, BR, BT, STAGES, XROW, NWMAX, PROBE>;
   SpmmXtParams p = params;
   p.meta_pairs = p.meta_pairs && MetaPairsFit<STAGES>(p);
@@ -843,7 +868,7 @@ ffi::Error LaunchWs(cudaStream_t stream, const SpmmXtParams& params, const XtPar
     return ffi::Error::Internal("jaxsparse_spmm_xt: cuTensorMapEncodeTiled failed for the warp-specialized tile");
   const int tiles = (p.tokens + BT - 1) / BT * (p.rows / BR);
   kernel<<<std::min(tiles, SmCount()), kWsThreads, smem, stream>>>(p, tma_a, tma_x, tma_m, tma_mul, tma_x1, tma_x2,
-                                                                     parts.count);
+                                                                     parts.count, yp);
   return LastLaunchError("SpmmWgmmaXtWsKernel");
 }
 
@@ -860,7 +885,8 @@ int AutoTile(const SpmmXtParams& p, bool can128, bool x_rows) {
 }
 
 template <typename T>
-ffi::Error Dispatch(cudaStream_t stream, SpmmXtParams p, int tile, bool x_rows, const XtParts& parts) {
+ffi::Error Dispatch(cudaStream_t stream, SpmmXtParams p, int tile, bool x_rows, const XtParts& parts,
+                    const YParts& yp) {
   const bool can128 = p.rows % 128 == 0 && (p.cols == nullptr || p.v % 128 == 0);
   if (p.y_t) {  // act_mode 2: only the plain kernel's epilogue stores y^T
     if (x_rows || tile == kTileWs128x256 || tile == kTileWs64x256)
@@ -872,23 +898,23 @@ ffi::Error Dispatch(cudaStream_t stream, SpmmXtParams p, int tile, bool x_rows, 
   if ((tile == kTile128x256 || tile == kTile128x128 || tile == kTileWs128x256) && !can128)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: 128-feature tiles need R % 128 == 0 and V >= 128");
   if (x_rows) {  // x [T, K] as it is (M = 4): only the TMA kernel reads it
-    if (tile == kTileWs128x256) return LaunchWs<T, 128, 256, 4, true, 256>(stream, p, parts);
-    if (tile == kTileWs64x256) return LaunchWs<T, 64, 256, 5, true>(stream, p, parts);
+    if (tile == kTileWs128x256) return LaunchWs<T, 128, 256, 4, true, 256>(stream, p, parts, yp);
+    if (tile == kTileWs64x256) return LaunchWs<T, 64, 256, 5, true>(stream, p, parts, yp);
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x [T, K] (x_rows 1) takes tile auto, ws128x256 or ws64x256");
   }
   switch (tile) {
     case kTile128x256:
-      return LaunchTile<T, 128, 256, 4, 1>(stream, p);
+      return LaunchTile<T, 128, 256, 4, 1>(stream, p, yp);
     case kTile64x256:
-      return LaunchTile<T, 64, 256, 4, 1>(stream, p);
+      return LaunchTile<T, 64, 256, 4, 1>(stream, p, yp);
     case kTile128x128:
-      return LaunchTile<T, 128, 128, 4, 2>(stream, p);
+      return LaunchTile<T, 128, 128, 4, 2>(stream, p, yp);
     case kTile64x128:
-      return LaunchTile<T, 64, 128, 4, 2>(stream, p);
+      return LaunchTile<T, 64, 128, 4, 2>(stream, p, yp);
     case kTileWs128x256:
-      return LaunchWs<T, 128, 256, 4, false>(stream, p);
+      return LaunchWs<T, 128, 256, 4, false>(stream, p, {}, yp);
     case kTileWs64x256:
-      return LaunchWs<T, 64, 256, 5, false>(stream, p);
+      return LaunchWs<T, 64, 256, 5, false>(stream, p, {}, yp);
     default:
       return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T takes tile 0 (auto) to 6, got " + std::to_string(tile));
   }
@@ -919,9 +945,9 @@ ffi::Error CheckActMode(int32_t act_mode, int32_t activation, int64_t tokens, in
 ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer values, ffi::Buffer<ffi::U8> columns,
                       ffi::Buffer<ffi::U32> metadata, ffi::AnyBuffer bias, ffi::Buffer<ffi::S32> x_chunks,
                       ffi::Buffer<ffi::S32> y_chunks, ffi::AnyBuffer mul, ffi::AnyBuffer x1, ffi::AnyBuffer x2,
-                      ffi::Result<ffi::AnyBuffer> out,
-                      ffi::Result<ffi::AnyBuffer> out2, int32_t v, int32_t m, int32_t activation, int32_t act_mode,
-                      int32_t tile, int32_t x_rows, int32_t act_table, int32_t x_blocks) {
+                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out2,
+                      ffi::Result<ffi::AnyBuffer> out3, int32_t v, int32_t m, int32_t activation, int32_t act_mode,
+                      int32_t tile, int32_t x_rows, int32_t act_table, int32_t x_blocks, int32_t y_parts) {
   if (xt.dimensions().size() != 2 || values.dimensions().size() != 2 || out->dimensions().size() != 2)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T, values and the output must be 2-D");
   if (x_rows != 0 && x_rows != 1)
@@ -976,7 +1002,34 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer val
   if (k % m || Dim(values, 1) != 2 * groups || rows % 64)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: inconsistent shapes: x^T " + ShapeString(xt) + ", values " +
                                        ShapeString(values) + " (need values [R, 2K/M], R % 64 == 0)");
-  if (ffi::Error e = CheckActMode(act_mode, activation, tokens, rows, *out, *out2); e.failure()) return e;
+  if (y_parts < 1 || y_parts > 3)
+    return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: y_parts must be 1, 2 or 3, got " + std::to_string(y_parts));
+  YParts yp;
+  if (y_parts > 1) {  // the outputs y, y2[, y3], each [T, R / y_parts] in x's dtype (YParts)
+    const int64_t part_rows = rows / y_parts;
+    const auto part_ok = [&](const ffi::AnyBuffer& b) {
+      return b.dimensions().size() == 2 && Dim(b, 0) == tokens && Dim(b, 1) == part_rows &&
+             b.element_type() == xt.element_type();
+    };
+    if (act_mode != 0 || y_chunks.element_count() != 0 || mul.element_count() != 0 || x_parts > 1 || x_blocks != 1 ||
+        rows % (128 * static_cast<int64_t>(y_parts)) || !part_ok(*out) || !part_ok(*out2) ||
+        (y_parts == 3 ? !part_ok(*out3) : out3->element_count() != 0))
+      return ffi::Error::InvalidArgument(
+          "jaxsparse_spmm_xt: y_parts = " + std::to_string(y_parts) + " needs act_mode 0, no y_chunks, no mul, no x1 "
+          "or x2, x_blocks 1, R % (128 y_parts) == 0, and the outputs y, y2" + (y_parts == 3 ? ", y3" : "") +
+          " each [T, R / y_parts] in x's dtype (y3 empty otherwise), got R = " + std::to_string(rows) + ", y " +
+          ShapeString(*out) + ", y2 " + ShapeString(*out2) + ", y3 " + ShapeString(*out3));
+    yp.count = y_parts;
+    yp.rows = static_cast<int>(part_rows);
+    yp.y[0] = out->untyped_data();
+    yp.y[1] = out2->untyped_data();
+    yp.y[2] = y_parts == 3 ? out3->untyped_data() : nullptr;
+  } else {
+    if (out3->element_count() != 0)
+      return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: the third output is for y_parts = 3 only; got " +
+                                         ShapeString(*out3));
+    if (ffi::Error e = CheckActMode(act_mode, activation, tokens, rows, *out, *out2); e.failure()) return e;
+  }
   if (ffi::Error e = CheckSparseWeight("jaxsparse_spmm_xt", rows, groups, columns, metadata, v, m); e.failure())
     return e;
   if (!x_rows && tokens % 8) return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T needs T % 8 == 0");
@@ -1020,8 +1073,8 @@ ffi::Error SpmmXtImpl(cudaStream_t stream, ffi::AnyBuffer xt, ffi::AnyBuffer val
   if ((x_blocks > 1 || p.x_chunks != nullptr || p.y_chunks != nullptr) && tile != kTileAuto && tile != kTileWs128x256)
     return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x_blocks > 1, x_chunks and y_chunks take tile auto or "
                                        "ws128x256");
-  if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, tile, x_rows == 1, parts);
-  if (dt == ffi::F16) return Dispatch<__half>(stream, p, tile, x_rows == 1, parts);
+  if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, tile, x_rows == 1, parts, yp);
+  if (dt == ffi::F16) return Dispatch<__half>(stream, p, tile, x_rows == 1, parts, yp);
   return ffi::Error::InvalidArgument("jaxsparse_spmm_xt: x^T must be bfloat16 or float16");
 }
 
@@ -1042,7 +1095,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSpmmXt, jaxsparse::SpmmXtImpl,
                                   .Arg<xla::ffi::AnyBuffer>()               // x1 [T, K] or [0] (x_parts)
                                   .Arg<xla::ffi::AnyBuffer>()               // x2 [T, K] or [0] (x_parts)
                                   .Ret<xla::ffi::AnyBuffer>()               // y [T, R] ([R, T] for act_mode 2)
-                                  .Ret<xla::ffi::AnyBuffer>()               // act'(z) [T, R] (act_mode 1, 2) or [0]
+                                  .Ret<xla::ffi::AnyBuffer>()               // act'(z) [T, R] (act_mode 1, 2), y's
+                                                                            // part 1 (y_parts > 1) or [0]
+                                  .Ret<xla::ffi::AnyBuffer>()               // y's part 2 (y_parts 3) or [0]
                                   .Attr<int32_t>("v")
                                   .Attr<int32_t>("m")
                                   .Attr<int32_t>("activation")
@@ -1050,5 +1105,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSpmmXt, jaxsparse::SpmmXtImpl,
                                   .Attr<int32_t>("tile")
                                   .Attr<int32_t>("x_rows")  // 0 = x^T [K, T], 1 = x [T, K] (M = 4)
                                   .Attr<int32_t>("act_table")   // 1: act and act' from the bf16 table (act_table.cuh)
-                                  .Attr<int32_t>("x_blocks"),   // diagonal blocks of the weight (x_rows 1), 1 = none
+                                  .Attr<int32_t>("x_blocks")    // diagonal blocks of the weight (x_rows 1), 1 = none
+                                  .Attr<int32_t>("y_parts"),    // outputs the stacked rows go to (YParts), 1 = y
                               JAXSPARSE_GRAPH_SAFE);

@@ -27,7 +27,7 @@ from jaxsparse.format import block_dx_operands, check_blocks_shape, check_chunks
 
 __all__ = ["decompress", "transpose_2_4", "spmm", "sddmm", "spmm_t", "dx_route",
            "dx_route_scope", "linear_x_layout", "mlp_hidden_layout", "mlp_hidden_scope", "sparse_linear", "sparse_mlp",
-           "shared_linear", "shared_dx", "shared_dx_scope",
+           "shared_linear", "shared_dx", "shared_dx_scope", "shared_sddmm", "shared_spmm",
            "FUSED_ACTIVATIONS", "masked_linear", "spmm_unsupported", "diagonal_linear", "transpose_blocks",
            "diagonal_mlp"]
 
@@ -386,6 +386,44 @@ def shared_sddmm(setting: Optional[str] = None) -> bool:
     return setting != "off"
 
 
+SHARED_SPMM_ENV = "JAXSPARSE_SHARED_SPMM"
+
+
+def shared_spmm(setting: Optional[str] = None) -> bool:
+    """Whether :func:`shared_linear`'s forward runs its layers as one product (:func:`jaxsparse.ffi.calls.spmm_stacked`:
+    the weights' rows stacked, x read once, each layer's output written to its own array) where the kernels take them
+    (:func:`jaxsparse.ffi.calls.spmm_stacked_unsupported`: the x^T kernels, or the TMA row kernel on 2:4 and 2:4 views,
+    on a Hopper GPU). ``setting`` ``None`` reads ``JAXSPARSE_SHARED_SPMM``: ``auto`` (the default) and ``on`` do;
+    ``off`` runs one product per layer (for A/B timings)."""
+    setting = cuda_calls._setting(setting, SHARED_SPMM_ENV)
+    if setting not in SHARED_DX_SETTINGS:
+        raise ValueError(f"the shared forward setting ({SHARED_SPMM_ENV}) must be one of {SHARED_DX_SETTINGS}, "
+                         f"got {setting!r}")
+    return setting != "off"
+
+
+def _stacked_forward(x2: jax.Array, sws: tuple, biases: tuple) -> Optional[tuple]:
+    """``(outputs, kept)`` of :func:`shared_linear`'s layers by one :func:`jaxsparse.ffi.calls.spmm_stacked`, where
+    :func:`shared_spmm` says so and the kernels take the layers (``kept``: what the SDDMM reads, x or on the ``"col"``
+    route the one x^T, for every layer); None where one forward a layer runs instead."""
+    tokens = x2.shape[0]
+    layout = linear_x_layout(tokens, sws[0])
+    if len(sws) < 2 or not shared_spmm() or cuda_calls.spmm_stacked_unsupported(tokens, sws, layout) is not None:
+        return None
+    col = layout == "col"
+
+    def ref(x, s, b):
+        return tuple(reference.spmm(x, w, c) for w, c in zip(s, b)), (x.T if col else x)
+
+    def cuda(x, s, b):
+        xin = cuda_calls.transpose(x) if col else x
+        return cuda_calls.spmm_stacked(xin, s, b, layout), xin
+
+    with jax.named_scope("jaxsparse_spmm"):
+        ys, kept = dispatch.call("spmm", ref, cuda, x2, sws, biases)
+    return tuple(ys), (kept,) * len(sws)
+
+
 def _shared_weight_grads(kept: tuple, dys: tuple, sws: tuple, biases: tuple) -> list:
     """``(dsw, dbias)`` of each layer of :func:`shared_linear` from what the forward kept (x, or x^T on the ``"col"``
     route; one array for all, which XLA holds once): one :func:`jaxsparse.ffi.calls.sddmm_stacked` where
@@ -418,10 +456,14 @@ def _shared_input_grad(dys: tuple, sws: tuple) -> jax.Array:
 
 @jax.custom_vjp
 def _shared(x2: jax.Array, sws: tuple, biases: tuple) -> tuple:
-    return tuple(spmm(x2, sw, b) for sw, b in zip(sws, biases))
+    stacked = _stacked_forward(x2, sws, biases)
+    return stacked[0] if stacked is not None else tuple(spmm(x2, sw, b) for sw, b in zip(sws, biases))
 
 
 def _shared_fwd(x2, sws, biases):
+    stacked = _stacked_forward(x2, sws, biases)
+    if stacked is not None:
+        return stacked[0], (stacked[1], sws, biases)
     outs = [_forward_keeping_x(x2, sw, b) for sw, b in zip(sws, biases)]  # on the x^T route XLA keeps one x^T
     return tuple(y for y, _ in outs), (tuple(kept for _, kept in outs), sws, biases)
 
@@ -439,8 +481,10 @@ def shared_linear(x: jax.Array, sws, biases=None) -> tuple:
     """``x @ W_i + b_i`` for compressed layers that share their input (attention's query, key and value),
     differentiable in ``x``, every ``sw.values`` and bias, as :func:`sparse_linear` is for each.
 
-    The forward and the weight gradients are :func:`sparse_linear`'s, layer by layer. The input gradient is their
-    sum; with :func:`shared_dx` on the ``"transposed"`` route of :func:`dx_route` a Hopper GPU computes it as one
+    The forward is :func:`sparse_linear`'s for each layer; with :func:`shared_spmm` a Hopper GPU runs the layers as
+    one product over their stacked rows (:func:`jaxsparse.ffi.calls.spmm_stacked`, x read once, each output written
+    where it is held), and with :func:`shared_sddmm` their weight gradients by one SDDMM call. The input gradient is
+    their sum; with :func:`shared_dx` on the ``"transposed"`` route of :func:`dx_route` a Hopper GPU computes it as one
     product over the layers' transposed views (:func:`jaxsparse.ffi.calls.spmm_t_sum`, at most
     :data:`jaxsparse.ffi.calls.SPMM_SUM_MAX` layers of one shape and pattern; one call builds all their views): ``dx``
     is written once instead of once a layer and summed by XLA.

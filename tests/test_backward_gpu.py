@@ -835,6 +835,105 @@ def test_sddmm_stacked_refuses_what_the_kernels_cannot_take():
                                                 further=((dy, sw.replace(metadata=sw.metadata[:64])),)))
 
 
+# calls.spmm_stacked: the forward of up to three layers of one input (query, key, value) by one jaxsparse_spmm_xt call
+# over their rows stacked, each output written where it is held (attribute y_parts). Hopper only.
+STACKED_FORWARD_CASES = [("2:4", "row"), ("64:2:8", "row"), ("128:2:16", "col"), ("64:2:32", "col")]
+
+
+def _forward_ref(x, sw, bias):
+    y = jnp.dot(x.astype(jnp.float32), F.decompress(sw).astype(jnp.float32), precision=HIGHEST)
+    return y if bias is None else y + bias.astype(jnp.float32)
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+@pytest.mark.parametrize("spec, layout", STACKED_FORWARD_CASES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("bias", ["none", "all", "some", "f32"])
+def test_spmm_stacked_kernel(parts, spec, layout, dtype, bias):
+    """``calls.spmm_stacked`` (one ``jaxsparse_spmm_xt`` over two or three layers' rows, each output its own array)
+    against each layer's float32 ``x W_i + b_i``, outputs poisoned; a token tail (1000 tokens on 128- and 256-token
+    tiles), a partial last group tile (K = 40 M, 24 x 32 at M = 32), biases in x's dtype or float32 and a missing one
+    (zeros added); the compiled function holds one call and no slice or copy of its outputs."""
+    _skip_unless_col()
+    t, r = 1000, 256
+    k = _small_k(F.VNM.parse(spec).m)
+    made = [_make(key("spmm-stacked", parts, spec, layout, str(dtype), bias, i), t, k, r, spec, dtype)
+            for i in range(parts)]
+    x, sws = made[0][0], [sw for _, _, sw in made]
+    bdtype = jnp.float32 if bias == "f32" else dtype
+    biases = [None if bias == "none" or (bias == "some" and i == 1) else
+              jax.random.normal(key("spmm-stacked-bias", spec, i), (r,), jnp.float32).astype(bdtype)
+              for i in range(parts)]
+    xin = jnp.asarray(x.T) if layout == "col" else x
+    f = jax.jit(lambda a, s, b: calls.spmm_stacked(a, s, b, layout)).lower(xin, sws, biases).compile()
+    text = f.as_text()
+    assert text.count('custom_call_target="jaxsparse_spmm_xt"') == 1
+    assert not layout_moves(text), layout_moves(text)
+    for _ in range(parts):
+        poison((t, r), dtype)
+    ys = f(xin, sws, biases)
+    assert len(ys) == parts
+    for i, (y, sw, b) in enumerate(zip(ys, sws, biases)):
+        assert y.shape == (t, r) and y.dtype == dtype
+        _compare(y, _forward_ref(x, sw, b), TOL[dtype], f"layer {i}")
+
+
+def test_spmm_stacked_refuses_what_the_kernels_cannot_take():
+    """``calls.spmm_stacked`` refuses before the call (ValueError naming the constraint), and the handler refuses
+    y_parts with an epilogue that writes a second output (the call fails)."""
+    _skip_unless_col()
+    x, _, sw = _make(key("spmm-stacked-bad"), 64, 160, 128, "2:4", jnp.bfloat16)
+    _, _, sw16 = _make(key("spmm-stacked-bad16"), 64, 640, 128, "128:2:16", jnp.bfloat16)
+    _, _, narrow = _make(key("spmm-stacked-bad64"), 64, 160, 64, "2:4", jnp.bfloat16)
+    with pytest.raises(ValueError, match="one shape, spec and dtype"):
+        calls.spmm_stacked(x, [sw, sw16], None, "row")
+    with pytest.raises(ValueError, match="one to 3"):
+        calls.spmm_stacked(x, [sw] * 4, None, "row")
+    with pytest.raises(ValueError, match="R % 128"):
+        calls.spmm_stacked(x, [narrow] * 2, None, "row")
+    with pytest.raises(ValueError, match="TMA row kernel"):
+        calls.spmm_stacked(jnp.zeros((64, 640), jnp.bfloat16), [sw16, sw16], None, "row")
+    with pytest.raises(ValueError, match="T % 8"):
+        calls.spmm_stacked(jnp.zeros((640, 60), jnp.bfloat16), [sw16, sw16], None, "col")
+    with pytest.raises(ValueError, match="x\\^T"):
+        calls.spmm_stacked(x, [sw16, sw16], None, "col")
+    with pytest.raises(ValueError, match="one bias"):
+        calls.spmm_stacked(x, [sw, sw], [None], "row")
+    with pytest.raises(Exception, match="y_parts = 2 needs act_mode 0"):
+        jax.block_until_ready(calls._spmm_xt_call(x, sw, None, "gelu", x_rows=True, act_mode=1, y_parts=2))
+
+
+@pytest.mark.parametrize("spec", ["2:4", "64:2:8", "128:2:16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("t", [17, 1000])
+@pytest.mark.parametrize("shared_spmm", ["auto", "off"])
+def test_shared_linear_forward_on_kernels(monkeypatch, spec, dtype, t, shared_spmm):
+    """``shared_linear``'s three outputs against the float32 references, outputs poisoned: one stacked forward call
+    where it runs (``JAXSPARSE_SHARED_SPMM`` auto; 17 tokens on the x^T route fall back to three), three with it off;
+    the x^T route transposes x once either way."""
+    _skip_unless_col()
+    from jaxsparse import ops
+
+    monkeypatch.setenv(ops.SHARED_SPMM_ENV, shared_spmm)
+    k = r = 256
+    made = [_make(key("shared-fwd", spec, str(dtype), t, i), t, k, r, spec, dtype, transposable=True) for i in range(3)]
+    x, sws = made[0][0], [sw for _, _, sw in made]
+    biases = [jax.random.normal(key("shared-fwd-bias", spec, i), (r,), jnp.float32).astype(dtype) for i in range(3)]
+    f = jax.jit(ops.shared_linear).lower(x, sws, biases).compile()
+    text = f.as_text()
+    col = ops.linear_x_layout(t, sws[0]) == "col"
+    stacked = shared_spmm == "auto" and not (spec == "128:2:16" and t % 8)  # 17 tokens: the mma row kernel
+    products = sum(text.count(f'custom_call_target="{c}"') for c in ("jaxsparse_spmm_xt", "jaxsparse_spmm"))
+    assert products == (1 if stacked else 3), (spec, t, shared_spmm, products)
+    assert text.count('custom_call_target="jaxsparse_transpose"') == int(col)
+    for _ in range(3):
+        poison((t, r), dtype)
+    ys = f(x, sws, biases)
+    for i, (y, sw, b) in enumerate(zip(ys, sws, biases)):
+        assert y.shape == (t, r) and y.dtype == dtype
+        _compare(y, _forward_ref(x, sw, b), TOL[dtype], f"layer {i}")
+
+
 def _shared_grads(monkeypatch, spec: str, dtype, t: int, shared: str, shared_sddmm: str = "auto"):
     """``jax.grad`` under ``jit`` of three layers of one input through ``ops.shared_linear`` (every product on its GPU
     path, the transposed dX route, ``JAXSPARSE_SHARED_DX=shared``, ``JAXSPARSE_SHARED_SDDMM=shared_sddmm``), outputs

@@ -1043,6 +1043,73 @@ def test_sddmm_stacked_unsupported_names_each_constraint(monkeypatch):
         calls.sddmm_stacked(x, [x, x[:, :64]], sws[:2], "row")
 
 
+@pytest.mark.parametrize("spec", ["2:4", "128:2:16"])
+def test_shared_linear_forward_is_one_stacked_product(monkeypatch, spec):
+    """Where the stacked forward can run (a Hopper GPU, here pretended, with the kernels' dispatch), ``shared_linear``
+    traces one ``calls.spmm_stacked`` for its three layers, from x (2:4, the TMA row kernel) or from the one x^T
+    (128:2:16, the x^T route); with ``JAXSPARSE_SHARED_SPMM=off``, or without a Hopper GPU, one product a layer. The
+    outputs are the same."""
+    from jaxsparse import dispatch
+    from jaxsparse.ffi import calls
+
+    _, sws, biases, _ = _shared_case(80, spec, jnp.bfloat16, True)
+    x = jax.random.normal(jax.random.PRNGKey(83), (4, 8, 128)).astype(jnp.bfloat16)  # T % 8 == 0: the x^T route
+    seen = []
+
+    def stacked(xin, ws, bs, layout):  # the kernel's stand-in: each layer's reference product from what it was handed
+        seen.append((layout, xin.shape))
+        x2 = xin.T if layout == "col" else xin
+        return tuple(reference.spmm(x2, w, b) for w, b in zip(ws, bs))
+
+    monkeypatch.setattr(calls, "hopper_gpu", lambda: True)
+    monkeypatch.setattr(dispatch.ffi, "available", lambda: True)
+    monkeypatch.setattr(jax.lax, "platform_dependent", lambda *ops_, cuda, default: cuda(*ops_))  # the GPU branch
+    monkeypatch.setattr(calls, "spmm_stacked", stacked)
+    monkeypatch.setattr(calls, "transpose", lambda a: a.T)
+    one = jax.jit(ops.shared_linear)(x, sws, biases)
+    layout = "col" if spec == "128:2:16" else "row"
+    tokens = x.size // x.shape[-1]
+    assert seen == [(layout, (128, tokens) if layout == "col" else (tokens, 128))]
+    monkeypatch.undo()
+    monkeypatch.setenv(ops.SHARED_SPMM_ENV, "off")
+    three = ops.shared_linear(x, sws, biases)
+    for a, b in zip(one, three):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    monkeypatch.setenv(ops.SHARED_SPMM_ENV, "sometimes")
+    with pytest.raises(ValueError, match="JAXSPARSE_SHARED_SPMM"):
+        ops.shared_spmm()
+
+
+def test_spmm_stacked_unsupported_names_each_constraint(monkeypatch):
+    """``calls.spmm_stacked_unsupported`` (what ``shared_linear`` asks before its one forward product) names what it
+    cannot take on either layout, and takes three 2:4 (row) or 128:2:16 (col) weights of one shape on a Hopper GPU
+    (pretended)."""
+    from jaxsparse.ffi import calls
+
+    sws = [make(90 + i, "2:4", k=128, r=128, dtype=jnp.bfloat16)[1] for i in range(3)]
+    col = [make(93 + i, "128:2:16", k=128, r=128, dtype=jnp.bfloat16)[1] for i in range(2)]
+    monkeypatch.setattr(calls, "hopper_gpu", lambda: False)
+    assert "Hopper" in calls.spmm_stacked_unsupported(64, sws, "row")
+    monkeypatch.setattr(calls, "hopper_gpu", lambda: True)
+    assert calls.spmm_stacked_unsupported(64, sws, "row") is None
+    assert calls.spmm_stacked_unsupported(64, col, "col") is None
+    assert "T % 8" in calls.spmm_stacked_unsupported(60, col, "col")
+    assert "TMA row kernel" in calls.spmm_stacked_unsupported(64, col, "row")  # M = 16 runs the mma row kernel
+    assert "one to 3" in calls.spmm_stacked_unsupported(64, sws + sws[:1], "row")
+    assert "one shape, spec and dtype" in calls.spmm_stacked_unsupported(64, [sws[0], col[0]], "row")
+    narrow = [make(96 + i, "2:4", k=128, r=64, dtype=jnp.bfloat16)[1] for i in range(2)]
+    assert "R % 128" in calls.spmm_stacked_unsupported(64, narrow, "row")
+    wide = sws[0].replace(values=sws[0].values.astype(jnp.float32))
+    assert "bfloat16 or float16" in calls.spmm_stacked_unsupported(64, [wide], "row")
+    with pytest.raises(ValueError, match="x_layout"):
+        calls.spmm_stacked_unsupported(64, sws, "rows")
+    x = jnp.ones((64, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="one bias"):  # refused before any call is built
+        calls.spmm_stacked(x, sws, [None], "row")
+    with pytest.raises(ValueError, match=r"x \(64, 128\)"):
+        calls.spmm_stacked(x[:, :64], sws, None, "row")
+
+
 def test_reference_sddmm_stacked_is_each_layers_sddmm():
     """``reference.sddmm_stacked``: each layer's ``reference.sddmm`` (x or x^T as ``x_layout`` says) and, asked for,
     its bias gradient in float32."""

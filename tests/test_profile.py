@@ -159,10 +159,12 @@ def test_transposed_route_hlo_has_one_w_t_build_per_input_gradient(monkeypatch, 
 
 
 @pytest.mark.parametrize("shared", ["auto", "off"])
-def test_shared_input_gradient_counts_as_one_product(monkeypatch, shared):
+@pytest.mark.parametrize("shared_spmm", ["auto", "off"])
+def test_shared_input_gradient_counts_as_one_product(monkeypatch, shared, shared_spmm):
     """Three 2:4 layers of one input through ``ops.shared_linear``, lowered for a Hopper GPU: one stacked W^T build
     feeds one summed input-gradient product (``JAXSPARSE_SHARED_DX`` on), or three builds feed three products (off);
-    the split counts the products, 3 forward and 1 or 3 input gradients."""
+    the forward is one stacked product (``JAXSPARSE_SHARED_SPMM`` on) or three (off); the split counts the
+    products."""
     from jaxsparse import ffi, format as fmt, ops
     from jaxsparse.ffi import calls
 
@@ -170,6 +172,7 @@ def test_shared_input_gradient_counts_as_one_product(monkeypatch, shared):
     monkeypatch.setattr(calls, "register", lambda: None)
     monkeypatch.setattr(calls, "hopper_gpu", lambda: True)
     monkeypatch.setenv(ops.SHARED_DX_ENV, shared)
+    monkeypatch.setenv(ops.SHARED_SPMM_ENV, shared_spmm)
     k, r, t = 128, 128, 64
     sws = []
     for i in range(3):
@@ -188,7 +191,7 @@ def test_shared_input_gradient_counts_as_one_product(monkeypatch, shared):
     targets = [i.custom_call_target for i in hlo.values() if i.custom_call_target]
     dx = 1 if shared == "auto" else 3
     assert targets.count("jaxsparse_transpose_2_4") == dx, targets
-    assert profile._spmm_calls(hlo) == (3, dx), targets
+    assert profile._spmm_calls(hlo) == (1 if shared_spmm == "auto" else 3, dx), targets
 
 
 def test_parse_hlo_reads_dots_scopes_and_contracting_dims():

@@ -407,11 +407,13 @@ def transpose_out_problem(tile: str | None = None) -> str | None:
 
 def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str | None = None,
                   x_rows: bool = False, act_mode: int = 0, x_blocks: int = 1, x_chunks=None, y_chunks=None, mul=None,
-                  x_parts: tuple[jax.Array, ...] = ()):
+                  x_parts: tuple[jax.Array, ...] = (), y_parts: int = 1):
     """The ``jaxsparse_spmm_xt`` call, operands checked: ``xt`` is x^T [K, T], or x [T, K] with ``x_rows``
     (``[T, x_blocks K]`` for a weight of ``x_blocks`` diagonal blocks, :func:`spmm_blocks`, which also passes the
     chunk tables and ``mul``; with ``x_parts``, up to two more ``[T, K]`` operands that continue the reduction,
-    :func:`spmm_sum`). ``act_mode`` 1 returns ``(act(z), act'(z))``, 2 ``(act(z)^T, act'(z))`` (cuda/spmm_xt.cu)."""
+    :func:`spmm_sum`). ``act_mode`` 1 returns ``(act(z), act'(z))``, 2 ``(act(z)^T, act'(z))`` (cuda/spmm_xt.cu);
+    ``y_parts`` P > 1 (act_mode 0) returns P arrays ``[T, R/P]``, the stacked weight's rows in P outputs
+    (:func:`spmm_stacked`)."""
     b = _optional_operand(bias, xt.dtype)
     tokens = xt.shape[0] if x_rows else xt.shape[1]
     name = _setting(tile, SPMM_XT_TILE_ENV)
@@ -422,19 +424,22 @@ def _spmm_xt_call(xt: jax.Array, sw: SparseWeight, bias, activation, tile: str |
     if x_rows and name not in SPMM_ROW_TILES:
         raise ValueError(f"spmm: the TMA row kernel reads x [T, K] with tile {', '.join(SPMM_ROW_TILES)}, got {name} "
                          f"({SPMM_XT_TILE_ENV}; or {SPMM_ROW_KERNEL_ENV}=mma)")
-    out = ((tokens, sw.shape[1]), xt.dtype)
+    out, empty = ((tokens, sw.shape[1] // y_parts), xt.dtype), ((0,), xt.dtype)
     first = ((sw.shape[1], tokens), xt.dtype) if act_mode == 2 else out
+    second = out if act_mode != 0 or y_parts > 1 else empty
     results = _call_results(
-        "jaxsparse_spmm_xt", [first, out if act_mode != 0 else ((0,), xt.dtype)], xt, sw.values,
+        "jaxsparse_spmm_xt", [first, second, out if y_parts == 3 else empty], xt, sw.values,
         _columns_operand(sw), sw.metadata, b, _chunks_operand(x_chunks), _chunks_operand(y_chunks),
         _optional_operand(mul, xt.dtype), *(_optional_operand(x_parts[i] if i < len(x_parts) else None, xt.dtype)
                                             for i in range(2)),
         v=np.int32(sw.spec.v), m=np.int32(sw.spec.m),
         activation=np.int32(ACTIVATION_CODES[activation]), act_mode=np.int32(act_mode), tile=np.int32(tile_id),
         x_rows=np.int32(x_rows), act_table=np.int32(act_table()),
-        x_blocks=np.int32(x_blocks),
+        x_blocks=np.int32(x_blocks), y_parts=np.int32(y_parts),
     )
-    return tuple(results) if act_mode != 0 else results[0]
+    if y_parts > 1:
+        return tuple(results[:y_parts])
+    return tuple(results[:2]) if act_mode != 0 else results[0]
 
 
 SPMM_SUM_MAX = 3
@@ -473,6 +478,71 @@ def spmm_sum(xs, sws) -> jax.Array:
     cat = SparseWeight(jnp.concatenate([sw.values for sw in sws], axis=1), None,
                        jnp.concatenate([sw.metadata for sw in sws], axis=1), (len(sws) * k, r), sws[0].spec)
     return _stacked_sum(xs, cat, len(sws))
+
+
+SPMM_STACKED_MAX = 3
+"""The most layers :func:`spmm_stacked` computes by one call (the outputs ``jaxsparse_spmm_xt`` writes)."""
+
+
+def spmm_stacked_unsupported(tokens: int, sws: Sequence[SparseWeight], x_layout: str) -> str | None:
+    """Why :func:`spmm_stacked` cannot take the forward of these layers from a ``tokens``-token input held as
+    ``x_layout`` (``"row"``: ``x [T, K]`` on the TMA row kernel, :func:`spmm_row_kernel`; ``"col"``: ``x^T [K, T]`` on
+    the x^T kernels), or None when it can: one to :data:`SPMM_STACKED_MAX` weights of one shape, spec and dtype that
+    the SpMM takes, ``R % 128 == 0`` (no tile straddles two layers' outputs), a Hopper GPU, and the route's own
+    conditions. A ``x_layout`` other than those two raises ``ValueError``."""
+    if x_layout not in ("row", "col"):
+        raise ValueError(f"spmm_stacked: x_layout must be 'row' or 'col', got {x_layout!r}")
+    if not 1 <= len(sws) <= SPMM_STACKED_MAX:
+        return f"one to {SPMM_STACKED_MAX} layers, got {len(sws)}"
+    for sw in sws:
+        if problem := spmm_unsupported(sw):
+            return problem
+    if problem := _not_one_kind(sws):
+        return problem
+    first = sws[0]
+    if first.shape[1] % COL_MAJOR_ROW_TILE:
+        return f"R % {COL_MAJOR_ROW_TILE} == 0 (no tile straddles two layers' outputs), got R = {first.shape[1]}"
+    if not hopper_gpu():
+        return "a Hopper GPU (the x^T and TMA row kernels)"
+    if x_layout == "col":
+        return _xt_shape_problem(tokens, first)
+    if spmm_row_kernel(first) != "tma":
+        return (f"the TMA row kernel for x [T, K] (2:4 or M in {TMA_ROW_AUTO_M}, {SPMM_ROW_KERNEL_ENV} auto or tma), "
+                f"got {first.spec}")
+    return None
+
+
+def spmm_stacked(x: jax.Array, sws: Sequence[SparseWeight], biases=None, x_layout: str = "row") -> tuple:
+    """``x @ W_i + b_i`` for up to :data:`SPMM_STACKED_MAX` layers of one input (attention's query, key and value) by
+    one ``jaxsparse_spmm_xt`` call: the weights' rows stacked (values, metadata, columns and biases concatenated along
+    the output features; a V:2:M weight on the ``"row"`` route through its 2:4 view, :func:`as_2_4`), x read once, and
+    each layer's output written by the kernel's epilogue into its own array (attribute ``y_parts``), so no slice
+    follows. ``x`` is ``x [T, K]`` on ``x_layout`` ``"row"`` and ``x^T [K, T]`` on ``"col"``; ``biases`` None or one
+    ``[R]`` array or None a layer (in x's dtype or float32; a missing one adds zeros). Returns one ``[T, R]`` array a
+    layer in x's dtype. Constraints: :func:`spmm_stacked_unsupported`."""
+    n, col = len(sws), x_layout == "col"
+    tokens = x.shape[-1] if col else x.shape[0]
+    if problem := spmm_stacked_unsupported(tokens, sws, x_layout):
+        raise ValueError(f"spmm_stacked: needs {problem}")
+    k, r = sws[0].shape
+    want = (k, tokens) if col else (tokens, k)
+    if x.ndim != 2 or x.shape != want:
+        raise ValueError(f"spmm_stacked: needs x{'^T' if col else ''} {want}, got {x.shape}")
+    biases = (None,) * n if biases is None else tuple(biases)
+    if len(biases) != n:
+        raise ValueError(f"spmm_stacked: one bias (or None) a weight, got {len(biases)} for {n} weights")
+    for sw, b in zip(sws, biases):
+        _spmm_checks("spmm_stacked", sw, x.dtype, b, None)
+    views = [as_2_4(sw)[0] for sw in sws] if not col and sws[0].spec.m != 4 else list(sws)
+    cat = lambda arrays: jnp.concatenate(arrays, axis=0)  # along R (values, metadata) or R/V (columns)
+    stacked = SparseWeight(cat([w.values for w in views]), None if views[0].columns is None else
+                           cat([w.columns for w in views]), cat([w.metadata for w in views]), (k, n * r), views[0].spec)
+    bias = None
+    if any(b is not None for b in biases):
+        dtype = jnp.result_type(*(b.dtype for b in biases if b is not None))
+        bias = cat([jnp.zeros((r,), dtype) if b is None else b.astype(dtype) for b in biases])
+    out = _spmm_xt_call(x, stacked, bias, None, x_rows=not col, y_parts=n)
+    return out if n > 1 else (out,)
 
 
 def spmm_t_sum_unsupported(sws) -> str | None:
