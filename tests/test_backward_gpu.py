@@ -919,7 +919,8 @@ def test_shared_linear_forward_on_kernels(monkeypatch, spec, dtype, t, shared_sp
     made = [_make(key("shared-fwd", spec, str(dtype), t, i), t, k, r, spec, dtype, transposable=True) for i in range(3)]
     x, sws = made[0][0], [sw for _, _, sw in made]
     biases = [jax.random.normal(key("shared-fwd-bias", spec, i), (r,), jnp.float32).astype(dtype) for i in range(3)]
-    f = jax.jit(ops.shared_linear).lower(x, sws, biases).compile()
+    # (a new function each case: jit's cache would hand the off case the auto case's trace)
+    f = jax.jit(lambda a, s, b: ops.shared_linear(a, s, b)).lower(x, sws, biases).compile()
     text = f.as_text()
     col = ops.linear_x_layout(t, sws[0]) == "col"
     stacked = shared_spmm == "auto" and not (spec == "128:2:16" and t % 8)  # 17 tokens: the mma row kernel
