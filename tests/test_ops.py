@@ -1008,39 +1008,6 @@ def test_shared_linear_weight_gradients_are_one_stacked_sddmm(monkeypatch):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
         np.testing.assert_array_equal(np.asarray(d, np.float32), np.asarray(b, np.float32))
         np.testing.assert_array_equal(np.asarray(b, np.float32), np.asarray(c, np.float32))
-    monkeypatch.setenv(ops.SHARED_SDDMM_ENV, "sometimes")
-    with pytest.raises(ValueError, match="JAXSPARSE_SHARED_SDDMM"):
-        ops.shared_sddmm()
-
-
-def test_sddmm_stacked_unsupported_names_each_constraint(monkeypatch):
-    """``calls.sddmm_stacked_unsupported`` (what ``shared_linear`` asks before its one SDDMM) names what it cannot take
-    on either layout, and takes three 2:4 (row) or 128:2:16 (col) weights of one shape on a Hopper GPU (pretended)."""
-    from jaxsparse.ffi import calls
-
-    sws = [make(60 + i, "2:4", k=128, r=128, dtype=jnp.bfloat16)[1] for i in range(3)]
-    col = [make(63 + i, "128:2:16", k=128, r=128, dtype=jnp.bfloat16)[1] for i in range(2)]
-    monkeypatch.setattr(calls, "hopper_gpu", lambda: False)
-    assert "tma engine" in calls.sddmm_stacked_unsupported(64, sws, "row")
-    assert "Hopper" in calls.sddmm_stacked_unsupported(64, col, "col")
-    monkeypatch.setattr(calls, "hopper_gpu", lambda: True)
-    assert calls.sddmm_stacked_unsupported(64, sws, "row") is None
-    assert calls.sddmm_stacked_unsupported(64, col, "col") is None
-    assert "T % 8" in calls.sddmm_stacked_unsupported(60, col, "col")
-    assert "tma engine" in calls.sddmm_stacked_unsupported(64, col, "row")  # M = 16 has no 2:4-view SDDMM
-    assert "one to 3" in calls.sddmm_stacked_unsupported(64, sws + sws[:1], "row")
-    assert "one shape, spec and dtype" in calls.sddmm_stacked_unsupported(64, [sws[0], col[0]], "row")
-    narrow = [make(66 + i, "2:4", k=128, r=64, dtype=jnp.bfloat16)[1] for i in range(2)]
-    assert "R % 128" in calls.sddmm_stacked_unsupported(64, narrow, "row")
-    wide = sws[0].replace(values=sws[0].values.astype(jnp.float32))
-    assert "bfloat16 or float16" in calls.sddmm_stacked_unsupported(64, [wide], "row")
-    with pytest.raises(ValueError, match="x_layout"):
-        calls.sddmm_stacked_unsupported(64, sws, "rows")
-    x = jnp.ones((64, 128), jnp.bfloat16)
-    with pytest.raises(ValueError, match="one dy a weight"):  # refused before any call is built
-        calls.sddmm_stacked(x, [x, x], sws, "row")
-    with pytest.raises(ValueError, match=r"every dy must be \[T, 128\]"):
-        calls.sddmm_stacked(x, [x, x[:, :64]], sws[:2], "row")
 
 
 @pytest.mark.parametrize("spec", ["2:4", "128:2:16"])
@@ -1075,39 +1042,47 @@ def test_shared_linear_forward_is_one_stacked_product(monkeypatch, spec):
     three = ops.shared_linear(x, sws, biases)
     for a, b in zip(one, three):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    monkeypatch.setenv(ops.SHARED_SPMM_ENV, "sometimes")
-    with pytest.raises(ValueError, match="JAXSPARSE_SHARED_SPMM"):
-        ops.shared_spmm()
 
 
-def test_spmm_stacked_unsupported_names_each_constraint(monkeypatch):
-    """``calls.spmm_stacked_unsupported`` (what ``shared_linear`` asks before its one forward product) names what it
-    cannot take on either layout, and takes three 2:4 (row) or 128:2:16 (col) weights of one shape on a Hopper GPU
-    (pretended)."""
+@pytest.mark.parametrize("which", ["spmm", "sddmm"])
+def test_stacked_unsupported_names_each_constraint(monkeypatch, which):
+    """``calls.spmm_stacked_unsupported`` and ``calls.sddmm_stacked_unsupported`` (what ``shared_linear`` asks before
+    its one forward product and its one SDDMM) name what they cannot take on either layout, and take three 2:4 (row)
+    or 128:2:16 (col) weights of one shape on a Hopper GPU (pretended); the calls refuse bad operands before anything
+    is built."""
     from jaxsparse.ffi import calls
 
-    sws = [make(90 + i, "2:4", k=128, r=128, dtype=jnp.bfloat16)[1] for i in range(3)]
-    col = [make(93 + i, "128:2:16", k=128, r=128, dtype=jnp.bfloat16)[1] for i in range(2)]
+    unsupported = calls.spmm_stacked_unsupported if which == "spmm" else calls.sddmm_stacked_unsupported
+    row_kernel = "TMA row kernel" if which == "spmm" else "tma engine"  # what x rows need (M = 16 has neither)
+    sws = [make(60 + i, "2:4", k=128, r=128, dtype=jnp.bfloat16)[1] for i in range(3)]
+    col = [make(63 + i, "128:2:16", k=128, r=128, dtype=jnp.bfloat16)[1] for i in range(2)]
     monkeypatch.setattr(calls, "hopper_gpu", lambda: False)
-    assert "Hopper" in calls.spmm_stacked_unsupported(64, sws, "row")
+    assert ("Hopper" if which == "spmm" else "tma engine") in unsupported(64, sws, "row")
+    assert "Hopper" in unsupported(64, col, "col")
     monkeypatch.setattr(calls, "hopper_gpu", lambda: True)
-    assert calls.spmm_stacked_unsupported(64, sws, "row") is None
-    assert calls.spmm_stacked_unsupported(64, col, "col") is None
-    assert "T % 8" in calls.spmm_stacked_unsupported(60, col, "col")
-    assert "TMA row kernel" in calls.spmm_stacked_unsupported(64, col, "row")  # M = 16 runs the mma row kernel
-    assert "one to 3" in calls.spmm_stacked_unsupported(64, sws + sws[:1], "row")
-    assert "one shape, spec and dtype" in calls.spmm_stacked_unsupported(64, [sws[0], col[0]], "row")
-    narrow = [make(96 + i, "2:4", k=128, r=64, dtype=jnp.bfloat16)[1] for i in range(2)]
-    assert "R % 128" in calls.spmm_stacked_unsupported(64, narrow, "row")
+    assert unsupported(64, sws, "row") is None
+    assert unsupported(64, col, "col") is None
+    assert "T % 8" in unsupported(60, col, "col")
+    assert row_kernel in unsupported(64, col, "row")
+    assert "one to 3" in unsupported(64, sws + sws[:1], "row")
+    assert "one shape, spec and dtype" in unsupported(64, [sws[0], col[0]], "row")
+    narrow = [make(66 + i, "2:4", k=128, r=64, dtype=jnp.bfloat16)[1] for i in range(2)]
+    assert "R % 128" in unsupported(64, narrow, "row")
     wide = sws[0].replace(values=sws[0].values.astype(jnp.float32))
-    assert "bfloat16 or float16" in calls.spmm_stacked_unsupported(64, [wide], "row")
+    assert "bfloat16 or float16" in unsupported(64, [wide], "row")
     with pytest.raises(ValueError, match="x_layout"):
-        calls.spmm_stacked_unsupported(64, sws, "rows")
+        unsupported(64, sws, "rows")
     x = jnp.ones((64, 128), jnp.bfloat16)
-    with pytest.raises(ValueError, match="one bias"):  # refused before any call is built
-        calls.spmm_stacked(x, sws, [None], "row")
-    with pytest.raises(ValueError, match=r"x \(64, 128\)"):
-        calls.spmm_stacked(x[:, :64], sws, None, "row")
+    if which == "spmm":
+        with pytest.raises(ValueError, match="one bias"):
+            calls.spmm_stacked(x, sws, [None], "row")
+        with pytest.raises(ValueError, match=r"x \(64, 128\)"):
+            calls.spmm_stacked(x[:, :64], sws, None, "row")
+    else:
+        with pytest.raises(ValueError, match="one dy a weight"):
+            calls.sddmm_stacked(x, [x, x], sws, "row")
+        with pytest.raises(ValueError, match=r"every dy must be \[T, 128\]"):
+            calls.sddmm_stacked(x, [x, x[:, :64]], sws[:2], "row")
 
 
 def test_reference_sddmm_stacked_is_each_layers_sddmm():
@@ -1134,6 +1109,19 @@ def test_reference_spmm_sum_is_the_products_summed_in_float32():
     assert got.dtype == jnp.bfloat16 and rel_err(got, want) < 4e-3
 
 
+@pytest.mark.parametrize("setting, env", [("shared_dx", "JAXSPARSE_SHARED_DX"), ("shared_sddmm", "JAXSPARSE_SHARED_SDDMM"),
+                                          ("shared_spmm", "JAXSPARSE_SHARED_SPMM")])
+def test_shared_settings_refuse_unknown_values(monkeypatch, setting, env):
+    """Each of ``shared_linear``'s settings reads its variable and names it when the value is not one of its choices."""
+    monkeypatch.setenv(env, "sometimes")
+    with pytest.raises(ValueError, match=env):
+        getattr(ops, setting)()
+    monkeypatch.setenv(env, "off")
+    assert getattr(ops, setting)() is False
+    monkeypatch.setenv(env, "on")
+    assert getattr(ops, setting)() is True
+
+
 def test_shared_linear_refuses_bad_input(monkeypatch):
     x, sws, biases, _ = _shared_case(35, "2:4", jnp.float32, True)
     with pytest.raises(ValueError, match="one bias"):
@@ -1144,9 +1132,6 @@ def test_shared_linear_refuses_bad_input(monkeypatch):
         ops.shared_linear(x[..., :64], sws, biases)
     with pytest.raises(ValueError, match="bias must have shape"):
         ops.shared_linear(x, sws, [biases[0][:5], None, None])
-    monkeypatch.setenv(ops.SHARED_DX_ENV, "sometimes")
-    with pytest.raises(ValueError, match="JAXSPARSE_SHARED_DX"):
-        ops.shared_dx()
     with pytest.raises(ValueError, match="must be one of"):
         with ops.shared_dx_scope("never"):
             pass

@@ -480,6 +480,25 @@ def spmm_sum(xs, sws) -> jax.Array:
     return _stacked_sum(xs, cat, len(sws))
 
 
+def _stacked_problem(name: str, sws: Sequence[SparseWeight], most: int, x_layout: str) -> str | None:
+    """What the stacked calls (:func:`spmm_stacked`, :func:`sddmm_stacked`) ask alike of their layers, or None: one to
+    ``most`` weights of one shape, spec and dtype that the kernels take (:func:`spmm_unsupported`, the SDDMM's list
+    too), and ``R % 128 == 0`` (no tile straddles two layers). A ``x_layout`` other than ``"row"`` and ``"col"`` raises
+    ``ValueError``."""
+    if x_layout not in ("row", "col"):
+        raise ValueError(f"{name}: x_layout must be 'row' or 'col', got {x_layout!r}")
+    if not 1 <= len(sws) <= most:
+        return f"one to {most} layers, got {len(sws)}"
+    for sw in sws:
+        if problem := spmm_unsupported(sw):
+            return problem
+    if problem := _not_one_kind(sws):
+        return problem
+    if sws[0].shape[1] % COL_MAJOR_ROW_TILE:
+        return f"R % {COL_MAJOR_ROW_TILE} == 0 (a tile's rows in one layer), got R = {sws[0].shape[1]}"
+    return None
+
+
 SPMM_STACKED_MAX = 3
 """The most layers :func:`spmm_stacked` computes by one call (the outputs ``jaxsparse_spmm_xt`` writes)."""
 
@@ -490,18 +509,9 @@ def spmm_stacked_unsupported(tokens: int, sws: Sequence[SparseWeight], x_layout:
     the x^T kernels), or None when it can: one to :data:`SPMM_STACKED_MAX` weights of one shape, spec and dtype that
     the SpMM takes, ``R % 128 == 0`` (no tile straddles two layers' outputs), a Hopper GPU, and the route's own
     conditions. A ``x_layout`` other than those two raises ``ValueError``."""
-    if x_layout not in ("row", "col"):
-        raise ValueError(f"spmm_stacked: x_layout must be 'row' or 'col', got {x_layout!r}")
-    if not 1 <= len(sws) <= SPMM_STACKED_MAX:
-        return f"one to {SPMM_STACKED_MAX} layers, got {len(sws)}"
-    for sw in sws:
-        if problem := spmm_unsupported(sw):
-            return problem
-    if problem := _not_one_kind(sws):
+    if problem := _stacked_problem("spmm_stacked", sws, SPMM_STACKED_MAX, x_layout):
         return problem
     first = sws[0]
-    if first.shape[1] % COL_MAJOR_ROW_TILE:
-        return f"R % {COL_MAJOR_ROW_TILE} == 0 (no tile straddles two layers' outputs), got R = {first.shape[1]}"
     if not hopper_gpu():
         return "a Hopper GPU (the x^T and TMA row kernels)"
     if x_layout == "col":
@@ -873,18 +883,9 @@ def sddmm_stacked_unsupported(tokens: int, sws: Sequence[SparseWeight], x_layout
     or a V:2:M weight's 2:4 view), or None when it can: one to :data:`SDDMM_STACKED_MAX` weights of one shape, spec and
     dtype that the SDDMM takes, ``R % 128 == 0``, and the engine's own conditions (a Hopper GPU among them). A
     ``x_layout`` other than those two raises ``ValueError``."""
-    if x_layout not in ("row", "col"):
-        raise ValueError(f"sddmm_stacked: x_layout must be 'row' or 'col', got {x_layout!r}")
-    if not 1 <= len(sws) <= SDDMM_STACKED_MAX:
-        return f"one to {SDDMM_STACKED_MAX} layers, got {len(sws)}"
-    first = sws[0]
-    for sw in sws:
-        if problem := sddmm_unsupported(sw):
-            return problem
-    if problem := _not_one_kind(sws):
+    if problem := _stacked_problem("sddmm_stacked", sws, SDDMM_STACKED_MAX, x_layout):
         return problem
-    if first.shape[1] % COL_MAJOR_ROW_TILE:
-        return f"R % {COL_MAJOR_ROW_TILE} == 0 (a CTA's rows in one layer), got R = {first.shape[1]}"
+    first = sws[0]
     if x_layout == "col":
         try:
             sddmm_x_layout(tokens, first, "col")
