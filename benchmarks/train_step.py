@@ -23,7 +23,9 @@ row's: the gradient all-reduce (dense kernels against compressed values) and wha
 
 Results go to ``benchmarks/results/<gpu-slug>/train_step.json`` (``train_step_quick.json`` with
 ``--quick``) and the plot to ``docs/train_step.png`` (skipped with a message without matplotlib, and
-in ``--quick`` mode unless ``--plot`` is given).
+in ``--quick`` mode unless ``--plot`` is given). Configurations run one after another (without ``--concurrent``)
+print each result as it comes and keep every row measured so far in ``<out>.partial`` (``"complete": false``), so a
+run stopped by a time limit loses only the configuration it was in; the complete file replaces it.
 """
 
 from __future__ import annotations
@@ -466,34 +468,53 @@ def main(argv=None) -> int:
                                        else {"diagonal_ffn": True} if diagonal == "ffn"
                                        else {"diagonal_ffn_out": True} if diagonal else {})})
     t0 = time.time()
-    if a.concurrent and not a.in_process:
-        rows = _concurrent(configs, a.worker_timeout)
-    else:
-        rows = [run_config(cfg) if a.in_process else _worker(cfg, a.worker_timeout) for cfg in configs]
-    for r in rows:
+
+    def report(r: dict) -> None:
         status = r.get("error") or f"{r['mode']}: {r['step_ms']:.2f} ms/step"
         gpus = f" on {r['devices']} devices" if r.get("devices", 1) > 1 else ""
         print(f"[{time.time() - t0:6.1f} s] {r['model']} seq {r['seq_len']} batch {r['batch_size']}{gpus} "
               f"{r['sparsity']}: {status}", flush=True)
-    add_relative(rows)
+
+    def write(rows: list[dict], complete: bool) -> str:
+        """The results file; a run not yet complete writes ``<out>.partial`` (every configuration measured so far,
+        kept if the run is cut short), which the complete file replaces."""
+        add_relative(rows)
+        device = next((r["device_kind"] for r in rows if r.get("device_kind")), "unknown")
+        platform = next((r["platform"] for r in rows if r.get("platform")), "unknown")
+        slug = "cpu" if platform == "cpu" else common.gpu_slug(device)
+        out = a.out or os.path.join(HERE, "results", slug, "train_step_quick.json" if a.quick else "train_step.json")
+        payload = {
+            "benchmark": "train_step",
+            "description": "BERT + 2-label classifier, full step (fwd, bwd, AdamW), bf16 compute, f32 master weights; "
+                           "median of synced single steps after warm-up (step_ms), and the median per-step time of 3 "
+                           "runs of --steps steps synced once (step_ms_pipelined); each configuration in a fresh process"
+                           + ("" if not a.in_process else " (in-process run: peak memory cumulative)"),
+            "quick": a.quick,
+            "complete": complete,
+            "configurations": len(configs),
+            "device": device,
+            "platform": platform,
+            "versions": common.versions(),
+            "rows": rows,
+        }
+        common.write_json(out if complete else out + ".partial", payload)
+        if complete and os.path.exists(out + ".partial"):
+            os.remove(out + ".partial")
+        return out
+
+    if a.concurrent and not a.in_process:
+        rows = _concurrent(configs, a.worker_timeout)
+        for r in rows:
+            report(r)
+    else:
+        rows = []
+        for cfg in configs:  # one at a time: each result reported and saved as it comes
+            rows.append(run_config(cfg) if a.in_process else _worker(cfg, a.worker_timeout))
+            report(rows[-1])
+            if len(rows) < len(configs):
+                write(rows, complete=False)
+    write(rows, complete=True)
     print_table(rows)
-    device = next((r["device_kind"] for r in rows if r.get("device_kind")), "unknown")
-    platform = next((r["platform"] for r in rows if r.get("platform")), "unknown")
-    slug = "cpu" if platform == "cpu" else common.gpu_slug(device)
-    out = a.out or os.path.join(HERE, "results", slug, "train_step_quick.json" if a.quick else "train_step.json")
-    payload = {
-        "benchmark": "train_step",
-        "description": "BERT + 2-label classifier, full step (fwd, bwd, AdamW), bf16 compute, f32 master weights; "
-                       "median of synced single steps after warm-up (step_ms), and the median per-step time of 3 runs of "
-                       "--steps steps synced once (step_ms_pipelined); each configuration in a fresh process"
-                       + ("" if not a.in_process else " (in-process run: peak memory cumulative)"),
-        "quick": a.quick,
-        "device": device,
-        "platform": platform,
-        "versions": common.versions(),
-        "rows": rows,
-    }
-    common.write_json(out, payload)
     plot_path = a.plot or (None if a.quick else os.path.join(ROOT, "docs", "train_step.png"))
     if plot_path:
         _draw(rows, plot_path)

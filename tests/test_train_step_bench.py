@@ -27,7 +27,7 @@ def test_quick_writes_json(tmp_path, capsys):
     assert rc == 0
     assert "compressed" in capsys.readouterr().out
     d = json.loads(out.read_text())
-    assert d["benchmark"] == "train_step" and d["quick"] is True
+    assert d["benchmark"] == "train_step" and d["quick"] is True and d["complete"] is True
     rows = {r["sparsity"]: r for r in d["rows"]}
     assert set(rows) == {"dense", "64:2:8"}
     assert [rows[s]["mode"] for s in ("dense", "64:2:8")] == ["dense", "compressed"]
@@ -41,6 +41,38 @@ def test_quick_writes_json(tmp_path, capsys):
     assert all(r["step_ms_pipelined"] > 0 for r in rows.values())
     assert rows["64:2:8"]["speedup_vs_dense_pipelined"] == pytest.approx(
         rows["dense"]["step_ms_pipelined"] / rows["64:2:8"]["step_ms_pipelined"])
+
+
+def test_a_run_cut_short_leaves_what_it_measured(tmp_path, monkeypatch):
+    """One configuration at a time: after each but the last, ``<out>.partial`` holds every row measured so far
+    (``complete`` false), so a run stopped by a time limit keeps them; the complete file replaces it."""
+    bench = _load()
+    done = []
+
+    def fake_run(cfg, turn=None):
+        if len(done) == 2 and cfg.get("fail"):
+            raise RuntimeError("cut short")
+        done.append(cfg["sparsity"])
+        return {**cfg, "mode": "dense" if cfg["sparsity"] == "dense" else "compressed", "step_ms": 10.0 + len(done),
+                "step_ms_pipelined": 9.0 + len(done), "tokens_per_s": 1.0, "peak_bytes": 100, "platform": "cpu",
+                "device_kind": "cpu"}
+
+    monkeypatch.setattr(bench, "run_config", fake_run)
+    out = tmp_path / "train_step.json"
+    argv = ["--quick", "--sparsities", "dense,2:4,64:2:8", "--in-process", "--out", str(out)]
+    assert bench.main(argv) == 0
+    d = json.loads(out.read_text())
+    assert d["complete"] is True and d["configurations"] == 3 and len(d["rows"]) == 3
+    assert not (tmp_path / "train_step.json.partial").exists()
+    out.unlink()
+    done.clear()
+    monkeypatch.setattr(bench, "run_config", lambda cfg, turn=None: fake_run({**cfg, "fail": True}))
+    with pytest.raises(RuntimeError, match="cut short"):
+        bench.main(argv)
+    partial = json.loads((tmp_path / "train_step.json.partial").read_text())
+    assert not out.exists() and partial["complete"] is False and partial["configurations"] == 3
+    assert [r["sparsity"] for r in partial["rows"]] == ["dense", "2:4"]
+    assert partial["rows"][1]["speedup_vs_dense"] == pytest.approx(11.0 / 12.0)
 
 
 def test_mlp_hidden_both_runs_each_fused_sparse_row_both_ways(tmp_path, monkeypatch, capsys):
