@@ -475,7 +475,7 @@ def main(argv=None) -> int:
         print(f"[{time.time() - t0:6.1f} s] {r['model']} seq {r['seq_len']} batch {r['batch_size']}{gpus} "
               f"{r['sparsity']}: {status}", flush=True)
 
-    def write(rows: list[dict], complete: bool) -> str:
+    def write(rows: list[dict], complete: bool) -> None:
         """The results file; a run not yet complete writes ``<out>.partial`` (every configuration measured so far,
         kept if the run is cut short), which the complete file replaces."""
         add_relative(rows)
@@ -500,7 +500,6 @@ def main(argv=None) -> int:
         common.write_json(out if complete else out + ".partial", payload)
         if complete and os.path.exists(out + ".partial"):
             os.remove(out + ".partial")
-        return out
 
     if a.concurrent and not a.in_process:
         rows = _concurrent(configs, a.worker_timeout)

@@ -347,17 +347,22 @@ SHARED_DX_ENV = "JAXSPARSE_SHARED_DX"
 SHARED_DX_SETTINGS = ("auto", "on", "off")
 
 
+def _shared_setting(setting: Optional[str], env: str, what: str) -> bool:
+    """One of :func:`shared_linear`'s on/off settings: ``setting``, or when None the variable ``env``; ``auto`` and
+    ``on`` are True, ``off`` False, anything else a ``ValueError`` naming ``what`` and ``env``."""
+    setting = cuda_calls._setting(setting, env)
+    if setting not in SHARED_DX_SETTINGS:
+        raise ValueError(f"the shared {what} setting ({env}) must be one of {SHARED_DX_SETTINGS}, got {setting!r}")
+    return setting != "off"
+
+
 def shared_dx(setting: Optional[str] = None) -> bool:
     """Whether :func:`shared_linear`'s backward computes the input gradient of its layers as one product
     (``sum_i dy_i W_i^T``, :func:`jaxsparse.ffi.calls.spmm_t_sum`: the sum accumulated in float32 and written once)
     where it can: on the ``"transposed"`` route of :func:`dx_route` with a Hopper GPU. ``setting`` ``None`` reads
     ``JAXSPARSE_SHARED_DX``: ``auto`` (the default) and ``on`` do; ``off`` runs one product per layer and lets XLA add
     them (for A/B timings)."""
-    setting = cuda_calls._setting(setting, SHARED_DX_ENV)
-    if setting not in SHARED_DX_SETTINGS:
-        raise ValueError(f"the shared input-gradient setting ({SHARED_DX_ENV}) must be one of {SHARED_DX_SETTINGS}, "
-                         f"got {setting!r}")
-    return setting != "off"
+    return _shared_setting(setting, SHARED_DX_ENV, "input-gradient")
 
 
 @contextlib.contextmanager
@@ -379,11 +384,7 @@ def shared_sddmm(setting: Optional[str] = None) -> bool:
     kernels take them (:func:`jaxsparse.ffi.calls.sddmm_stacked_unsupported`: the x^T engine, or the tma engine on 2:4
     and 2:4 views, on a Hopper GPU). ``setting`` ``None`` reads ``JAXSPARSE_SHARED_SDDMM``: ``auto`` (the default) and
     ``on`` do; ``off`` runs one SDDMM per layer (for A/B timings)."""
-    setting = cuda_calls._setting(setting, SHARED_SDDMM_ENV)
-    if setting not in SHARED_DX_SETTINGS:
-        raise ValueError(f"the shared weight-gradient setting ({SHARED_SDDMM_ENV}) must be one of "
-                         f"{SHARED_DX_SETTINGS}, got {setting!r}")
-    return setting != "off"
+    return _shared_setting(setting, SHARED_SDDMM_ENV, "weight-gradient")
 
 
 SHARED_SPMM_ENV = "JAXSPARSE_SHARED_SPMM"
@@ -395,11 +396,7 @@ def shared_spmm(setting: Optional[str] = None) -> bool:
     (:func:`jaxsparse.ffi.calls.spmm_stacked_unsupported`: the x^T kernels, or the TMA row kernel on 2:4 and 2:4 views,
     on a Hopper GPU). ``setting`` ``None`` reads ``JAXSPARSE_SHARED_SPMM``: ``auto`` (the default) and ``on`` do;
     ``off`` runs one product per layer (for A/B timings)."""
-    setting = cuda_calls._setting(setting, SHARED_SPMM_ENV)
-    if setting not in SHARED_DX_SETTINGS:
-        raise ValueError(f"the shared forward setting ({SHARED_SPMM_ENV}) must be one of {SHARED_DX_SETTINGS}, "
-                         f"got {setting!r}")
-    return setting != "off"
+    return _shared_setting(setting, SHARED_SPMM_ENV, "forward")
 
 
 def _stacked_forward(x2: jax.Array, sws: tuple, biases: tuple) -> Optional[tuple]:
