@@ -1354,14 +1354,23 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: x_chunks needs x [T, K] (x_layout 0), K % 64 == 0 per block "
                                        "and x_blocks * K/64 entries, got " + ShapeString(x_chunks) + " for K = " +
                                        std::to_string(k) + ", x_blocks = " + std::to_string(x_blocks));
-  if (ffi::Error e = CheckSparseWeight("jaxsparse_sddmm", dy_rows, groups, columns, metadata, v, m); e.failure())
+  // Stacked 2:4 metadata (jaxsparse.ffi.calls.as_2_4_stacked's views): the first metadata holds every part's rows,
+  // [parts R, G/8], and the further triples carry empty columns and metadata; part i's words are its rows i R ...
+  const bool meta_stacked = parts > 1 && m == 4 && metadata.dimensions()[0] == rows;
+  const int64_t words = groups / 8;
+  if (meta_stacked) {
+    if (ffi::Error e = CheckSparseWeight("jaxsparse_sddmm", rows, groups, columns, metadata, v, m); e.failure())
+      return e;
+  } else if (ffi::Error e = CheckSparseWeight("jaxsparse_sddmm", dy_rows, groups, columns, metadata, v, m);
+             e.failure()) {
     return e;
+  }
   DyParts dys;
   dys.parts = parts;
   for (int i = 0; i < kSddmmMaxParts; ++i) {  // entries past the last repeat the first (never read)
     dys.ptr[i] = dy.untyped_data();
     dys.kernel.cols[i] = m > 4 ? columns.typed_data() : nullptr;
-    dys.kernel.meta[i] = metadata.typed_data();
+    dys.kernel.meta[i] = metadata.typed_data() + (meta_stacked && i < parts ? i * dy_rows * words : 0);
   }
   for (int i = 1; i < parts; ++i) {
     auto d = further.get<ffi::AnyBuffer>(3 * (i - 1));
@@ -1374,8 +1383,15 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
         d->element_type() != dy.element_type())
       return ffi::Error::InvalidArgument("jaxsparse_sddmm: every further dy must have dy's shape " + ShapeString(dy) +
                                          " and dtype, got " + ShapeString(*d));
-    if (ffi::Error e = CheckSparseWeight("jaxsparse_sddmm", dy_rows, groups, *c, *md, v, m); e.failure()) return e;
     dys.ptr[i] = d->untyped_data();
+    if (meta_stacked) {
+      if (c->element_count() != 0 || md->element_count() != 0)
+        return ffi::Error::InvalidArgument("jaxsparse_sddmm: with stacked metadata (" + ShapeString(metadata) +
+                                           ") the further layers' columns and metadata must be empty, got " +
+                                           ShapeString(*c) + " and " + ShapeString(*md));
+      continue;
+    }
+    if (ffi::Error e = CheckSparseWeight("jaxsparse_sddmm", dy_rows, groups, *c, *md, v, m); e.failure()) return e;
     dys.kernel.cols[i] = m > 4 ? c->typed_data() : nullptr;
     dys.kernel.meta[i] = md->typed_data();
   }

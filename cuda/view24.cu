@@ -1,5 +1,7 @@
 // Two 2:4 forms of a V:2:M weight, each built in one pass: its 2:4 view over K (jaxsparse_as_2_4) and its
-// transpose W^T as a 2:4 weight over R (jaxsparse_transpose_2_4, for transposable masks).
+// transpose W^T as a 2:4 weight over R (jaxsparse_transpose_2_4, for transposable masks).  Both build the forms of
+// up to three weights of one shape and pattern in one launch (further weights as extra operands; ViewInputs), stacked
+// as the products that read them take them.
 //
 // The 2:4 view of a V:2:M weight in one pass (jaxsparse.format.as_2_4 is the reference and documents the
 // mapping; docs/format.md, "The 2:4 view"): each group of M columns splits into M/4 quads of 4 that hold at most 2
@@ -27,6 +29,27 @@ __device__ __forceinline__ void StoreVec(void* dst, const void* src) {
   }
 }
 
+// The weights one call stacks (stacked views, session 59: attention's query, key and value, whose stacked forward reads
+// them as one weight): part p (blockIdx.y) writes rows [p R, (p+1) R) of each result, so the views come out
+// concatenated along R without an XLA concatenation after them.
+constexpr int kViewMaxParts = 3;  // calls.SPMM_STACKED_MAX
+struct ViewInputs {               // each part's compressed weight; parts past the last repeat the first (never read)
+  const void* values[kViewMaxParts];
+  const uint8_t* columns[kViewMaxParts];
+  const uint32_t* metadata[kViewMaxParts];
+};
+struct ViewPart {
+  const void* values;
+  const uint8_t* columns;
+  const uint32_t* metadata;
+};
+// Part `part`'s pointers, selected by constant indices (an indexed kernel parameter would go through local memory).
+__device__ __forceinline__ ViewPart PartOf(const ViewInputs& in, int part) {
+  return part == 0   ? ViewPart{in.values[0], in.columns[0], in.metadata[0]}
+         : part == 1 ? ViewPart{in.values[1], in.columns[1], in.metadata[1]}
+                     : ViewPart{in.values[2], in.columns[2], in.metadata[2]};
+}
+
 // One thread per (row r, 32-bit word w of the view's metadata): the word covers quads 8w .. 8w + 7, which are the
 // 8/NQ whole groups from 8w/NQ on (NQ = M/4 quads per group divides 8: M in {8, 16, 32}).  Per group, with the
 // kept columns c0 < c1 in quads q0 <= q1 at offsets a0, a1 (as format.as_2_4): a quad holding both values stores
@@ -36,13 +59,17 @@ __device__ __forceinline__ void StoreVec(void* dst, const void* src) {
 // (every index a compile-time constant) and stored in 16-byte pieces: the first version stored them one 2-byte
 // value at a time and took 0.06-0.09 ms at 1024x4096 (session 9, device call 6).
 template <typename T, int NQ>
-__global__ void As24Kernel(const T* __restrict__ values, const uint8_t* __restrict__ columns,
-                           const uint32_t* __restrict__ metadata, T* __restrict__ values24, uint32_t* __restrict__ meta24,
+__global__ void As24Kernel(const ViewInputs in, T* __restrict__ values24, uint32_t* __restrict__ meta24,
                            int32_t* __restrict__ slots, int rows, int groups, int v) {
   constexpr int kGroupsPerWord = 8 / NQ;
   const int words24 = groups * NQ / 8;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= static_cast<int64_t>(rows) * words24) return;
+  const ViewPart w_in = PartOf(in, static_cast<int>(blockIdx.y));
+  const T* __restrict__ values = static_cast<const T*>(w_in.values);
+  const uint8_t* __restrict__ columns = w_in.columns;
+  const uint32_t* __restrict__ metadata = w_in.metadata;
+  const int64_t out_row0 = static_cast<int64_t>(blockIdx.y) * rows;  // this part's first row in the results
   const int r = static_cast<int>(idx / words24), w = static_cast<int>(idx % words24);
   const int g_first = w * kGroupsPerWord;
   T out[16];
@@ -71,63 +98,109 @@ __global__ void As24Kernel(const T* __restrict__ values, const uint8_t* __restri
       word24 |= static_cast<uint32_t>(p0 | (p1 << 2)) << (4 * (gi * NQ + qs));
     }
   }
-  StoreVec<sizeof(out)>(values24 + static_cast<int64_t>(r) * groups * NQ * 2 + 16 * w, out);
-  StoreVec<sizeof(slot_out)>(slots + static_cast<int64_t>(r) * 2 * groups + 2 * g_first, slot_out);
-  meta24[static_cast<int64_t>(r) * words24 + w] = word24;
+  const int64_t row = out_row0 + r;
+  StoreVec<sizeof(out)>(values24 + row * groups * NQ * 2 + 16 * w, out);
+  StoreVec<sizeof(slot_out)>(slots + row * 2 * groups + 2 * g_first, slot_out);
+  meta24[row * words24 + w] = word24;
 }
 
 template <typename T, int NQ>
-ffi::Error Launch(cudaStream_t stream, const void* values, const uint8_t* columns, const uint32_t* metadata,
-                  void* values24, uint32_t* meta24, int32_t* slots, int rows, int groups, int v) {
+ffi::Error Launch(cudaStream_t stream, const ViewInputs& in, int parts, void* values24, uint32_t* meta24,
+                  int32_t* slots, int rows, int groups, int v) {
   const int64_t threads = static_cast<int64_t>(rows) * (groups * NQ / 8);
   if (threads == 0) return ffi::Error::Success();
   const int block = 256;
-  As24Kernel<T, NQ><<<static_cast<unsigned>((threads + block - 1) / block), block, 0, stream>>>(
-      static_cast<const T*>(values), columns, metadata, static_cast<T*>(values24), meta24, slots, rows, groups, v);
+  As24Kernel<T, NQ><<<dim3(static_cast<unsigned>((threads + block - 1) / block), static_cast<unsigned>(parts)), block,
+                      0, stream>>>(in, static_cast<T*>(values24), meta24, slots, rows, groups, v);
   return LastLaunchError("As24Kernel");
 }
 
 // M in {8, 16, 32} (NQ = M/4 quads per group); M = 4 is refused before (a 2:4 weight is its own view).
 template <typename T>
-ffi::Error LaunchM(cudaStream_t stream, int m, const void* values, const uint8_t* columns, const uint32_t* metadata,
-                   void* values24, uint32_t* meta24, int32_t* slots, int rows, int groups, int v) {
+ffi::Error LaunchM(cudaStream_t stream, int m, const ViewInputs& in, int parts, void* values24, uint32_t* meta24,
+                   int32_t* slots, int rows, int groups, int v) {
   return DispatchGroupWidth("jaxsparse_as_2_4", m, [&](auto width) {
     constexpr int kM = decltype(width)::value;
     if constexpr (kM == 4)
       return ffi::Error::InvalidArgument("jaxsparse_as_2_4: a 2:4 weight is its own view");
     else
-      return Launch<T, kM / 4>(stream, values, columns, metadata, values24, meta24, slots, rows, groups, v);
+      return Launch<T, kM / 4>(stream, in, parts, values24, meta24, slots, rows, groups, v);
   });
 }
 
+// The weights of a stacked call: the first (values, columns, metadata) and `further` more triples of the first's shapes,
+// dtype and pattern, at most kViewMaxParts in all, into `in` (unused parts repeat the first); their count, or an
+// InvalidArgument naming `name`.
+ffi::Error StackedInputs(const char* name, const ffi::AnyBuffer& values, const ffi::Buffer<ffi::U8>& columns,
+                         const ffi::Buffer<ffi::U32>& metadata, ffi::RemainingArgs& further, int64_t rows,
+                         int64_t groups, int v, int m, ViewInputs* in, int* parts) {
+  const std::string target(name);
+  if (further.size() % 3 || further.size() / 3 + 1 > kViewMaxParts)
+    return ffi::Error::InvalidArgument(target + ": the further weights come as (values, columns, metadata) triples, "
+                                       "at most " + std::to_string(kViewMaxParts - 1) + ", got " +
+                                       std::to_string(further.size()) + " operands");
+  *parts = static_cast<int>(further.size() / 3) + 1;
+  for (int p = 0; p < kViewMaxParts; ++p) {
+    in->values[p] = values.untyped_data();
+    in->columns[p] = columns.typed_data();
+    in->metadata[p] = metadata.typed_data();
+  }
+  for (int p = 1; p < *parts; ++p) {
+    auto pv = further.get<ffi::AnyBuffer>(3 * (p - 1));
+    auto pc = further.get<ffi::Buffer<ffi::U8>>(3 * (p - 1) + 1);
+    auto pm = further.get<ffi::Buffer<ffi::U32>>(3 * (p - 1) + 2);
+    if (pv.has_error()) return pv.error();
+    if (pc.has_error()) return pc.error();
+    if (pm.has_error()) return pm.error();
+    if (pv->element_type() != values.element_type() || pv->dimensions().size() != 2 || Dim(*pv, 0) != rows ||
+        Dim(*pv, 1) != 2 * groups || pc->element_count() != columns.element_count())
+      return ffi::Error::InvalidArgument(target + ": stacked weight " + std::to_string(p) + " differs from the first: "
+                                         "values " + ShapeString(*pv) + " against " + ShapeString(values) +
+                                         ", columns " + ShapeString(*pc) + " against " + ShapeString(columns));
+    if (ffi::Error e = CheckSparseWeight(name, rows, groups, *pc, *pm, v, m); e.failure()) return e;
+    in->values[p] = pv->untyped_data();
+    in->columns[p] = pc->typed_data();
+    in->metadata[p] = pm->typed_data();
+  }
+  return ffi::Error::Success();
+}
+
+// further: the stacked weights after the first, as (values, columns, metadata) triples of the first's shapes, dtype
+// and pattern (none for one weight's view); part p's view is rows [p R, (p+1) R) of each result.
 ffi::Error As24Impl(cudaStream_t stream, ffi::AnyBuffer values, ffi::Buffer<ffi::U8> columns,
-                    ffi::Buffer<ffi::U32> metadata, ffi::Result<ffi::AnyBuffer> values24,
+                    ffi::Buffer<ffi::U32> metadata, ffi::RemainingArgs further, ffi::Result<ffi::AnyBuffer> values24,
                     ffi::Result<ffi::Buffer<ffi::U32>> meta24, ffi::Result<ffi::Buffer<ffi::S32>> slots, int32_t v,
                     int32_t m) {
+  const char* name = "jaxsparse_as_2_4";
   if (values.dimensions().size() != 2 || values24->dimensions().size() != 2)
     return ffi::Error::InvalidArgument("jaxsparse_as_2_4: values and the view's values must be 2-D");
   const int64_t rows = Dim(values, 0), groups = Dim(values, 1) / 2, k = groups * m;
-  if (ffi::Error e = CheckSparseWeight("jaxsparse_as_2_4", rows, groups, columns, metadata, v, m); e.failure())
-    return e;
+  if (ffi::Error e = CheckSparseWeight(name, rows, groups, columns, metadata, v, m); e.failure()) return e;
   if (m == 4) return ffi::Error::InvalidArgument("jaxsparse_as_2_4: a 2:4 weight is its own view");
-  if (values24->dimensions()[0] != rows || values24->dimensions()[1] != k / 2 || meta24->dimensions().size() != 2 ||
-      meta24->dimensions()[0] != rows || meta24->dimensions()[1] != k / 32 || slots->dimensions().size() != 2 ||
-      slots->dimensions()[0] != rows || slots->dimensions()[1] != 2 * groups)
-    return ffi::Error::InvalidArgument("jaxsparse_as_2_4: inconsistent shapes: values " + ShapeString(values) +
-                                       ", view values " + ShapeString(*values24) + ", view metadata " +
-                                       ShapeString(*meta24) + ", slots " + ShapeString(*slots));
+  ViewInputs in{};
+  int parts = 1;
+  if (ffi::Error e = StackedInputs(name, values, columns, metadata, further, rows, groups, v, m, &in, &parts);
+      e.failure())
+    return e;
+  const int64_t all_rows = parts * rows;
+  if (values24->dimensions()[0] != all_rows || values24->dimensions()[1] != k / 2 ||
+      meta24->dimensions().size() != 2 || meta24->dimensions()[0] != all_rows || meta24->dimensions()[1] != k / 32 ||
+      slots->dimensions().size() != 2 || slots->dimensions()[0] != all_rows || slots->dimensions()[1] != 2 * groups)
+    return ffi::Error::InvalidArgument("jaxsparse_as_2_4: inconsistent shapes: values " + ShapeString(values) + " (" +
+                                       std::to_string(parts) + " stacked), view values " + ShapeString(*values24) +
+                                       ", view metadata " + ShapeString(*meta24) + ", slots " + ShapeString(*slots));
   if (values.element_type() != values24->element_type())
     return ffi::Error::InvalidArgument("jaxsparse_as_2_4: the view's values must have the values' dtype");
-  if (rows >= (int64_t(1) << 30) || k >= (int64_t(1) << 30))
+  if (all_rows >= (int64_t(1) << 30) || k >= (int64_t(1) << 30))
     return ffi::Error::InvalidArgument("jaxsparse_as_2_4: shape too large");
   const auto r = static_cast<int>(rows), g = static_cast<int>(groups);
   switch (ffi::ByteWidth(values.element_type())) {
     case 2:
-      return LaunchM<uint16_t>(stream, m, values.untyped_data(), columns.typed_data(), metadata.typed_data(),
-                               values24->untyped_data(), meta24->typed_data(), slots->typed_data(), r, g, v);
+      return LaunchM<uint16_t>(stream, m, in, parts, values24->untyped_data(), meta24->typed_data(),
+                               slots->typed_data(), r, g, v);
     case 4:
-      return LaunchM<uint32_t>(stream, m, values.untyped_data(), columns.typed_data(), metadata.typed_data(),
-                               values24->untyped_data(), meta24->typed_data(), slots->typed_data(), r, g, v);
+      return LaunchM<uint32_t>(stream, m, in, parts, values24->untyped_data(), meta24->typed_data(),
+                               slots->typed_data(), r, g, v);
     default:
       return ffi::Error::InvalidArgument("jaxsparse_as_2_4: values must be a 2- or 4-byte float type");
   }
@@ -154,27 +227,22 @@ ffi::Error As24Impl(cudaStream_t stream, ffi::AnyBuffer values, ffi::Buffer<ffi:
 // shapes (64:2:8), 2.2-2.8x an XLA pass of the same bytes.  This kernel: 3.5 and 8.8 us.  Two variants measured and not
 // kept: that thread's rows split over 4 lanes (4.3 and 10.7 us), and this one with 1, 2 or 4 groups a warp chosen at
 // launch to keep the grid within one wave (4.2 and 9.3 us: the runtime tile cost more than the second wave).
-// Stacked views (session 55): one call builds the W^T of up to kT24MaxParts weights of one shape and pattern, part p
+// Stacked views (session 55): one call builds the W^T of up to kViewMaxParts weights of one shape and pattern, part p
 // (blockIdx.y) into columns [p R/2, (p+1) R/2) of each W^T values row and [p R/32, (p+1) R/32) of each metadata row,
 // so the views come out concatenated along their reduction, as the summed input-gradient product reads them
 // (calls.spmm_t_sum), without a launch per weight and an XLA concatenation after them.
-constexpr int kT24Groups = 8;    // groups per CTA, one per warp
-constexpr int kT24MaxParts = 3;  // the most weights one call stacks (calls.SPMM_SUM_MAX)
-struct T24Inputs {               // each part's compressed weight
-  const uint32_t* value_pairs[kT24MaxParts];
-  const uint8_t* columns[kT24MaxParts];
-  const uint32_t* metadata[kT24MaxParts];
-};
-__global__ void __launch_bounds__(32 * kT24Groups) Transpose24Kernel(const T24Inputs in, uint16_t* __restrict__ values_t,
+constexpr int kT24Groups = 8;  // groups per CTA, one per warp
+static_assert(kViewMaxParts == 3, "Transpose24Kernel stacks up to calls.SPMM_SUM_MAX = 3 weights");
+__global__ void __launch_bounds__(32 * kT24Groups) Transpose24Kernel(const ViewInputs in, uint16_t* __restrict__ values_t,
                                                                      uint32_t* __restrict__ meta_t, int rows,
                                                                      int groups, int v, int m, uint16_t nan) {
   __shared__ uint32_t pairs_s[32][kT24Groups + 1];  // +1: the 8 rows one warp's load reads sit in 8 banks
   __shared__ uint32_t meta_s[32];                   // the rows' metadata words of these 8 groups
   const int part = static_cast<int>(blockIdx.y), parts = static_cast<int>(gridDim.y);
-  const uint32_t* __restrict__ value_pairs = part == 0 ? in.value_pairs[0] : part == 1 ? in.value_pairs[1]
-                                                                                          : in.value_pairs[2];
-  const uint8_t* __restrict__ columns = part == 0 ? in.columns[0] : part == 1 ? in.columns[1] : in.columns[2];
-  const uint32_t* __restrict__ metadata = part == 0 ? in.metadata[0] : part == 1 ? in.metadata[1] : in.metadata[2];
+  const ViewPart w_in = PartOf(in, part);
+  const uint32_t* __restrict__ value_pairs = static_cast<const uint32_t*>(w_in.values);
+  const uint8_t* __restrict__ columns = w_in.columns;
+  const uint32_t* __restrict__ metadata = w_in.metadata;
   values_t += static_cast<int64_t>(part) * (rows / 2);
   meta_t += static_cast<int64_t>(part) * (rows / 32);
   const int tiles = groups / kT24Groups;            // G % 8 == 0
@@ -248,35 +316,11 @@ ffi::Error Transpose24Impl(cudaStream_t stream, ffi::AnyBuffer values, ffi::Buff
     return ffi::Error::InvalidArgument("jaxsparse_transpose_2_4: values and W^T's values must be 2-D");
   const int64_t rows = Dim(values, 0), groups = Dim(values, 1) / 2, k = groups * m;
   if (ffi::Error e = CheckSparseWeight(name, rows, groups, columns, metadata, v, m); e.failure()) return e;
-  if (further.size() % 3 || further.size() / 3 + 1 > kT24MaxParts)
-    return ffi::Error::InvalidArgument("jaxsparse_transpose_2_4: the further weights come as (values, columns, "
-                                       "metadata) triples, at most " + std::to_string(kT24MaxParts - 1) + ", got " +
-                                       std::to_string(further.size()) + " operands");
-  const int parts = static_cast<int>(further.size() / 3) + 1;
-  T24Inputs in{};
-  for (int p = 0; p < kT24MaxParts; ++p) {  // unused parts repeat the first weight (never read: blockIdx.y < parts)
-    in.value_pairs[p] = static_cast<const uint32_t*>(values.untyped_data());
-    in.columns[p] = columns.typed_data();
-    in.metadata[p] = metadata.typed_data();
-  }
-  for (int p = 1; p < parts; ++p) {
-    auto pv = further.get<ffi::AnyBuffer>(3 * (p - 1));
-    auto pc = further.get<ffi::Buffer<ffi::U8>>(3 * (p - 1) + 1);
-    auto pm = further.get<ffi::Buffer<ffi::U32>>(3 * (p - 1) + 2);
-    if (pv.has_error()) return pv.error();
-    if (pc.has_error()) return pc.error();
-    if (pm.has_error()) return pm.error();
-    if (pv->element_type() != values.element_type() || pv->dimensions().size() != 2 || Dim(*pv, 0) != rows ||
-        Dim(*pv, 1) != 2 * groups || pc->element_count() != columns.element_count())
-      return ffi::Error::InvalidArgument("jaxsparse_transpose_2_4: stacked weight " + std::to_string(p) +
-                                         " differs from the first: values " + ShapeString(*pv) + " against " +
-                                         ShapeString(values) + ", columns " + ShapeString(*pc) + " against " +
-                                         ShapeString(columns));
-    if (ffi::Error e = CheckSparseWeight(name, rows, groups, *pc, *pm, v, m); e.failure()) return e;
-    in.value_pairs[p] = static_cast<const uint32_t*>(pv->untyped_data());
-    in.columns[p] = pc->typed_data();
-    in.metadata[p] = pm->typed_data();
-  }
+  ViewInputs in{};
+  int parts = 1;
+  if (ffi::Error e = StackedInputs(name, values, columns, metadata, further, rows, groups, v, m, &in, &parts);
+      e.failure())
+    return e;
   if (rows % 32)
     return ffi::Error::InvalidArgument("jaxsparse_transpose_2_4: needs R % 32 == 0 (W^T's metadata words hold 32 "
                                        "output features), got R = " + std::to_string(rows));
@@ -308,9 +352,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseAs24, jaxsparse::As24Impl,
                                   .Arg<xla::ffi::AnyBuffer>()               // values [R, 2G]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // columns [R/V, G, 4]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // metadata [R, G/8]
-                                  .Ret<xla::ffi::AnyBuffer>()               // the view's values [R, K/2]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()   // the view's metadata [R, K/32]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()   // slots [R, 2G]
+                                  .RemainingArgs()                          // up to 2 more (values, columns, metadata)
+                                  .Ret<xla::ffi::AnyBuffer>()               // the view's values [n R, K/2]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()   // the view's metadata [n R, K/32]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()   // slots [n R, 2G]
                                   .Attr<int32_t>("v")
                                   .Attr<int32_t>("m"),
                               JAXSPARSE_GRAPH_SAFE);

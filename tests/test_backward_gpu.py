@@ -833,6 +833,11 @@ def test_sddmm_stacked_refuses_what_the_kernels_cannot_take():
     with pytest.raises(Exception, match="metadata"):  # a further layer's metadata of another shape
         jax.block_until_ready(calls._sddmm_call(x, dy, stacked, jnp.bfloat16, None, calls.SDDMM_ENGINES["tma"], 0,
                                                 further=((dy, sw.replace(metadata=sw.metadata[:64])),)))
+    # metadata holding both layers' rows (as_2_4_stacked's): the further layer must not bring its own as well
+    both = stacked.replace(metadata=jnp.concatenate([sw.metadata, sw.metadata]))
+    with pytest.raises(Exception, match="further layers' columns and metadata must be empty"):
+        jax.block_until_ready(calls._sddmm_call(x, dy, both, jnp.bfloat16, None, calls.SDDMM_ENGINES["tma"], 0,
+                                                further=((dy, sw),)))
 
 
 # calls.spmm_stacked: the forward of up to three layers of one input (query, key, value) by one jaxsparse_spmm_xt call
@@ -868,6 +873,8 @@ def test_spmm_stacked_kernel(parts, spec, layout, dtype, bias):
     f = jax.jit(lambda a, s, b: calls.spmm_stacked(a, s, b, layout)).lower(xin, sws, biases).compile()
     text = f.as_text()
     assert text.count('custom_call_target="jaxsparse_spmm_xt"') == 1
+    # a V:2:M weight on the row route: the layers' 2:4 views by one stacked build (as_2_4_stacked), not concatenated
+    assert text.count('custom_call_target="jaxsparse_as_2_4"') == int(layout == "row" and spec != "2:4")
     assert not layout_moves(text), layout_moves(text)
     for _ in range(parts):
         poison((t, r), dtype)
@@ -993,6 +1000,20 @@ def test_shared_linear_runs_one_weight_gradient_call(monkeypatch, spec):
         assert text.count('custom_call_target="jaxsparse_sddmm"') == want, (shared, spec)
         cats[shared] = sorted(i.opcode for i in parse_hlo(text).values() if "concatenate" in (i.opcode, *i.fused_opcodes))
     assert cats["auto"] == cats["off"], cats  # the stacked call adds no concatenation
+
+
+def test_shared_linear_builds_the_views_once(monkeypatch):
+    """At 64:2:8 on the row route, the gradient of the three layers builds their 2:4 views by one ``jaxsparse_as_2_4``
+    call (as_2_4_stacked), which the stacked forward and the stacked SDDMM both read (XLA holds one), and concatenates
+    none of them; with both stacked calls off, one view a layer, shared by each layer's forward and SDDMM."""
+    _skip_unless_col()
+    from jaxsparse import ops
+
+    for shared, want in (("auto", 1), ("off", 3)):
+        monkeypatch.setenv(ops.SHARED_SPMM_ENV, shared)
+        *_, text = _shared_grads(monkeypatch, "64:2:8", jnp.bfloat16, 1000, "auto", shared)
+        assert text.count('custom_call_target="jaxsparse_as_2_4"') == want, (shared, text.count("jaxsparse_as_2_4"))
+        assert text.count('custom_call_target="jaxsparse_sddmm"') == want  # one stacked, or one a layer
 
 
 def test_shared_linear_runs_one_input_gradient_product(monkeypatch):

@@ -65,6 +65,36 @@ def test_as_2_4_kernel(spec, k, r, dtype):
     np.testing.assert_array_equal(np.asarray(F.decompress(sw24)), np.asarray(F.decompress(sw)))
 
 
+@pytest.mark.parametrize("parts", [2, 3])
+@pytest.mark.parametrize("spec, k, r", [("64:2:8", 512, 192), ("128:2:16", 768, 384), ("64:2:32", 1024, 320)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_as_2_4_stacked_kernel(parts, spec, k, r, dtype):
+    """``calls.as_2_4_stacked``: one ``jaxsparse_as_2_4`` call builds the 2:4 views of 2 or 3 weights (each its own
+    mask), bit for bit the references concatenated along R (values, metadata and each layer's own slots), the views'
+    values poisoned first; and nothing else runs (no concatenation)."""
+    sws = [weight(spec, k, r, dtype, "as_2_4_stacked", i) for i in range(parts)]
+    f = jax.jit(calls.as_2_4_stacked).lower(sws).compile()
+    text = f.as_text()
+    assert text.count('custom_call_target="jaxsparse_as_2_4"') == 1 and "concatenate" not in text
+    poison((parts * r, k // 2), dtype)
+    view, slots = f(sws)
+    refs = [F.as_2_4(sw) for sw in sws]
+    assert view.shape == (k, parts * r) and view.spec == F.VNM(1, 2, 4) and view.values.dtype == dtype
+    cat = lambda arrays: np.concatenate([np.asarray(a) for a in arrays], axis=0)
+    np.testing.assert_array_equal(np.asarray(view.values).view(np.uint8), cat(v.values for v, _ in refs).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(view.metadata), cat(v.metadata for v, _ in refs))
+    np.testing.assert_array_equal(np.asarray(slots), cat(s for _, s in refs))
+
+
+def test_as_2_4_stacked_refuses_mismatched_weights():
+    sw = weight("64:2:8", 512, 192, jnp.bfloat16, "as_2_4_bad")
+    wide = weight("64:2:8", 512, 384, jnp.bfloat16, "as_2_4_bad_wide")
+    with pytest.raises(ValueError, match="one shape, spec and dtype"):
+        calls.as_2_4_stacked([sw, wide])
+    with pytest.raises(ValueError, match="one to 3 weights"):
+        calls.as_2_4_stacked([sw] * 4)
+
+
 @pytest.mark.parametrize("spec, k, r", [("2:4", 256, 96), ("64:2:8", 512, 192), ("128:2:16", 768, 384),
                                         ("64:2:32", 1024, 320), ("128:2:32", 512, 128)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])

@@ -125,14 +125,39 @@ def as_2_4(sw: SparseWeight) -> tuple[SparseWeight, jax.Array]:
     """:func:`jaxsparse.format.as_2_4` (the 2:4 view of a V:2:M weight and where each value went) by the CUDA
     handler ``jaxsparse_as_2_4`` in one pass; a 2:4 weight is returned as it is, and an ``M`` outside {8, 16, 32}
     takes the reference."""
-    m = sw.spec.m
+    return as_2_4_stacked((sw,))
+
+
+def as_2_4_stacked(sws: Sequence[SparseWeight]) -> tuple[SparseWeight, jax.Array]:
+    """The 2:4 views (:func:`as_2_4`) of up to :data:`SPMM_STACKED_MAX` V:2:M weights of one shape ``(K, R)``, spec and
+    dtype, stacked along the output features: a 2:4 weight of shape ``(K, n R)`` whose values ``[n R, K/2]`` and
+    metadata ``[n R, K/32]`` hold the i-th view in rows ``[i R, (i+1) R)``, and the slots ``[n R, 2G]`` likewise (each
+    layer's own positions). One ``jaxsparse_as_2_4`` call (further weights as extra operands), so neither a launch per
+    weight nor a concatenation follows; the stacked forward (:func:`spmm_stacked`) and the stacked SDDMM
+    (:func:`sddmm_stacked`) read the same result, which XLA then computes once. 2:4 weights are concatenated as they
+    are (slots ``arange(2G)``), and an ``M`` outside {8, 16, 32} takes the reference."""
+    if not 1 <= len(sws) <= SPMM_STACKED_MAX:
+        raise ValueError(f"as_2_4_stacked: one to {SPMM_STACKED_MAX} weights, got {len(sws)}")
+    if problem := _not_one_kind(sws):
+        raise ValueError(f"as_2_4_stacked: {problem}")
+    first = sws[0]
+    k, r = first.shape
+    n, m = len(sws), first.spec.m
     if m not in (8, 16, 32):
-        return format_as_2_4(sw)
-    k, r = sw.shape
-    results = [((r, k // 2), sw.values.dtype), ((r, k // 32), jnp.uint32), ((r, sw.values.shape[1]), jnp.int32)]
-    values24, meta24, slots = _call_results("jaxsparse_as_2_4", results, sw.values, _columns_operand(sw), sw.metadata,
-                                            v=np.int32(sw.spec.v), m=np.int32(m))
-    return SparseWeight(values24, None, meta24, (k, r), VNM(1, 2, 4)), slots
+        views = [format_as_2_4(sw) for sw in sws]
+        if n == 1:
+            return views[0]
+        cat = lambda arrays: jnp.concatenate(arrays, axis=0)
+        view0 = views[0][0]
+        columns = None if view0.columns is None else cat([w.columns for w, _ in views])
+        return (SparseWeight(cat([w.values for w, _ in views]), columns, cat([w.metadata for w, _ in views]),
+                             (k, n * r), view0.spec), cat([s for _, s in views]))
+    results = [((n * r, k // 2), first.values.dtype), ((n * r, k // 32), jnp.uint32),
+               ((n * r, first.values.shape[1]), jnp.int32)]
+    operands = [a for sw in sws for a in (sw.values, _columns_operand(sw), sw.metadata)]
+    values24, meta24, slots = _call_results("jaxsparse_as_2_4", results, *operands, v=np.int32(first.spec.v),
+                                            m=np.int32(m))
+    return SparseWeight(values24, None, meta24, (k, n * r), VNM(1, 2, 4)), slots
 
 
 def transpose_2_4_unsupported(sw: SparseWeight) -> str | None:
@@ -543,10 +568,12 @@ def spmm_stacked(x: jax.Array, sws: Sequence[SparseWeight], biases=None, x_layou
         raise ValueError(f"spmm_stacked: one bias (or None) a weight, got {len(biases)} for {n} weights")
     for sw, b in zip(sws, biases):
         _spmm_checks("spmm_stacked", sw, x.dtype, b, None)
-    views = [as_2_4(sw)[0] for sw in sws] if not col and sws[0].spec.m != 4 else list(sws)
     cat = lambda arrays: jnp.concatenate(arrays, axis=0)  # along R (values, metadata) or R/V (columns)
-    stacked = SparseWeight(cat([w.values for w in views]), None if views[0].columns is None else
-                           cat([w.columns for w in views]), cat([w.metadata for w in views]), (k, n * r), views[0].spec)
+    if not col and sws[0].spec.m != 4:  # the 2:4 views, built stacked by one call
+        stacked = as_2_4_stacked(sws)[0]
+    else:
+        stacked = SparseWeight(cat([w.values for w in sws]), None if sws[0].columns is None else
+                               cat([w.columns for w in sws]), cat([w.metadata for w in sws]), (k, n * r), sws[0].spec)
     bias = None
     if any(b is not None for b in biases):
         dtype = jnp.result_type(*(b.dtype for b in biases if b is not None))
@@ -856,6 +883,8 @@ def _sddmm_call(x: jax.Array, dy: jax.Array, sw: SparseWeight, out, split, engin
     which only the tma and x^T engines take (:func:`sddmm_bias_grad_fused`), else None. ``further``: the other
     layers' ``(dy, weight)`` of :func:`sddmm_stacked` (their columns and metadata are passed, each weight's own); ``sw``
     then has the first layer's columns and metadata and the stacked shape ``(K, parts R)``, values ``[parts R, 2G]``.
+    Stacked 2:4 views (:func:`as_2_4_stacked`) pass every layer's metadata as ``sw``'s (``[parts R, G/8]``) and
+    empty metadata in ``further``.
 
     Its second result is the token split's float32 buffer (:func:`sddmm_partial_elements`), dropped here: an
     XLA buffer rather than scratch memory, so XLA may record the call into its command buffers."""
@@ -921,16 +950,23 @@ def sddmm_stacked(x: jax.Array, dys: Sequence[jax.Array], sws: Sequence[SparseWe
     out = _sddmm_out_dtype("sddmm_stacked", "x", x, dys[0], sws[0], None)
     for dy in dys[1:]:
         _sddmm_out_dtype("sddmm_stacked", "x", x, dy, sws[0], None)
-    stack, slots = sws, None
     engine = SDDMM_ENGINES["wgmma" if x_layout == "col" else "tma"]
-    if x_layout == "row" and sws[0].spec.m != 4:  # V:2:M through each weight's 2:4 view, gathered back per layer
-        stack, slots = zip(*(as_2_4(sw) for sw in sws))
-    first = stack[0]
-    stacked = SparseWeight(jax.ShapeDtypeStruct((n * first.values.shape[0], first.values.shape[1]), first.values.dtype),
-                           first.columns, first.metadata, (k, n * r), first.spec)
+    first, slots = sws[0], None
+    further = tuple(zip(dys[1:], sws[1:]))  # each further layer's dy, columns and metadata where they are
+    metadata = first.metadata
+    if x_layout == "row" and first.spec.m != 4:  # V:2:M through the 2:4 views, gathered back per layer
+        # The forward's stacked views (as_2_4_stacked, the same call): the metadata of all layers in one array, which
+        # the handler reads layer by layer; the further layers pass none of their own.
+        view, slots = as_2_4_stacked(sws)
+        first, metadata = view, view.metadata
+        empty = SparseWeight(None, None, jnp.zeros((0,), jnp.uint32), view.shape, view.spec)
+        further = tuple((dy, empty) for dy in dys[1:])
+        slots = jnp.split(slots, n, axis=0)
+    stacked = SparseWeight(jax.ShapeDtypeStruct((n * r, first.values.shape[1]), first.values.dtype), first.columns,
+                           metadata, (k, n * r), first.spec)
     fused = bias_grad and sddmm_bias_grad_fused(tokens, sws[0], x_layout=x_layout)
     dvalues, dbias = _sddmm_call(x, dys[0], stacked, out, None, engine, x_layout=1 if x_layout == "col" else 0,
-                                 bias_grad=fused, further=tuple(zip(dys[1:], stack[1:])))
+                                 bias_grad=fused, further=further)
     parts = jnp.split(dvalues, n, axis=0)
     if slots is not None:
         parts = [jnp.take_along_axis(d, s, axis=1) for d, s in zip(parts, slots)]
