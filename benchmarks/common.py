@@ -115,6 +115,30 @@ def time_jax(fn: Callable, arg_sets: Sequence[tuple], *, warmup: int = 5, inner:
     return 1e3 * statistics.median(times)
 
 
+def trace_kernels(fn: Callable, args: tuple, match: str, calls: int = 3) -> dict:
+    """The GPU's own time for the kernels of ``fn(*args)`` (already jitted) whose names contain ``match`` (empty: every
+    kernel), read from a ``jax.profiler`` trace of ``calls`` calls after a warm-up call outside it (launches excluded,
+    as ``jaxsparse-profile`` counts them): ``{"median_us"`` (one kernel), ``"per_call_us"`` (all of a call's matching
+    kernels), ``"count"}``. ``RuntimeError`` when nothing matches."""
+    import tempfile
+
+    import jax
+
+    from jaxsparse.profile import device_events, latest_xplane
+
+    jax.block_until_ready(fn(*args))  # compile and warm up outside the trace
+    tmp = tempfile.mkdtemp(prefix="jaxsparse-trace-")
+    with jax.profiler.trace(tmp):
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+    events, _ = device_events(latest_xplane(tmp))
+    durations = [e.duration_ns / 1e3 for e in events if match in e.name and "memcpy" not in e.name.lower()]
+    if not durations:
+        raise RuntimeError(f"no kernel named like {match!r} in the trace: {sorted({e.name for e in events})[:10]}")
+    return {"median_us": statistics.median(durations), "per_call_us": sum(durations) / calls, "count": len(durations)}
+
+
 def time_torch(fn: Callable[[int], Any], n_sets: int, *, warmup: int = 5, inner: int = 20, outer: int = 15) -> float:
     """Median milliseconds per call of ``fn(i)`` with CUDA events around batches of ``inner`` calls."""
     import torch

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,7 +31,6 @@ import jax.numpy as jnp  # noqa: E402
 
 from jaxsparse import format as F  # noqa: E402
 from jaxsparse.ffi import calls  # noqa: E402
-from jaxsparse.profile import device_events, latest_xplane  # noqa: E402
 
 CALLS = 48
 # (K, R, spec): BERT-large's attention (1024 x 1024) and FFN kernels, and the diagonal FFN out as the stacked 2:4
@@ -79,22 +76,6 @@ def _nbytes(tree) -> int:
     return sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(tree))
 
 
-def kernel_us(fn, args: tuple, match: str) -> tuple[float, int]:
-    """Median duration (us) of the traced kernels whose name contains ``match`` over three calls of ``fn(*args)``
-    (``match`` empty: every kernel of the trace), and how many there were."""
-    jax.block_until_ready(fn(*args))  # compile and warm up outside the trace
-    tmp = tempfile.mkdtemp(prefix="view24-cost-")
-    with jax.profiler.trace(tmp):
-        for _ in range(3):
-            out = fn(*args)
-        jax.block_until_ready(out)
-    events, _ = device_events(latest_xplane(tmp))
-    durations = [e.duration_ns / 1e3 for e in events if match in e.name and "memcpy" not in e.name.lower()]
-    if not durations:
-        raise RuntimeError(f"no kernel named like {match!r} in the trace: {sorted({e.name for e in events})[:10]}")
-    return statistics.median(durations), len(durations)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="json path (default benchmarks/results/<gpu>/view24_cost.json)")
@@ -108,12 +89,13 @@ def main() -> None:
         for name, build, kernel in builds:
             out = jax.jit(build)(sws[0])
             in_bytes, out_bytes = _nbytes((sws[0].values, sws[0].columns, sws[0].metadata)), _nbytes(out)
-            us, n = kernel_us(jax.jit(lambda ws: [build(w) for w in ws]), (sws,), kernel)
+            timed = common.trace_kernels(jax.jit(lambda ws: [build(w) for w in ws]), (sws,), kernel)
+            us, n = timed["median_us"], timed["count"]
             # The XLA pass of the same bytes: read an array of the input's size, write one of the output's.
             src = [jnp.zeros((in_bytes // 2,), jnp.bfloat16) + i for i in range(CALLS)]
             n_in, n_out = in_bytes // 2, out_bytes // 2
             grow = (lambda x: jnp.pad(x * 2, (0, n_out - n_in))) if n_out >= n_in else (lambda x: (x * 2)[:n_out])
-            xla_us, _ = kernel_us(jax.jit(lambda xs: [grow(x) for x in xs]), (src,), "")
+            xla_us = common.trace_kernels(jax.jit(lambda xs: [grow(x) for x in xs]), (src,), "")["median_us"]
             row = dict(K=k, R=r, spec=spec, build=name, kernel_us=round(us, 2), kernels_traced=n,
                        xla_pass_us=round(xla_us, 2), in_bytes=in_bytes, out_bytes=out_bytes,
                        floor_us=round((in_bytes + out_bytes) / 3.0e6, 2))

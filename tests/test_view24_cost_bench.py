@@ -22,7 +22,8 @@ def _rows(bench, transpose_us: float, view_us: float) -> list[dict]:
 def test_step_totals_count_every_build_of_a_layer():
     """Times proportional to the weight's size (1 us / 2 us per 1024 x 1024 for W^T / the view): a 64:2:8 layer is
     four 1024^2 weights, FFN in (4x) and FFN out's stacked 2:4 blocks, one 2048 x 1024 weight (2x); 128:2:16's is one
-    1024^2 weight. Only V:2:M weights have a 2:4 view. The profile counts 144 W^T builds and 120 views a step."""
+    1024^2 weight. Only V:2:M weights have a 2:4 view. These are builds of weights: 144 W^T and 120 views a step, in
+    96 and 72 launches since Q, K and V's are stacked by one call each (sessions 55 and 59)."""
     bench = _load()
     steps = bench.step_totals(_rows(bench, 1.0, 2.0), layers=24)
     assert set(steps) == {"64:2:8", "128:2:16"}
