@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -136,10 +136,7 @@ def as_2_4_stacked(sws: Sequence[SparseWeight]) -> tuple[SparseWeight, jax.Array
     weight nor a concatenation follows; the stacked forward (:func:`spmm_stacked`) and the stacked SDDMM
     (:func:`sddmm_stacked`) read the same result, which XLA then computes once. 2:4 weights are concatenated as they
     are (slots ``arange(2G)``), and an ``M`` outside {8, 16, 32} takes the reference."""
-    if not 1 <= len(sws) <= SPMM_STACKED_MAX:
-        raise ValueError(f"as_2_4_stacked: one to {SPMM_STACKED_MAX} weights, got {len(sws)}")
-    if problem := _not_one_kind(sws):
-        raise ValueError(f"as_2_4_stacked: {problem}")
+    _check_stack("as_2_4_stacked", sws, SPMM_STACKED_MAX)
     first = sws[0]
     k, r = first.shape
     n, m = len(sws), first.spec.m
@@ -147,16 +144,11 @@ def as_2_4_stacked(sws: Sequence[SparseWeight]) -> tuple[SparseWeight, jax.Array
         views = [format_as_2_4(sw) for sw in sws]
         if n == 1:
             return views[0]
-        cat = lambda arrays: jnp.concatenate(arrays, axis=0)
-        view0 = views[0][0]
-        columns = None if view0.columns is None else cat([w.columns for w, _ in views])
-        return (SparseWeight(cat([w.values for w, _ in views]), columns, cat([w.metadata for w, _ in views]),
-                             (k, n * r), view0.spec), cat([s for _, s in views]))
+        return _rows_stacked([w for w, _ in views]), jnp.concatenate([s for _, s in views], axis=0)
     results = [((n * r, k // 2), first.values.dtype), ((n * r, k // 32), jnp.uint32),
                ((n * r, first.values.shape[1]), jnp.int32)]
-    operands = [a for sw in sws for a in (sw.values, _columns_operand(sw), sw.metadata)]
-    values24, meta24, slots = _call_results("jaxsparse_as_2_4", results, *operands, v=np.int32(first.spec.v),
-                                            m=np.int32(m))
+    values24, meta24, slots = _call_results("jaxsparse_as_2_4", results, *_weight_operands(sws),
+                                            v=np.int32(first.spec.v), m=np.int32(m))
     return SparseWeight(values24, None, meta24, (k, n * r), VNM(1, 2, 4)), slots
 
 
@@ -184,25 +176,47 @@ def _not_one_kind(sws: Sequence[SparseWeight]) -> str | None:
     return None
 
 
+def _check_stack(name: str, sws: Sequence[SparseWeight], most: int,
+                 unsupported: Callable[[SparseWeight], str | None] | None = None) -> None:
+    """The checks of the calls that build views of stacked weights: one to ``most`` weights, none of which
+    ``unsupported`` refuses, of one shape, spec and dtype; a ``ValueError`` naming ``name`` otherwise."""
+    if not 1 <= len(sws) <= most:
+        raise ValueError(f"{name}: one to {most} weights, got {len(sws)}")
+    for sw in sws:
+        if unsupported is not None and (problem := unsupported(sw)):
+            raise ValueError(f"{name}: {problem}")
+    if problem := _not_one_kind(sws):
+        raise ValueError(f"{name}: {problem}")
+
+
+def _weight_operands(sws: Sequence[SparseWeight]) -> list[jax.Array]:
+    """The view builders' operands: each weight's values, columns and metadata, in order (the first, then the further
+    triples)."""
+    return [a for sw in sws for a in (sw.values, _columns_operand(sw), sw.metadata)]
+
+
+def _rows_stacked(sws: Sequence[SparseWeight]) -> SparseWeight:
+    """Weights of one shape ``(K, R)`` and spec as one of shape ``(K, n R)``: values, metadata and columns concatenated
+    along ``R`` (columns along ``R/V``), which keeps every V block whole when ``R % V == 0``."""
+    cat = lambda arrays: jnp.concatenate(arrays, axis=0)
+    first = sws[0]
+    columns = None if first.columns is None else cat([w.columns for w in sws])
+    return SparseWeight(cat([w.values for w in sws]), columns, cat([w.metadata for w in sws]),
+                        (first.shape[0], len(sws) * first.shape[1]), first.spec)
+
+
 def transpose_2_4_stacked(sws: Sequence[SparseWeight]) -> SparseWeight:
     """The ``W^T`` 2:4 views of up to :data:`SPMM_SUM_MAX` weights of one shape ``(K, R)``, spec and dtype, stacked
     along the views' reduction: a 2:4 weight of shape ``(n R, K)`` whose values ``[K, n R/2]`` and metadata
     ``[K, n R/32]`` hold the i-th view in the i-th slice of each row, as :func:`spmm_sum` concatenates them. One
     ``jaxsparse_transpose_2_4`` call (further weights as extra operands), so neither a launch per weight nor a
     concatenation follows."""
-    if not 1 <= len(sws) <= SPMM_SUM_MAX:
-        raise ValueError(f"transpose_2_4_stacked: one to {SPMM_SUM_MAX} weights, got {len(sws)}")
+    _check_stack("transpose_2_4_stacked", sws, SPMM_SUM_MAX, transpose_2_4_unsupported)
     first = sws[0]
-    for sw in sws:
-        if problem := transpose_2_4_unsupported(sw):
-            raise ValueError(f"transpose_2_4_stacked: {problem}")
-    if problem := _not_one_kind(sws):
-        raise ValueError(f"transpose_2_4_stacked: {problem}")
     k, r = first.shape
     n = len(sws)
     results = [((k, n * r // 2), first.values.dtype), ((k, n * r // 32), jnp.uint32)]
-    operands = [a for sw in sws for a in (sw.values, _columns_operand(sw), sw.metadata)]
-    values_t, meta_t = _call_results("jaxsparse_transpose_2_4", results, *operands,
+    values_t, meta_t = _call_results("jaxsparse_transpose_2_4", results, *_weight_operands(sws),
                                      v=np.int32(first.spec.v), m=np.int32(first.spec.m))
     return SparseWeight(values_t, None, meta_t, (n * r, k), VNM(1, 2, 4))
 
@@ -568,16 +582,12 @@ def spmm_stacked(x: jax.Array, sws: Sequence[SparseWeight], biases=None, x_layou
         raise ValueError(f"spmm_stacked: one bias (or None) a weight, got {len(biases)} for {n} weights")
     for sw, b in zip(sws, biases):
         _spmm_checks("spmm_stacked", sw, x.dtype, b, None)
-    cat = lambda arrays: jnp.concatenate(arrays, axis=0)  # along R (values, metadata) or R/V (columns)
-    if not col and sws[0].spec.m != 4:  # the 2:4 views, built stacked by one call
-        stacked = as_2_4_stacked(sws)[0]
-    else:
-        stacked = SparseWeight(cat([w.values for w in sws]), None if sws[0].columns is None else
-                               cat([w.columns for w in sws]), cat([w.metadata for w in sws]), (k, n * r), sws[0].spec)
+    # the 2:4 views built stacked by one call, or the weights as they are, concatenated along R
+    stacked = as_2_4_stacked(sws)[0] if not col and sws[0].spec.m != 4 else _rows_stacked(sws)
     bias = None
     if any(b is not None for b in biases):
         dtype = jnp.result_type(*(b.dtype for b in biases if b is not None))
-        bias = cat([jnp.zeros((r,), dtype) if b is None else b.astype(dtype) for b in biases])
+        bias = jnp.concatenate([jnp.zeros((r,), dtype) if b is None else b.astype(dtype) for b in biases])
     out = _spmm_xt_call(x, stacked, bias, None, x_rows=not col, y_parts=n)
     return out if n > 1 else (out,)
 
@@ -953,17 +963,15 @@ def sddmm_stacked(x: jax.Array, dys: Sequence[jax.Array], sws: Sequence[SparseWe
     engine = SDDMM_ENGINES["wgmma" if x_layout == "col" else "tma"]
     first, slots = sws[0], None
     further = tuple(zip(dys[1:], sws[1:]))  # each further layer's dy, columns and metadata where they are
-    metadata = first.metadata
     if x_layout == "row" and first.spec.m != 4:  # V:2:M through the 2:4 views, gathered back per layer
         # The forward's stacked views (as_2_4_stacked, the same call): the metadata of all layers in one array, which
         # the handler reads layer by layer; the further layers pass none of their own.
-        view, slots = as_2_4_stacked(sws)
-        first, metadata = view, view.metadata
-        empty = SparseWeight(None, None, jnp.zeros((0,), jnp.uint32), view.shape, view.spec)
+        first, slots = as_2_4_stacked(sws)
+        empty = SparseWeight(None, None, jnp.zeros((0,), jnp.uint32), first.shape, first.spec)
         further = tuple((dy, empty) for dy in dys[1:])
         slots = jnp.split(slots, n, axis=0)
     stacked = SparseWeight(jax.ShapeDtypeStruct((n * r, first.values.shape[1]), first.values.dtype), first.columns,
-                           metadata, (k, n * r), first.spec)
+                           first.metadata, (k, n * r), first.spec)
     fused = bias_grad and sddmm_bias_grad_fused(tokens, sws[0], x_layout=x_layout)
     dvalues, dbias = _sddmm_call(x, dys[0], stacked, out, None, engine, x_layout=1 if x_layout == "col" else 0,
                                  bias_grad=fused, further=further)
