@@ -34,7 +34,6 @@
 // instead of XLA's scratch allocator keeps the handler safe to record into XLA's command buffers (CUDA graphs).
 #include <algorithm>
 #include <type_traits>
-#include <utility>
 
 #include "common.cuh"
 #include "handlers.h"
@@ -67,13 +66,6 @@ struct SddmmParams {
   // layers of one input, layer i's dy [T, dy_rows] read through the i-th tensor map (PartOfRow); dy_rows = rows for
   // one layer.
   int dy_rows;
-  // Sums formed in a thread-block cluster of 1 x cluster_y x cluster_z CTAs (the warp-specialized x^T and tma
-  // engines; LaunchSplit), through distributed shared memory (WsEpilogue): cluster_z > 1: the grid.z = cluster_z
-  // token ranges of a tile, whose kept pairs are added there (partial is then null); cluster_y > 1 or db set: the
-  // bias gradient's planes (the `ways` column tiles that share its k16 steps, over every range), which the first
-  // column tiles' cluster adds and stores into db (db_partial is then null). 1, 1 and null: no cluster.
-  int cluster_y, cluster_z;
-  float* db;
 };
 
 constexpr int kSdBR = 64;       // rows (output features) per CTA; divides V = 64 and 128
@@ -192,60 +184,6 @@ __device__ __forceinline__ void StoreKeptPairs(const SddmmParams& p, const float
     StorePair<T>(p, row, g, v0, v1);
   }
 }
-
-#ifdef JAXSPARSE_WGMMA
-// The kept pairs of a tile whose token ranges form the cluster's z dimension (SddmmParams::cluster_z = S > 1): CTA z
-// stores the z-th S-th of the (row, group) pairs, each the sum over the S ranges' float32 tiles (at shared address
-// `tile` in each CTA of this column tile's rank) in range order: the sums SddmmReduceKernel forms from the planes, in
-// the same order, so the result is the planes' bit for bit.
-template <typename T, int ROWS, int GC, int THREADS>
-__device__ __forceinline__ void ClusterSumKeptPairs(const SddmmParams& p, uint32_t tile, int row_floats, int row0,
-                                                    int g0, int t, const uint32_t* meta, int meta_row0) {
-  const int ranges = p.cluster_z, meta_stride = p.groups / 8, z = static_cast<int>(blockIdx.z);
-  const uint32_t rank0 = blockIdx.y % p.cluster_y;  // this column tile's CTA of range 0 (ranks run y fastest)
-  const int begin = z * (ROWS * GC) / ranges, end = (z + 1) * (ROWS * GC) / ranges;
-  for (int i = begin + t; i < end; i += THREADS) {
-    const int r = i / GC, gl = i % GC, g = g0 + gl;
-    if (g >= p.groups) continue;
-    const uint32_t nib = (meta[static_cast<int64_t>(meta_row0 + r) * meta_stride + g / 8] >> (4 * (g % 8))) & 0xFu;
-    const uint32_t a0 = tile + 4 * (r * row_floats + 4 * gl + (nib & 3u));
-    const uint32_t a1 = tile + 4 * (r * row_floats + 4 * gl + (nib >> 2));
-    float v0 = LdClusterF32(ClusterSharedAddr(a0, rank0)), v1 = LdClusterF32(ClusterSharedAddr(a1, rank0));
-    for (int q = 1; q < ranges; ++q) {
-      v0 += LdClusterF32(ClusterSharedAddr(a0, rank0 + q * p.cluster_y));
-      v1 += LdClusterF32(ClusterSharedAddr(a1, rank0 + q * p.cluster_y));
-    }
-    StorePair<T>(p, row0 + r, g, v0, v1);
-  }
-}
-
-// The epilogue of the warp-specialized kernels once the tile is staged at `tile` (`tile_addr`) and, where the cluster
-// sums the bias gradient (SddmmParams::db), each CTA's ROWS row sums at shared address `dbs` (XtBiasGrad::Stage), for
-// THREADS threads (`t`: this one's index among them). Without a cluster, StoreKeptPairs. With one, after a barrier of
-// the cluster: the kept pairs (ClusterSumKeptPairs over the ranges, or this CTA's own), and the bias gradient summed
-// by the first column tiles' CTA of range 0 over the cluster's planes in the planes' order (range, then column tile),
-// as SddmmReduceKernel would; the second barrier keeps every CTA's shared memory in place until no CTA reads it.
-template <typename T, int ROWS, int GC, int THREADS>
-__device__ __forceinline__ void WsEpilogue(const SddmmParams& p, const float* tile, uint32_t tile_addr, int row_floats,
-                                           int row0, int g0, int t, const uint32_t* meta, int meta_row0,
-                                           uint32_t dbs) {
-  if (p.cluster_y * p.cluster_z == 1) {
-    StoreKeptPairs<T, ROWS, GC, THREADS>(p, tile, row_floats, row0, g0, t, meta, meta_row0);
-    return;
-  }
-  ClusterSync();
-  if (p.cluster_z > 1)
-    ClusterSumKeptPairs<T, ROWS, GC, THREADS>(p, tile_addr, row_floats, row0, g0, t, meta, meta_row0);
-  else
-    StoreKeptPairs<T, ROWS, GC, THREADS>(p, tile, row_floats, row0, g0, t, meta, meta_row0);
-  if (p.db != nullptr && blockIdx.y < p.cluster_y && blockIdx.z == 0 && t < ROWS) {
-    float sum = LdClusterF32(ClusterSharedAddr(dbs + 4 * t, 0));
-    for (int q = 1; q < p.cluster_y * p.cluster_z; ++q) sum += LdClusterF32(ClusterSharedAddr(dbs + 4 * t, q));
-    p.db[row0 + t] = sum;
-  }
-  ClusterSync();
-}
-#endif  // JAXSPARSE_WGMMA
 
 template <typename T, int M>
 __global__ void __launch_bounds__(kSdThreads) SddmmKernel(const SddmmParams p) {
@@ -696,25 +634,13 @@ struct XtBiasGrad {
   // After the last products completed: the row sums of the thread's consumer warpgroup (its index `t` among the
   // consumer warpgroups: warpgroup t / 128, rows 16 wq + lane / 4 and + 8 of its 64) into this CTA's plane of
   // p.db_partial.
-  // Nothing where the cluster sums them (p.db_partial null: Stage instead).
   __device__ __forceinline__ void Store(const SddmmParams& p, const float (&acc)[4], int row0, int t) const {
-    if (DBK == 0 || p.db_partial == nullptr || blockIdx.y >= kWays || (t & 3) != 0) return;
-    const int r = Row(t);
+    if (DBK == 0 || blockIdx.y >= kWays || (t & 3) != 0) return;
+    const int r = 64 * (t >> 7) + 16 * ((t >> 5) & 3) + ((t & 31) >> 2);
     float* plane = p.db_partial + (static_cast<int64_t>(blockIdx.z) * kWays + blockIdx.y) * p.rows + row0;
     plane[r] = acc[0];
     plane[r + 8] = acc[2];
   }
-
-  // The same sums into this CTA's 128 floats at `dbs` (in shared memory the ring no longer uses), where the cluster
-  // sums them (WsEpilogue).
-  __device__ __forceinline__ void Stage(float* dbs, const float (&acc)[4], int t) const {
-    if (DBK == 0 || (t & 3) != 0) return;
-    dbs[Row(t)] = acc[0];
-    dbs[Row(t) + 8] = acc[2];
-  }
-
-  // The first of the two rows whose sums thread t (t % 4 == 0) holds.
-  static __device__ __forceinline__ int Row(int t) { return 64 * (t >> 7) + 16 * ((t >> 5) & 3) + ((t & 31) >> 2); }
 };
 #endif  // JAXSPARSE_WGMMA
 
@@ -739,9 +665,6 @@ struct XtLayout {
   static constexpr int kEpiRowFloats = kNC + 4;
   static constexpr int kEpiBytes = kXtBR * kEpiRowFloats * 4;
   static constexpr int kBarOff = kPipeBytes > kEpiBytes ? kPipeBytes : kEpiBytes;  // the stages' mbarriers
-  // The CTA's bias sums for the cluster to add (XtBiasGrad::Stage), after the tile.
-  static constexpr int kDbStageOff = kEpiBytes;
-  static_assert(kDbStageOff % 16 == 0 && kDbStageOff + kXtBR * 4 <= kBarOff, "the bias sums fit beside the tile");
   // A 2 KB tile of ones, the B operand of the bias gradient's m64n8k16 products (16 token rows of 128 bytes: any
   // address the descriptor forms reads a one), on its own swizzle atom.
   static constexpr int kOnesOff = (kBarOff + 8 * kStages + 1023) / 1024 * 1024;
@@ -1044,13 +967,9 @@ __global__ void __launch_bounds__(kXtWsThreads, 1)
 
   __syncthreads();  // every copy landed and every wgmma completed: the ring becomes the epilogue's tile
   float* tile = reinterpret_cast<float*>(smem);
-  if (tid >= kXtWsProducers) {
-    StageWgmmaAccumulators<NC>(tile, L::kEpiRowFloats, acc, tid - kXtWsProducers);
-    if (p.db != nullptr) bias.Stage(reinterpret_cast<float*>(smem + L::kDbStageOff), acc_db, tid - kXtWsProducers);
-  }
+  if (tid >= kXtWsProducers) StageWgmmaAccumulators<NC>(tile, L::kEpiRowFloats, acc, tid - kXtWsProducers);
   __syncthreads();
-  WsEpilogue<T, kXtBR, GC, kXtWsThreads>(p, tile, smem_base, L::kEpiRowFloats, row0, g0, tid, part.meta, part.row,
-                                         smem_base + L::kDbStageOff);
+  StoreKeptPairs<T, kXtBR, GC, kXtWsThreads>(p, tile, L::kEpiRowFloats, row0, g0, tid, part.meta, part.row);
 #else
   __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
 #endif
@@ -1121,11 +1040,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   NamedBarSync(1, 256);  // every stage landed and every consumer's products completed: the ring becomes the tile
   float* tile = reinterpret_cast<float*>(smem);
   StageWgmmaAccumulators<NC>(tile, L::kEpiRowFloats, acc, t);
-  if (p.db != nullptr) bias.Stage(reinterpret_cast<float*>(smem + L::kDbStageOff), acc_db, t);
   NamedBarSync(1, 256);
-  // (The producer warpgroup has exited: a cluster's barriers wait for the consumers alone.)
-  WsEpilogue<T, kXtBR, GC, 256>(p, tile, smem_base, L::kEpiRowFloats, row0, g0, t, part.meta, part.row,
-                                smem_base + L::kDbStageOff);
+  StoreKeptPairs<T, kXtBR, GC, 256>(p, tile, L::kEpiRowFloats, row0, g0, t, part.meta, part.row);
 #else
   __trap();  // launched only where the sm_90a image exists (see Sm90aImageLoaded)
 #endif
@@ -1204,77 +1120,10 @@ int ChooseSplits(int split, int tiles, int all_kt, int ctas_per_sm) {
 // error where they cannot run.
 constexpr int kEngineAuto = 0, kEngineMma = 1, kEngineWgmma = 2, kEngineTma = 3;
 
-// The float32 planes of the token split: the handler's second result; `cluster`: the ranges may be reduced in a
-// cluster instead where the kernel takes it (attribute split_reduce = 1, LaunchSplit).
+// The float32 planes of the token split: the handler's second result.
 struct Partials {
   float* data;
   int64_t elements;
-  bool cluster;
-};
-
-// The most CTAs a cluster of the split holds (16, the most a Hopper GPU runs, takes the non-portable size's opt-in).
-constexpr int kMaxClusterCtas = 16;
-
-// Whether `Kernel` (`threads` threads, `smem` bytes a CTA) runs clusters of `ctas` CTAs on this device with at least
-// 7/8 of its SMs in clusters at once (so the split keeps its waves: a cluster's CTAs share one GPC, and sizes that
-// pack a GPC badly fall back to planes). Asked once per device and size.
-template <auto Kernel>
-bool ClusterFits(int ctas, int threads, int smem) {
-  static std::atomic<int> known[kMaxCachedDevices][kMaxClusterCtas + 1] = {};  // 0 not asked, 1 fits, 2 not
-  if (ctas < 2 || ctas > kMaxClusterCtas) return false;
-  const int device = CurrentDeviceSlot();  // -1: asked every call
-  if (device >= 0) {
-    const int k = known[device][ctas].load(std::memory_order_acquire);
-    if (k != 0) return k == 1;
-  }
-  bool fits = ctas <= 8 || cudaFuncSetAttribute(Kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess;
-  if (fits) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(1, 1, ctas);
-    cfg.blockDim = dim3(threads);
-    cfg.dynamicSmemBytes = smem;
-    cudaLaunchAttribute attr = {};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = 1;
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = ctas;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    int clusters = 0;
-    fits = cudaOccupancyMaxActiveClusters(&clusters, Kernel, &cfg) == cudaSuccess &&
-           8 * clusters * ctas >= 7 * SmCount();
-  }
-  cudaGetLastError();  // (a refusal above is an answer, not an error of the next launch)
-  if (device >= 0) known[device][ctas].store(fits ? 1 : 2, std::memory_order_release);
-  return fits;
-}
-
-// Launches `kernel` on `grid`, as clusters of 1 x cluster_y x cluster_z CTAs where that is more than one.
-template <typename... Params, typename... Args>
-ffi::Error LaunchGrid(void (*kernel)(Params...), dim3 grid, int threads, int smem, cudaStream_t stream, int cluster_y,
-                      int cluster_z, const char* name, Args&&... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(threads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr = {};
-  if (cluster_y * cluster_z > 1) {
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = 1;
-    attr.val.clusterDim.y = cluster_y;
-    attr.val.clusterDim.z = cluster_z;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-  }
-  const cudaError_t status = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
-  if (status != cudaSuccess) return CudaError(status, name);
-  return LastLaunchError(name);
-}
-
-// No cluster sums (every engine but the warp-specialized ones).
-struct NoClusters {
-  bool operator()(int, int) const { return false; }
 };
 
 // The operands of stacked layers (SddmmParams::dy_rows; the handler's further operands): layer i's dy [T, dy_rows]
@@ -1295,14 +1144,10 @@ struct BiasGrad {
 
 // Splits the token range (`split` as ChooseSplits reads it, at most as many ranges as `partials` holds planes,
 // after the bias gradient's db.ways planes a range) over `tiles` CTAs of BT-token stages, launches
-// `launch(grid_z)` and the ordered reduction of the value planes and the bias gradient's. Where partials.cluster
-// allows it and `cluster_fits(cluster_y, cluster_z)` says the kernel runs such clusters, the sums are formed in
-// clusters instead (SddmmParams::cluster_y, cluster_z): the ranges of a tile and the bias gradient's column tiles
-// (db.ways) where both fit, else the ranges alone (the bias planes summed here); no second kernel where nothing is
-// left to sum.
-template <typename T, typename LaunchFn, typename FitsFn = NoClusters>
+// `launch(grid_z)` and the ordered reduction of the value planes and the bias gradient's.
+template <typename T, typename LaunchFn>
 ffi::Error LaunchSplit(cudaStream_t stream, SddmmParams p, int split, int tiles, int bt, const Partials& partials,
-                       LaunchFn launch, int ctas_per_sm = 2, BiasGrad db = {}, FitsFn cluster_fits = {}) {
+                       LaunchFn launch, int ctas_per_sm = 2, BiasGrad db = {}) {
   const int all_kt = (p.tokens + bt - 1) / bt;
   const int64_t n = static_cast<int64_t>(p.rows) * 2 * p.groups;
   const int64_t db_plane = db.out != nullptr ? static_cast<int64_t>(p.rows) * db.ways : 0;  // one range's planes
@@ -1313,19 +1158,10 @@ ffi::Error LaunchSplit(cudaStream_t stream, SddmmParams p, int split, int tiles,
       std::min<int64_t>(ChooseSplits(split, tiles, all_kt, ctas_per_sm), partials.elements / (n + db_plane)));
   p.kt_per_split = splits > 1 ? (all_kt + splits - 1) / splits : std::max(all_kt, 1);
   splits = splits > 1 ? (all_kt + p.kt_per_split - 1) / p.kt_per_split : 1;  // no empty range
-  p.cluster_y = p.cluster_z = 1;
-  p.db = nullptr;
-  if (partials.cluster) {
-    const int ways = db.out != nullptr ? db.ways : 1, ranges = splits;
-    if (db.out != nullptr && ways * ranges > 1 && cluster_fits(ways, ranges))
-      p.cluster_y = ways, p.cluster_z = ranges, p.db = db.out;
-    else if (ranges > 1 && cluster_fits(1, ranges))
-      p.cluster_z = ranges;
-  }
-  p.partial = p.cluster_z == 1 && splits > 1 ? partials.data : nullptr;
-  p.db_partial = db.out != nullptr && p.db == nullptr ? partials.data + (p.partial != nullptr ? splits * n : 0) : nullptr;
-  if (ffi::Error e = launch(p, splits); e.failure() || (p.partial == nullptr && p.db_partial == nullptr)) return e;
-  const int64_t n_values = p.partial != nullptr ? n : 0, rows = p.db_partial != nullptr ? p.rows : 0;
+  p.partial = splits > 1 ? partials.data : nullptr;
+  p.db_partial = db.out != nullptr ? partials.data + (splits > 1 ? splits * n : 0) : nullptr;
+  if (ffi::Error e = launch(p, splits); e.failure() || (splits == 1 && db.out == nullptr)) return e;
+  const int64_t n_values = splits > 1 ? n : 0, rows = db.out != nullptr ? p.rows : 0;
   const int blocks = static_cast<int>(std::min<int64_t>(((n_values + rows) / 4 + 255) / 256, 4 * SmCount()));
   SddmmReduceKernel<T><<<blocks, 256, 0, stream>>>(p.partial, p.out, n_values, splits, p.out_f32, p.db_partial,
                                                    db.out, static_cast<int>(rows), splits * db.ways);
@@ -1379,12 +1215,11 @@ ffi::Error LaunchXtKernel(cudaStream_t stream, const SddmmParams& p, int split, 
   return LaunchSplit<T>(
       stream, p, split, (p.rows / kXtBR) * gy, kXtBT, partials,
       [&](const SddmmParams& q, int z) {
-        return LaunchGrid(kernel, dim3(p.rows / kXtBR, gy, z), kThreads, kSmem, stream, q.cluster_y, q.cluster_z,
-                          "SddmmWgmmaXtKernel", q, tma_dy[0], tma_xt, tma_dy[1], tma_dy[2], dys.kernel);
+        kernel<<<dim3(p.rows / kXtBR, gy, z), kThreads, kSmem, stream>>>(q, tma_dy[0], tma_xt, tma_dy[1],
+                                                                          tma_dy[2], dys.kernel);
+        return LastLaunchError("SddmmWgmmaXtKernel");
       },
-      1, db, [&](int cluster_y, int cluster_z) {
-        return WS && gy % cluster_y == 0 && ClusterFits<kernel>(cluster_y * cluster_z, kThreads, kSmem);
-      });
+      1, db);
 }
 
 // The x^T engine with or without the bias gradient (db_out): its tiles hold half as many groups as the tma engine's,
@@ -1491,8 +1326,7 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
                      ffi::Buffer<ffi::U32> metadata, ffi::Buffer<ffi::S32> x_chunks, ffi::RemainingArgs further,
                      ffi::Result<ffi::AnyBuffer> out,
                      ffi::Result<ffi::Buffer<ffi::F32>> partial, ffi::Result<ffi::Buffer<ffi::F32>> dbias, int32_t v,
-                     int32_t m, int32_t split, int32_t engine, int32_t x_layout, int32_t x_blocks,
-                     int32_t split_reduce) {
+                     int32_t m, int32_t split, int32_t engine, int32_t x_layout, int32_t x_blocks) {
   if (x.dimensions().size() != 2 || dy.dimensions().size() != 2 || metadata.dimensions().size() != 2 ||
       out->dimensions().size() != 2)
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: x, dy, metadata and output must be 2-D");
@@ -1572,9 +1406,6 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
   if (out->element_type() != dt && out->element_type() != ffi::F32)
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: the output must be in the input dtype or float32");
   if (split < 0) return ffi::Error::InvalidArgument("jaxsparse_sddmm: split must be >= 0 (0 = auto, 1 = none)");
-  if (split_reduce != 0 && split_reduce != 1)
-    return ffi::Error::InvalidArgument("jaxsparse_sddmm: split_reduce must be 0 (planes) or 1 (a cluster where the "
-                                       "kernel takes one), got " + std::to_string(split_reduce));
   if (engine < kEngineAuto || engine > kEngineTma)
     return ffi::Error::InvalidArgument("jaxsparse_sddmm: engine must be 0 (auto), 1 (mma.sync), 2 (wgmma) or 3 (tma)");
   if (engine == kEngineTma && x_layout != 0)
@@ -1607,10 +1438,8 @@ ffi::Error SddmmImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, f
   p.x_blocks = x_blocks;
   p.x_chunks = x_chunks.element_count() != 0 ? x_chunks.typed_data() : nullptr;
   p.dy_rows = static_cast<int>(dy_rows);
-  const Partials partials{partial->typed_data(), static_cast<int64_t>(partial->element_count()), split_reduce == 1};
+  const Partials partials{partial->typed_data(), static_cast<int64_t>(partial->element_count())};
   p.db_partial = nullptr;
-  p.db = nullptr;
-  p.cluster_y = p.cluster_z = 1;
   if (dt == ffi::BF16) return Dispatch<__nv_bfloat16>(stream, p, m, split, engine, x_layout, partials, db_out, dys);
   if (dt == ffi::F16) return Dispatch<__half>(stream, p, m, split, engine, x_layout, partials, db_out, dys);
   return ffi::Error::InvalidArgument("jaxsparse_sddmm: x must be bfloat16 or float16");
@@ -1639,8 +1468,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseSddmm, jaxsparse::SddmmImpl,
                                   .Attr<int32_t>("split")    // 1 = none, 0 = auto, n > 1 = n ranges
                                   .Attr<int32_t>("engine")     // 0 = auto, 1 = mma.sync, 2 = wgmma, 3 = tma
                                   .Attr<int32_t>("x_layout")   // 0 = x [T, K], 1 = x^T [K, T]
-                                  .Attr<int32_t>("x_blocks")     // diagonal blocks of the weight (x_layout 0), 1 = none
-                                  .Attr<int32_t>("split_reduce"),  // the token ranges summed: 0 = planes +
-                                                                   // SddmmReduceKernel, 1 = in a cluster where the
-                                                                   // kernel takes one (else planes)
+                                  .Attr<int32_t>("x_blocks"),  // diagonal blocks of the weight (x_layout 0), 1 = none
                               JAXSPARSE_GRAPH_SAFE);

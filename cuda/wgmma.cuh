@@ -212,22 +212,6 @@ __device__ __forceinline__ void NamedBarSync(int id, int threads) {
 __device__ __forceinline__ void NamedBarArrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-// Thread-block clusters (sm_90): a barrier over every non-exited thread of the cluster, whose release / acquire
-// makes each thread's earlier shared-memory writes visible to the loads the others issue after it; the address of a
-// shared::cta location in the CTA of cluster rank `rank` (distributed shared memory); a float32 load from one.
-__device__ __forceinline__ void ClusterSync() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
-}
-__device__ __forceinline__ uint32_t ClusterSharedAddr(uint32_t addr, uint32_t rank) {
-  uint32_t out;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"(addr), "r"(rank));
-  return out;
-}
-__device__ __forceinline__ float LdClusterF32(uint32_t addr) {
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
-  return v;
-}
 // Keeps the compiler from moving accumulator accesses across an in-flight wgmma.
 template <int K>
 __device__ __forceinline__ void WgmmaFenceOperands(float (&d)[K]) {

@@ -14,7 +14,6 @@ the last group tile of both kernels is partial; every supported V and M and both
 from __future__ import annotations
 
 import re
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -394,67 +393,6 @@ def test_sddmm_bias_grad_col_major_x_fp16(spec):
     _skip_unless_col()
     x, dy, sw = _make(key("sddmm-bias-col-fp16", spec), 776, 1024, 256, spec, jnp.float16)
     _check_sddmm_bias_grad(x, dy, sw, 2, "auto", "col")
-
-
-# The token split summed by a cluster (calls.sddmm_split_reduce): the warp-specialized tma engine (x rows: 2:4 and the
-# 64:2:8 weight's 2:4 view) and x^T engine (gathered rows at V = 128). K = 1152 gives the tma engine four and a half
-# column tiles of 64 groups (its bias gradient needs four); _small_k gives the x^T engine one and a quarter of 32.
-SPLIT_REDUCE_CASES = [("2:4", "row"), ("64:2:8", "row"), ("128:2:16", "col"), ("128:2:32", "col")]
-
-
-def _split_reduce_inputs(spec: str, x_layout: str, seed: str):
-    if x_layout == "row":
-        _skip_unless_engine(spec, "tma")
-    else:
-        _skip_unless_col()
-    k = 1152 if x_layout == "row" else _small_k(F.VNM.parse(spec).m)
-    return _make(key("sddmm-split-reduce", spec, x_layout, seed), 1000, k, 384, spec, jnp.bfloat16)
-
-
-def _sddmm_with(monkeypatch, reduce: str, split: int, x_layout: str, bias_grad: bool):
-    """``calls.sddmm`` jitted afresh with ``JAXSPARSE_SDDMM_SPLIT_REDUCE=reduce`` (read when it is traced)."""
-    monkeypatch.setenv(calls.SDDMM_SPLIT_REDUCE_ENV, reduce)
-    engine = "tma" if x_layout == "row" else "auto"
-    return jax.jit(lambda x, dy, sw: calls.sddmm(x, dy, sw, None, split, engine, x_layout, bias_grad=bias_grad))
-
-
-@pytest.mark.parametrize("spec,x_layout", SPLIT_REDUCE_CASES)
-@pytest.mark.parametrize("split", [2, 3, 5, 8, 16])
-@pytest.mark.parametrize("bias_grad", [False, True], ids=["values", "with-bias"])
-def test_sddmm_split_reduced_in_a_cluster(monkeypatch, spec, x_layout, split, bias_grad):
-    """The token ranges summed by a cluster through distributed shared memory (at most 8 ranges; 16 fall back to the
-    planes) give the planes' values and bias gradient bit for bit, into poisoned memory, and the reference's values."""
-    x, dy, sw = _split_reduce_inputs(spec, x_layout, f"{split}-{bias_grad}")
-    if bias_grad and not calls.sddmm_bias_grad_fused(x.shape[0], sw, "tma" if x_layout == "row" else "auto", x_layout):
-        pytest.skip("the kernel does not sum the bias gradient here")
-    got = {}
-    for reduce in ("planes", "cluster"):
-        fn = _sddmm_with(monkeypatch, reduce, split, x_layout, bias_grad)
-        poison(sw.values.shape, sw.values.dtype)
-        poison((sw.shape[1],), jnp.float32)
-        got[reduce] = jax.tree.map(np.asarray, jax.block_until_ready(fn(x, dy, sw)))
-    for planes, cluster in zip(jax.tree.leaves(got["planes"]), jax.tree.leaves(got["cluster"])):
-        np.testing.assert_array_equal(cluster, planes)
-    values = got["cluster"][0] if bias_grad else got["cluster"]
-    _compare(jnp.asarray(values), _sddmm_ref(x, dy, sw), TOL[jnp.bfloat16], "sddmm, split reduced in a cluster")
-
-
-@pytest.mark.parametrize("spec,x_layout", [("64:2:8", "row"), ("128:2:16", "col")])
-def test_sddmm_cluster_reduction_launches_no_reduce_kernel(monkeypatch, spec, x_layout):
-    """With the cluster the split's values need no second kernel (a trace of the call's kernels): the planes run
-    SddmmReduceKernel once a call, the cluster never (no bias gradient asked for)."""
-    from jaxsparse.profile import device_events, latest_xplane
-
-    x, dy, sw = _split_reduce_inputs(spec, x_layout, "trace")
-    for reduce, launches in (("planes", 1), ("cluster", 0)):
-        fn = _sddmm_with(monkeypatch, reduce, 4, x_layout, False)
-        jax.block_until_ready(fn(x, dy, sw))
-        with tempfile.TemporaryDirectory() as tmp:
-            with jax.profiler.trace(tmp):
-                jax.block_until_ready(fn(x, dy, sw))
-            names = [e.name for e in device_events(latest_xplane(tmp))[0]]
-        assert any("SddmmWgmma" in n for n in names), names
-        assert sum("SddmmReduceKernel" in n for n in names) == launches, (reduce, names)
 
 
 def test_sddmm_bias_grad_elsewhere_is_xlas_sum(monkeypatch):

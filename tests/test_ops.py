@@ -273,19 +273,6 @@ def test_sddmm_split_setting(monkeypatch):
         calls.sddmm_split(-1)
 
 
-def test_sddmm_split_reduce_setting(monkeypatch):
-    from jaxsparse.ffi import calls
-
-    monkeypatch.delenv(calls.SDDMM_SPLIT_REDUCE_ENV, raising=False)
-    assert calls.sddmm_split_reduce() == 1  # the cluster, where the kernel takes one
-    assert calls.sddmm_split_reduce("planes") == 0 and calls.sddmm_split_reduce("cluster") == 1
-    monkeypatch.setenv(calls.SDDMM_SPLIT_REDUCE_ENV, " Planes ")
-    assert calls.sddmm_split_reduce() == 0
-    monkeypatch.setenv(calls.SDDMM_SPLIT_REDUCE_ENV, "dsmem")
-    with pytest.raises(ValueError, match="JAXSPARSE_SDDMM_SPLIT_REDUCE.*'cluster', 'planes'"):
-        calls.sddmm_split_reduce()
-
-
 def _handler_splits(split, tiles, tokens, bt, ctas_per_sm, sms):
     """cuda/sddmm.cu's ChooseSplits and LaunchSplit's no-empty-range step, for a GPU of ``sms`` SMs."""
     all_kt = -(-tokens // bt)

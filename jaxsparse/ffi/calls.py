@@ -660,24 +660,6 @@ def sddmm_split(split: int | str | None = None) -> int:
     return int(split)
 
 
-SDDMM_SPLIT_REDUCE_ENV = "JAXSPARSE_SDDMM_SPLIT_REDUCE"
-SDDMM_SPLIT_REDUCES = {"planes": 0, "cluster": 1}
-
-
-def sddmm_split_reduce(reduce: str | None = None) -> int:
-    """How the SDDMM sums its token ranges (the handler's ``split_reduce`` attribute): ``cluster`` (1, the default)
-    runs the ranges of one tile as one thread-block cluster that adds its CTAs' float32 tiles through distributed
-    shared memory and stores the sum, where the kernel takes it (the warp-specialized x^T and tma engines, at most 8
-    ranges, on a GPU that packs such clusters; elsewhere ``planes``); ``planes`` (0) writes each range's float32 sums
-    to the call's split buffer and adds them in a second kernel. Both add the ranges in the same order, so the results
-    are the same bits. ``None`` reads ``JAXSPARSE_SDDMM_SPLIT_REDUCE``."""
-    reduce = _setting(reduce, SDDMM_SPLIT_REDUCE_ENV, "cluster")
-    if reduce not in SDDMM_SPLIT_REDUCES:
-        raise ValueError(f"the SDDMM split's reduction ({SDDMM_SPLIT_REDUCE_ENV}) must be one of "
-                         f"{sorted(SDDMM_SPLIT_REDUCES)}, got {reduce!r}")
-    return SDDMM_SPLIT_REDUCES[reduce]
-
-
 SDDMM_ENGINE_ENV = "JAXSPARSE_SDDMM_ENGINE"
 SDDMM_ENGINES = {"auto": 0, "mma": 1, "wgmma": 2, "tma": 3}
 
@@ -925,7 +907,7 @@ def _sddmm_call(x: jax.Array, dy: jax.Array, sw: SparseWeight, out, split, engin
         _columns_operand(sw), sw.metadata, _chunks_operand(x_chunks),
         *(a for d, w in further for a in (d, _columns_operand(w), w.metadata)), v=np.int32(sw.spec.v),
         m=np.int32(sw.spec.m), split=np.int32(split), engine=np.int32(engine), x_layout=np.int32(x_layout),
-        x_blocks=np.int32(x_blocks), split_reduce=np.int32(sddmm_split_reduce()),
+        x_blocks=np.int32(x_blocks),
     )
     return dvalues, dbias if bias_grad else None
 
