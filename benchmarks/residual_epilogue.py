@@ -7,9 +7,12 @@ Each row times, as kernel durations from ``jax.profiler`` traces (``common.trace
 ``jaxsparse-profile`` counts them), on fresh random inputs in one process: the product alone (``calls.spmm_blocks`` on
 the 2:4 weight, or on a 64:2:8 weight's 2:4 view built beforehand), the same product with ``mul``, and the block
 (every kernel XLA runs for it). ``read_cost_us`` is the second less the first; ``block_us`` is what a fused epilogue
-would remove; ``bound_saving_us = block_us - read_cost_us`` bounds one block's saving from above: the keep bits, which
-the epilogue would have to hash (or read from a byte mask), are not in it. ``per_step_ms`` scales that bound to the
-step's blocks after sparse products (attention out and FFN out: two an encoder layer of BERT-large).
+would remove where XLA runs the block as kernels of its own; ``bound_saving_us = block_us - read_cost_us`` bounds one
+such block's saving from above: the keep bits, which the epilogue would have to hash (or read from a byte mask), are
+not in it. ``per_step_ms`` scales that bound to the step's blocks after sparse products (attention out and FFN out: two
+an encoder layer of BERT-large). In the training step XLA runs no such kernels: the block's forward is inside its
+LayerNorm fusions, and the one standalone dropout kernel is the backward's (docs/kernel-notes.md, session 60), so the
+step's saving is about nothing; the figures are this block timed alone.
 
   python3 benchmarks/residual_epilogue.py              # writes benchmarks/results/<gpu>/residual_epilogue.json
   python3 benchmarks/residual_epilogue.py --tokens 4096
